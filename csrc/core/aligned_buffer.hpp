@@ -1,0 +1,34 @@
+// Page-aligned host memory from mmap: aligned for O_DIRECT, and whole pages so
+// it can be page-locked by the CUDA runtime without touching neighbours.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace fw {
+
+constexpr size_t kAlign = 4096;
+
+inline constexpr uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  // populate=true pre-faults the pages so the first use does not pay for them.
+  explicit AlignedBuffer(size_t bytes, bool populate = false);
+  ~AlignedBuffer();
+  AlignedBuffer(AlignedBuffer&& o) noexcept;
+  AlignedBuffer& operator=(AlignedBuffer&& o) noexcept;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+
+  char* data() const noexcept { return ptr_; }
+  size_t size() const noexcept { return size_; }      // usable bytes (as requested)
+  size_t capacity() const noexcept { return cap_; }   // mapped bytes (page multiple)
+
+ private:
+  void reset() noexcept;
+  char* ptr_ = nullptr;
+  size_t size_ = 0, cap_ = 0;
+};
+
+}  // namespace fw

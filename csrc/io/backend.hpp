@@ -1,0 +1,60 @@
+// I/O backends: io_uring (primary) and a pread/pwrite thread pool (fallback).
+// Both keep up to queue_depth requests in flight, resubmit short transfers,
+// -EAGAIN and -EINTR themselves, and report each request once, from their own
+// completion thread, with the bytes moved or -errno.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace fw {
+
+struct IoRequest {
+  int fd = -1;
+  char* buf = nullptr;
+  uint64_t len = 0;
+  uint64_t offset = 0;
+  bool write = true;
+  uint64_t want = 0;     // reads: enough bytes to complete (the file may end inside the
+                         // aligned tail); 0 means len
+  uint64_t done = 0;     // bytes already transferred (backend-owned)
+  uint64_t tag = 0;      // caller's identifier
+};
+
+// res >= 0: bytes transferred (== len for writes; >= want for reads unless EOF came first).
+// res < 0: -errno. The callback may call resubmit() on the same request.
+using IoCallback = std::function<void(IoRequest*, int64_t res)>;
+
+enum class BackendKind { Auto, IoUring, Threads };
+
+class IoBackend {
+ public:
+  virtual ~IoBackend() = default;
+  // Blocks while queue_depth requests are in flight. Thread-safe.
+  virtual void submit(IoRequest* req) = 0;
+  // Submits again from the completion callback, without waiting for room.
+  virtual void resubmit(IoRequest* req) = 0;
+  // Blocks until nothing is in flight.
+  virtual void drain() = 0;
+  virtual const char* name() const = 0;
+};
+
+BackendKind parse_backend(const std::string& name);
+// Auto: io_uring when compiled in and the kernel lets us set up a ring, else threads.
+std::unique_ptr<IoBackend> make_backend(BackendKind kind, unsigned queue_depth, IoCallback cb);
+std::unique_ptr<IoBackend> make_thread_backend(unsigned queue_depth, IoCallback cb);
+// nullptr when io_uring is not compiled in; throws IoError when ring setup fails.
+std::unique_ptr<IoBackend> make_uring_backend(unsigned queue_depth, IoCallback cb);
+
+bool uring_compiled();
+// Result of one ring setup attempt at run time: 0 or -errno.
+int uring_probe();
+
+}  // namespace fw
+
+namespace fw {
+inline bool request_complete(const IoRequest* r) {
+  return r->done >= (r->want && !r->write ? r->want : r->len);
+}
+}  // namespace fw

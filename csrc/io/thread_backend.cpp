@@ -1,0 +1,110 @@
+// Fallback backend: blocking pread/pwrite on a small pool of threads, for
+// kernels or sandboxes without io_uring. Same contract as the io_uring one.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "io/backend.hpp"
+
+namespace fw {
+namespace {
+
+class ThreadBackend final : public IoBackend {
+ public:
+  ThreadBackend(unsigned qd, IoCallback cb) : qd_(qd), cb_(std::move(cb)) {
+    unsigned n = std::min(qd, 16u);
+    for (unsigned i = 0; i < n; ++i) workers_.emplace_back([this] { run(); });
+  }
+  ~ThreadBackend() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  void submit(IoRequest* req) override {
+    std::unique_lock<std::mutex> lk(mu_);
+    room_cv_.wait(lk, [&] { return inflight_ < qd_; });
+    ++inflight_;
+    queue_.push_back(req);
+    work_cv_.notify_one();
+  }
+
+  void resubmit(IoRequest* req) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++inflight_;
+    queue_.push_front(req);
+    work_cv_.notify_one();
+  }
+
+  void drain() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    room_cv_.wait(lk, [&] { return inflight_ == 0; });
+  }
+
+  const char* name() const override { return "threads"; }
+
+ private:
+  static int64_t transfer(IoRequest* r) {
+    while (!request_complete(r)) {
+      ssize_t n = r->write ? ::pwrite(r->fd, r->buf + r->done, r->len - r->done, r->offset + r->done)
+                           : ::pread(r->fd, r->buf + r->done, r->len - r->done, r->offset + r->done);
+      if (n < 0) {
+        if (errno == EINTR || errno == EAGAIN) continue;
+        return -errno;
+      }
+      if (n == 0) {
+        if (r->write) return -EIO;  // a write that makes no progress
+        break;                       // EOF
+      }
+      r->done += static_cast<uint64_t>(n);
+    }
+    return static_cast<int64_t>(r->done);
+  }
+
+  void run() {
+    for (;;) {
+      IoRequest* req;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        work_cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        req = queue_.front();
+        queue_.pop_front();
+      }
+      int64_t res = transfer(req);
+      // Count the request out before the callback, so a resubmit from it has room.
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        --inflight_;
+      }
+      cb_(req, res);
+      room_cv_.notify_all();
+    }
+  }
+
+  const unsigned qd_;
+  IoCallback cb_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, room_cv_;
+  std::deque<IoRequest*> queue_;
+  unsigned inflight_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace
+
+std::unique_ptr<IoBackend> make_thread_backend(unsigned queue_depth, IoCallback cb) {
+  return std::make_unique<ThreadBackend>(queue_depth, std::move(cb));
+}
+
+}  // namespace fw

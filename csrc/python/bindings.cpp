@@ -1,0 +1,302 @@
+// The Python boundary. Everything blocking runs with the GIL released; waits
+// wake every 50 ms to let Ctrl-C through (PyErr_CheckSignals). Native errors
+// become OSError subclasses (errno, path, offset) or flashwrite's
+// CorruptCheckpointError.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <Python.h>
+
+#include <chrono>
+#include <optional>
+#include <thread>
+
+#include "core/checksum.hpp"
+#include "core/error.hpp"
+#include "io/backend.hpp"
+#include "io/files.hpp"
+#include "read/load_job.hpp"
+#include "shim/cuda.hpp"
+#include "stage/staging_pool.hpp"
+#include "write/chunk_plan.hpp"
+#include "write/save_job.hpp"
+
+namespace py = pybind11;
+using namespace fw;
+
+#ifndef FLASHWRITE_VERSION
+#define FLASHWRITE_VERSION "0+unknown"
+#endif
+
+namespace {
+
+// Waits in 50 ms slices without the GIL, checking for signals in between.
+template <typename F>
+bool wait_interruptible(F&& wait_for, std::optional<double> timeout) {
+  using clock = std::chrono::steady_clock;
+  auto deadline = timeout ? clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(*timeout))
+                          : clock::time_point::max();
+  for (;;) {
+    double slice = 0.05;
+    if (timeout) slice = std::max(0.0, std::min(slice, std::chrono::duration<double>(deadline - clock::now()).count()));
+    bool ok;
+    {
+      py::gil_scoped_release nogil;
+      ok = wait_for(slice);
+    }
+    if (ok) return true;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (timeout && clock::now() >= deadline) return false;
+  }
+}
+
+std::string buffer_bytes(const py::object& o) {
+  py::buffer_info bi = py::buffer(o).request();
+  return std::string(static_cast<const char*>(bi.ptr), static_cast<size_t>(bi.size * bi.itemsize));
+}
+
+struct PySaveJob {
+  std::unique_ptr<SaveJob> job;
+  py::object keepalive;  // owners of the segment sources; dropped once staged
+
+  ~PySaveJob() {
+    py::gil_scoped_release nogil;  // joining worker threads never needs the GIL
+    job.reset();
+  }
+};
+
+struct PyLoadJob {
+  std::unique_ptr<LoadJob> job;
+  ~PyLoadJob() {
+    py::gil_scoped_release nogil;
+    job.reset();
+  }
+};
+
+class Engine {
+ public:
+  Engine(uint64_t chunk_bytes, uint64_t max_staging_bytes)
+      : pool_(std::make_shared<StagingPool>(chunk_bytes, max_staging_bytes)) {}
+
+  std::unique_ptr<PySaveJob> start_save(const std::vector<std::tuple<std::string, py::object, uint64_t>>& files,
+                                        const std::vector<std::tuple<uintptr_t, uint64_t, uint32_t, uint64_t>>& segments,
+                                        py::object keepalive, const std::string& backend, unsigned queue_depth,
+                                        unsigned copy_threads, bool direct) {
+    std::vector<FileSpec> fs;
+    for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
+    std::vector<Segment> segs;
+    segs.reserve(segments.size());
+    for (auto& [ptr, n, file, off] : segments) segs.push_back(Segment{reinterpret_cast<const char*>(ptr), n, file, off});
+    SaveOptions opt;
+    opt.backend = parse_backend(backend);
+    opt.queue_depth = queue_depth;
+    opt.copy_threads = copy_threads;
+    opt.direct = direct;
+    auto out = std::make_unique<PySaveJob>();
+    out->keepalive = std::move(keepalive);
+    {
+      py::gil_scoped_release nogil;
+      out->job = std::make_unique<SaveJob>(pool_, std::move(fs), std::move(segs), opt);
+      out->job->start();
+    }
+    return out;
+  }
+
+  uint64_t chunk_bytes() const { return pool_->slot_bytes(); }
+  uint64_t pool_bytes() const { return pool_->capacity_bytes(); }
+  uint64_t max_staging_bytes() const { return pool_->max_slots() * pool_->slot_bytes(); }
+  bool pool_pinned() const { return pool_->pinned(); }
+  uint64_t trim() { return pool_->trim(); }
+  std::shared_ptr<StagingPool> pool() const { return pool_; }
+
+ private:
+  std::shared_ptr<StagingPool> pool_;
+};
+
+py::dict save_stats(const SaveJob& j) {
+  SaveStats s = j.stats();
+  py::dict d;
+  d["bytes_total"] = s.bytes_total;
+  d["bytes_written"] = s.bytes_written;
+  d["staged_s"] = s.staged_s;
+  d["done_s"] = s.done_s;
+  d["backend"] = s.backend;
+  d["files_direct"] = s.files_direct;
+  d["files_buffered"] = s.files_buffered;
+  return d;
+}
+
+py::dict cuda_info() {
+  const auto& rt = cuda::runtime();
+  py::dict d;
+  d["available"] = rt.available;
+  d["reason"] = rt.available ? py::none() : py::object(py::str(rt.reason));
+  d["library"] = rt.library.empty() ? py::none() : py::object(py::str(rt.library));
+  d["device_count"] = rt.device_count;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "flashwrite native engine: staging pool, io_uring / thread-pool I/O, checksums";
+  m.attr("__version__") = FLASHWRITE_VERSION;
+  m.attr("CHECKSUM_ALGORITHM") = kChecksumAlgorithm;
+  m.attr("ALIGN") = kAlign;
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      py::object exc = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(PyExc_OSError, "isO", e.err(), e.detail().c_str(),
+                                e.path().empty() ? Py_None : py::str(e.path()).ptr()));
+      if (!exc) return;  // error already set
+      exc.attr("offset") = e.offset() >= 0 ? py::object(py::int_(e.offset())) : py::none();
+      exc.attr("op") = e.op();
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    } catch (const FormatError& e) {
+      py::object cls = py::module_::import("flashwrite.errors").attr("CorruptCheckpointError");
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  py::class_<AlignedBuffer, std::shared_ptr<AlignedBuffer>>(m, "Buffer", py::buffer_protocol(),
+                                                            "Page-aligned host memory filled by a load")
+      .def_buffer([](AlignedBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1, {b.size()}, {1}, false);
+      })
+      .def("__len__", &AlignedBuffer::size)
+      .def_property_readonly("address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); });
+
+  py::class_<PySaveJob>(m, "SaveJob")
+      .def("wait_staged",
+           [](PySaveJob& s, std::optional<double> timeout) {
+             return wait_interruptible([&](double t) { return s.job->wait_staged(t); }, timeout);
+           },
+           py::arg("timeout") = py::none(), "Wait (GIL released, interruptible) until every byte is staged.")
+      .def("wait",
+           [](PySaveJob& s, std::optional<double> timeout) {
+             return wait_interruptible([&](double t) { return s.job->wait_done(t); }, timeout);
+           },
+           py::arg("timeout") = py::none(), "Wait until written and fsync'd (or failed).")
+      .def("release_sources", [](PySaveJob& s) { s.keepalive = py::none(); },
+           "Drop the references that kept the source tensors alive; call once staged.")
+      .def("cancel", [](PySaveJob& s) { s.job->cancel(); })
+      .def_property_readonly("staged", [](const PySaveJob& s) { return s.job->staged(); })
+      .def_property_readonly("done", [](const PySaveJob& s) { return s.job->done(); })
+      .def_property_readonly("failed", [](const PySaveJob& s) { return s.job->failed(); })
+      .def("rethrow", [](const PySaveJob& s) { s.job->rethrow(); })
+      .def("checksums", [](const PySaveJob& s) { return s.job->checksums(); })
+      .def("progress", [](const PySaveJob& s) { return std::make_pair(s.job->bytes_written(), s.job->bytes_total()); })
+      .def("stats", [](const PySaveJob& s) { return save_stats(*s.job); });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<uint64_t, uint64_t>(), py::arg("chunk_bytes"), py::arg("max_staging_bytes") = 0)
+      .def("start_save", &Engine::start_save, py::arg("files"), py::arg("segments"), py::arg("keepalive"),
+           py::arg("backend") = "auto", py::arg("queue_depth") = 16, py::arg("copy_threads") = 2,
+           py::arg("direct") = true,
+           "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "
+           "[(address, nbytes, file, offset)]; keepalive must own every address until staged.")
+      .def_property_readonly("chunk_bytes", &Engine::chunk_bytes)
+      .def_property_readonly("pool_bytes", &Engine::pool_bytes)
+      .def_property_readonly("max_staging_bytes", &Engine::max_staging_bytes)
+      .def_property_readonly("pool_pinned", &Engine::pool_pinned)
+      .def("trim", [](Engine& e) {
+        py::gil_scoped_release nogil;
+        return e.trim();
+      });
+
+  py::class_<PyLoadJob>(m, "LoadJob")
+      .def("wait",
+           [](PyLoadJob& l, std::optional<double> timeout) {
+             return wait_interruptible([&](double t) { return l.job->wait(t); }, timeout);
+           },
+           py::arg("timeout") = py::none())
+      .def("cancel", [](PyLoadJob& l) { l.job->cancel(); })
+      .def("rethrow", [](const PyLoadJob& l) { l.job->rethrow(); })
+      .def("buffers", [](const PyLoadJob& l) { return l.job->buffers(); })
+      .def("mismatches",
+           [](const PyLoadJob& l) {
+             std::vector<std::pair<size_t, uint64_t>> out;
+             for (auto& mm : l.job->mismatches()) out.emplace_back(mm.piece, mm.actual);
+             return out;
+           })
+      .def_property_readonly("elapsed_s", [](const PyLoadJob& l) { return l.job->elapsed_s(); })
+      .def_property_readonly("backend", [](const PyLoadJob& l) { return l.job->backend(); })
+      .def_property_readonly("files_direct", [](const PyLoadJob& l) { return l.job->files_direct(); });
+
+  m.def(
+      "start_load",
+      [](const std::vector<std::pair<std::string, uint64_t>>& files,
+         const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>>& pieces, const std::string& backend,
+         unsigned queue_depth, uint64_t chunk_bytes, unsigned verify_threads, bool direct) {
+        std::vector<ReadFileSpec> fs;
+        for (auto& [p, n] : files) fs.push_back(ReadFileSpec{p, n});
+        std::vector<VerifyPiece> ps;
+        ps.reserve(pieces.size());
+        for (auto& [f, off, len, h] : pieces) ps.push_back(VerifyPiece{f, off, len, h});
+        LoadOptions opt;
+        opt.backend = parse_backend(backend);
+        opt.queue_depth = queue_depth;
+        opt.chunk_bytes = chunk_bytes;
+        opt.verify_threads = verify_threads;
+        opt.direct = direct;
+        auto out = std::make_unique<PyLoadJob>();
+        py::gil_scoped_release nogil;
+        out->job = std::make_unique<LoadJob>(std::move(fs), std::move(ps), opt);
+        out->job->start();
+        return out;
+      },
+      py::arg("files"), py::arg("pieces"), py::arg("backend") = "auto", py::arg("queue_depth") = 16,
+      py::arg("chunk_bytes") = 8 << 20, py::arg("verify_threads") = 2, py::arg("direct") = true,
+      "Read whole files [(path, size)] into aligned buffers, verifying [(file, offset, len, xxh3)] pieces.");
+
+  m.def(
+      "checksum",
+      [](py::buffer b) {
+        py::buffer_info bi = b.request();
+        const void* p = bi.ptr;
+        size_t n = static_cast<size_t>(bi.size * bi.itemsize);
+        py::gil_scoped_release nogil;
+        return checksum(p, n);
+      },
+      "XXH3-64 of a contiguous buffer (GIL released).");
+
+  m.def(
+      "plan_chunks",
+      [](const std::vector<uint64_t>& sizes, const std::vector<std::tuple<uint64_t, uint32_t, uint64_t>>& segs,
+         uint64_t chunk_bytes) {
+        std::vector<Segment> s;
+        for (auto& [n, f, off] : segs) s.push_back(Segment{nullptr, n, f, off});
+        ChunkPlan plan = plan_chunks(sizes, s, chunk_bytes);
+        py::list chunks;
+        for (auto& c : plan.chunks) {
+          py::list ps;
+          for (uint32_t i = 0; i < c.piece_count; ++i) {
+            const Piece& p = plan.pieces[c.first_piece + i];
+            ps.append(py::make_tuple(p.segment, p.src_offset, p.chunk_offset, p.len, p.hash_index));
+          }
+          chunks.append(py::make_tuple(c.file, c.file_offset, c.data_len, c.write_len, c.has_gaps, ps));
+        }
+        return py::make_tuple(chunks, plan.segment_hash_start);
+      },
+      "The chunk arithmetic of a save, exposed for tests: ([(file, offset, data_len, write_len, has_gaps, "
+      "[(segment, src_offset, chunk_offset, len, hash_index)])], segment_hash_start).");
+
+  m.def("fsync_dir", [](const std::string& p) {
+    py::gil_scoped_release nogil;
+    fsync_dir(p);
+  });
+  m.def("rename_exchange", [](const std::string& a, const std::string& b) {
+    py::gil_scoped_release nogil;
+    return rename_exchange(a, b);
+  });
+  m.def("probe_direct", [](const std::string& dir) {
+    py::gil_scoped_release nogil;
+    return probe_direct(dir);
+  });
+  m.def("io_uring_compiled", &uring_compiled);
+  m.def("io_uring_probe", [] { return -uring_probe(); }, "0 when a ring can be set up here, else the errno.");
+  m.def("cuda_info", &cuda_info);
+}

@@ -1,0 +1,180 @@
+#include "read/load_job.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "core/checksum.hpp"
+#include "core/error.hpp"
+#include "io/files.hpp"
+
+namespace fw {
+
+LoadJob::LoadJob(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> pieces, LoadOptions opt)
+    : specs_(std::move(files)), pieces_(std::move(pieces)), opt_(opt) {
+  if (opt_.chunk_bytes == 0 || opt_.chunk_bytes % kAlign) throw std::invalid_argument("chunk_bytes must be a positive multiple of 4096");
+  if (opt_.verify_threads == 0) opt_.verify_threads = 1;
+  for (auto& p : pieces_) {
+    if (p.file >= specs_.size() || p.offset > specs_[p.file].size || p.len > specs_[p.file].size - p.offset)
+      throw FormatError("checksum piece outside its file");
+    if (p.len && p.offset / opt_.chunk_bytes != (p.offset + p.len - 1) / opt_.chunk_bytes)
+      throw FormatError("checksum piece crosses a read chunk boundary");
+  }
+}
+
+LoadJob::~LoadJob() {
+  if (control_.joinable()) {
+    cancel();
+    control_.join();
+  }
+  for (int fd : fds_) close_fd(fd);
+}
+
+void LoadJob::fail(std::exception_ptr e) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!error_) error_ = e;
+  }
+  cancel_ = true;
+}
+
+void LoadJob::cancel() { fail(std::make_exception_ptr(std::runtime_error("load cancelled"))); }
+
+void LoadJob::start() {
+  t0_ = std::chrono::steady_clock::now();
+  // Open and size-check on the caller's thread: missing or truncated files are
+  // reported before any large allocation.
+  for (auto& spec : specs_) {
+    OpenedFile of = open_for_read(spec.path, opt_.direct);
+    fds_.push_back(of.fd);
+    files_direct_ += of.direct;
+    uint64_t actual = file_size(of.fd, spec.path);
+    if (actual != spec.size)
+      throw FormatError("'" + spec.path + "' is " + std::to_string(actual) + " bytes, the manifest says " +
+                        std::to_string(spec.size) + (actual < spec.size ? " (truncated)" : ""));
+  }
+  for (auto& spec : specs_) buffers_.push_back(std::make_shared<AlignedBuffer>(spec.size));
+  for (uint32_t f = 0; f < specs_.size(); ++f)
+    for (uint64_t off = 0; off < specs_[f].size; off += opt_.chunk_bytes) {
+      IoRequest r;
+      r.fd = fds_[f];
+      r.buf = buffers_[f]->data() + off;
+      r.want = std::min<uint64_t>(opt_.chunk_bytes, specs_[f].size - off);
+      r.len = round_up(r.want, kAlign);
+      r.offset = off;
+      r.write = false;
+      r.tag = requests_.size();
+      requests_.push_back(r);
+    }
+  // Interleave files so every one has reads in flight.
+  std::stable_sort(requests_.begin(), requests_.end(), [](const IoRequest& a, const IoRequest& b) { return a.offset < b.offset; });
+  std::vector<size_t> index_of(requests_.size());
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    index_of[requests_[i].tag] = i;
+  }
+  // Map every piece to the request (chunk) that contains it.
+  std::vector<size_t> first_request(specs_.size() + 1, 0);
+  for (uint32_t f = 0; f < specs_.size(); ++f)
+    first_request[f + 1] = first_request[f] + (specs_[f].size + opt_.chunk_bytes - 1) / opt_.chunk_bytes;
+  chunk_pieces_.assign(requests_.size(), {});
+  for (uint32_t i = 0; i < pieces_.size(); ++i) {
+    const auto& p = pieces_[i];
+    size_t tag = first_request[p.file] + p.offset / opt_.chunk_bytes;
+    if (!p.len) continue;
+    chunk_pieces_[index_of[tag]].push_back(i);
+  }
+  for (size_t i = 0; i < requests_.size(); ++i) requests_[i].tag = i;
+  backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
+  backend_name_ = backend_->name();
+  control_ = std::thread([this] { run(); });
+}
+
+void LoadJob::on_io(IoRequest* r, int64_t res) {
+  if (res < 0) {
+    uint32_t f = 0;
+    while (f + 1 < fds_.size() && fds_[f] != r->fd) ++f;
+    fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "read", specs_[f].path,
+                                         static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
+    return;
+  }
+  if (static_cast<uint64_t>(res) < r->want) {
+    uint32_t f = 0;
+    while (f + 1 < fds_.size() && fds_[f] != r->fd) ++f;
+    fail(std::make_exception_ptr(FormatError("'" + specs_[f].path + "' ended at offset " +
+                                             std::to_string(r->offset + res) + " while reading (truncated)")));
+    return;
+  }
+  if (!chunk_pieces_[r->tag].empty()) {
+    std::lock_guard<std::mutex> lk(mu_);
+    verify_queue_.push_back(static_cast<uint32_t>(r->tag));
+    verify_cv_.notify_one();
+  }
+}
+
+void LoadJob::verify_worker() {
+  for (;;) {
+    uint32_t ci;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      verify_cv_.wait(lk, [&] { return reads_done_ || !verify_queue_.empty(); });
+      if (verify_queue_.empty()) return;
+      ci = verify_queue_.front();
+      verify_queue_.pop_front();
+    }
+    for (uint32_t pi : chunk_pieces_[ci]) {
+      const VerifyPiece& p = pieces_[pi];
+      uint64_t h = checksum(buffers_[p.file]->data() + p.offset, p.len);
+      if (h != p.expected) {
+        std::lock_guard<std::mutex> lk(mu_);
+        mismatches_.push_back({pi, h});
+      }
+    }
+  }
+}
+
+void LoadJob::run() {
+  std::vector<std::thread> verifiers;
+  for (unsigned i = 0; i < opt_.verify_threads && !pieces_.empty(); ++i) verifiers.emplace_back([this] { verify_worker(); });
+  for (auto& r : requests_) {
+    if (cancel_.load()) break;
+    backend_->submit(&r);
+  }
+  backend_->drain();
+  backend_.reset();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    reads_done_ = true;
+  }
+  verify_cv_.notify_all();
+  for (auto& t : verifiers) t.join();
+  for (int fd : fds_) close_fd(fd);
+  fds_.clear();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::sort(mismatches_.begin(), mismatches_.end(), [](const Mismatch& a, const Mismatch& b) { return a.piece < b.piece; });
+    done_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    done_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool LoadJob::wait(double timeout_s) {
+  if (!control_.joinable() && !done_) return true;
+  std::unique_lock<std::mutex> lk(mu_);
+  bool ok = timeout_s < 0 ? (cv_.wait(lk, [&] { return done_.load(); }), true)
+                          : cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_.load(); });
+  lk.unlock();
+  if (ok && control_.joinable()) control_.join();
+  return ok;
+}
+
+void LoadJob::rethrow() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (error_) std::rethrow_exception(error_);
+}
+
+std::vector<Mismatch> LoadJob::mismatches() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return mismatches_;
+}
+
+}  // namespace fw

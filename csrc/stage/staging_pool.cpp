@@ -1,0 +1,95 @@
+#include "stage/staging_pool.hpp"
+
+#include <chrono>
+#include <stdexcept>
+
+namespace fw {
+
+StagingPool::StagingPool(size_t slot_bytes, size_t max_bytes)
+    : slot_bytes_(slot_bytes), max_slots_(max_bytes ? std::max<size_t>(2, max_bytes / slot_bytes) : 0) {
+  if (slot_bytes == 0 || slot_bytes % kAlign) throw std::invalid_argument("chunk_bytes must be a positive multiple of 4096");
+}
+
+StagingPool::~StagingPool() {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& s : slabs_)
+    if (s->pinned && hooks_.unpin) hooks_.unpin(s->mem.data());
+}
+
+size_t StagingPool::capacity_bytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return total_slots_ * slot_bytes_;
+}
+
+size_t StagingPool::slot_count() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return total_slots_;
+}
+
+bool StagingPool::pinned() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (slabs_.empty()) return false;
+  for (auto& s : slabs_)
+    if (!s->pinned) return false;
+  return true;
+}
+
+void StagingPool::pin_slab(Slab& s) {
+  if (!s.pinned && hooks_.pin) s.pinned = hooks_.pin(s.mem.data(), s.mem.capacity());
+}
+
+void StagingPool::reserve(size_t slots) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (max_slots_) slots = std::min(slots, max_slots_);
+  if (slots <= total_slots_) return;
+  size_t add = slots - total_slots_;
+  auto slab = std::make_unique<Slab>();
+  slab->mem = AlignedBuffer(add * slot_bytes_, /*populate=*/true);
+  pin_slab(*slab);
+  for (size_t i = 0; i < add; ++i) free_.push_back(slab->mem.data() + i * slot_bytes_);
+  total_slots_ += add;
+  slabs_.push_back(std::move(slab));
+  cv_.notify_all();
+}
+
+char* StagingPool::acquire(const std::atomic<bool>* cancel) {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    if (cancel && cancel->load()) return nullptr;
+    if (!free_.empty()) {
+      char* p = free_.back();
+      free_.pop_back();
+      return p;
+    }
+    // Poll the cancel flag: another job's writes may be what frees the slot.
+    cv_.wait_for(lk, std::chrono::milliseconds(20));
+  }
+}
+
+void StagingPool::release(char* slot) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    free_.push_back(slot);
+  }
+  cv_.notify_one();
+}
+
+size_t StagingPool::trim() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (free_.size() != total_slots_) return 0;  // slots in use
+  size_t freed = total_slots_ * slot_bytes_;
+  for (auto& s : slabs_)
+    if (s->pinned && hooks_.unpin) hooks_.unpin(s->mem.data());
+  slabs_.clear();
+  free_.clear();
+  total_slots_ = 0;
+  return freed;
+}
+
+void StagingPool::set_pin_hooks(PinHooks hooks) {
+  std::lock_guard<std::mutex> lk(mu_);
+  hooks_ = std::move(hooks);
+  for (auto& s : slabs_) pin_slab(*s);
+}
+
+}  // namespace fw

@@ -1,0 +1,244 @@
+#include "write/save_job.hpp"
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include "core/checksum.hpp"
+#include "core/error.hpp"
+#include "io/files.hpp"
+
+namespace fw {
+
+SaveJob::SaveJob(std::shared_ptr<StagingPool> pool, std::vector<FileSpec> files, std::vector<Segment> segments,
+                 SaveOptions opt)
+    : pool_(std::move(pool)), specs_(std::move(files)), segments_(std::move(segments)), opt_(opt) {
+  user_segments_ = segments_.size();
+  std::vector<uint64_t> sizes;
+  for (uint32_t f = 0; f < specs_.size(); ++f) {
+    const FileSpec& s = specs_[f];
+    if (s.header.size() > s.size) throw std::invalid_argument("header of '" + s.path + "' is larger than the file");
+    if (!s.header.empty()) segments_.push_back(Segment{s.header.data(), s.header.size(), f, 0});
+    sizes.push_back(s.size);
+    bytes_total_ += s.size;
+  }
+  plan_ = plan_chunks(sizes, segments_, pool_->slot_bytes());
+  hashes_.assign(plan_.segment_hash_start.back(), 0);
+  requests_.resize(plan_.chunks.size());
+  if (opt_.copy_threads == 0) opt_.copy_threads = 1;
+}
+
+SaveJob::~SaveJob() {
+  if (control_.joinable()) {
+    cancel();
+    control_.join();
+  }
+}
+
+void SaveJob::start() {
+  t0_ = std::chrono::steady_clock::now();
+  // Open, preallocate and create the backend here, on the caller's thread, so
+  // a missing directory, a permission problem or a full disk is raised by
+  // save_async itself instead of surfacing later.
+  try {
+    for (auto& spec : specs_) {
+      auto f = std::make_unique<File>();
+      f->path = spec.path;
+      f->size = spec.size;
+      files_.push_back(std::move(f));
+      OpenedFile of = open_for_write(spec.path, opt_.direct);
+      files_.back()->fd = of.fd;
+      files_.back()->direct = of.direct;
+      try {
+        preallocate(of.fd, round_up(spec.size, kAlign), spec.path);
+      } catch (const IoError& e) {
+        // Out of space is the save's failure (reported by its future, like a
+        // write that hits ENOSPC), not a bad argument: record it and let the
+        // job finish at once.
+        if (e.err() != ENOSPC && e.err() != EDQUOT) throw;
+        fail(std::current_exception());
+      }
+    }
+    backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
+    backend_name_ = backend_->name();
+    pool_->reserve(plan_.chunks.size());
+  } catch (...) {
+    for (auto& f : files_) close_fd(f->fd.load());
+    files_.clear();
+    throw;
+  }
+  control_ = std::thread([this] { run(); });
+}
+
+double SaveJob::since_start() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+}
+
+void SaveJob::fail(std::exception_ptr e) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!error_) error_ = e;
+  }
+  cancel_ = true;
+}
+
+void SaveJob::cancel() {
+  if (!done_.load()) fail(std::make_exception_ptr(std::runtime_error("save cancelled")));
+}
+
+void SaveJob::copy_worker() {
+  try {
+    for (;;) {
+      size_t ci = next_chunk_.fetch_add(1);
+      if (ci >= plan_.chunks.size() || cancel_.load()) return;
+      const Chunk& c = plan_.chunks[ci];
+      char* slot = pool_->acquire(&cancel_);
+      if (!slot) return;
+      if (c.has_gaps)
+        std::memset(slot, 0, c.write_len);
+      else if (c.write_len > c.data_len)
+        std::memset(slot + c.data_len, 0, c.write_len - c.data_len);
+      for (uint32_t i = 0; i < c.piece_count; ++i) {
+        const Piece& p = plan_.pieces[c.first_piece + i];
+        hashes_[p.hash_index] = copy_and_checksum(slot + p.chunk_offset, segments_[p.segment].src + p.src_offset, p.len);
+      }
+      IoRequest& r = requests_[ci];
+      r.fd = files_[c.file]->fd.load();
+      r.buf = slot;
+      r.len = c.write_len;
+      r.offset = c.file_offset;
+      r.write = true;
+      r.done = 0;
+      r.tag = ci;
+      backend_->submit(&r);
+    }
+  } catch (...) {
+    fail(std::current_exception());
+  }
+}
+
+void SaveJob::on_io(IoRequest* r, int64_t res) {
+  const Chunk& c = plan_.chunks[r->tag];
+  File& f = *files_[c.file];
+  if (res == -EINVAL && f.direct.load()) {
+    // The file system took O_DIRECT at open but refuses the write: switch this
+    // stripe to buffered I/O (fsync'd at the end) and retry the request.
+    try {
+      std::lock_guard<std::mutex> lk(fallback_mu_);
+      if (f.direct.load()) {
+        f.direct_fd = f.fd.load();
+        f.fd = reopen_buffered_for_write(f.path);
+        f.direct = false;
+      }
+      r->fd = f.fd.load();
+      r->done = 0;
+      backend_->resubmit(r);
+      return;
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  } else if (res < 0) {
+    fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "write", f.path,
+                                         static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
+  } else {
+    bytes_written_ += c.data_len;
+  }
+  pool_->release(r->buf);
+}
+
+void SaveJob::finish_files() {
+  for (auto& f : files_) {
+    truncate_to(f->fd, f->size, f->path);
+    fsync_fd(f->fd, f->path);
+  }
+}
+
+void SaveJob::run() {
+  std::vector<std::thread> workers;
+  for (unsigned i = 0; i < opt_.copy_threads; ++i) workers.emplace_back([this] { copy_worker(); });
+  for (auto& t : workers) t.join();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    staged_s_ = since_start();
+    staged_ = true;
+  }
+  cv_.notify_all();
+
+  backend_->drain();
+  backend_.reset();
+  if (!failed()) {
+    try {
+      finish_files();
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+  for (auto& f : files_) {
+    close_fd(f->fd.load());
+    close_fd(f->direct_fd);
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    done_s_ = since_start();
+    done_ = true;
+  }
+  cv_.notify_all();
+}
+
+static bool wait_flag(std::mutex& mu, std::condition_variable& cv, const std::atomic<bool>& flag, double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu);
+  if (timeout_s < 0) {
+    cv.wait(lk, [&] { return flag.load(); });
+    return true;
+  }
+  return cv.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return flag.load(); });
+}
+
+bool SaveJob::wait_staged(double timeout_s) {
+  if (!control_.joinable() && !done_) return true;  // never started
+  return wait_flag(mu_, cv_, staged_, timeout_s);
+}
+
+bool SaveJob::wait_done(double timeout_s) {
+  if (!control_.joinable() && !done_) return true;
+  bool ok = wait_flag(mu_, cv_, done_, timeout_s);
+  if (ok && control_.joinable()) control_.join();
+  return ok;
+}
+
+bool SaveJob::failed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<bool>(error_);
+}
+
+void SaveJob::rethrow() const {
+  std::exception_ptr e;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    e = error_;
+  }
+  if (e) std::rethrow_exception(e);
+}
+
+std::vector<std::vector<uint64_t>> SaveJob::checksums() const {
+  std::vector<std::vector<uint64_t>> out(user_segments_);
+  for (size_t i = 0; i < user_segments_; ++i)
+    out[i].assign(hashes_.begin() + plan_.segment_hash_start[i], hashes_.begin() + plan_.segment_hash_start[i + 1]);
+  return out;
+}
+
+SaveStats SaveJob::stats() const {
+  SaveStats s;
+  s.bytes_total = bytes_total_;
+  s.bytes_written = bytes_written_.load();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    s.staged_s = staged_s_;
+    s.done_s = done_s_;
+  }
+  s.backend = backend_name_;
+  for (auto& f : files_) (f->direct.load() ? s.files_direct : s.files_buffered)++;
+  return s;
+}
+
+}  // namespace fw

@@ -1,0 +1,110 @@
+// One save: stage (parallel copy + checksum into pool slots) and write
+// (O_DIRECT requests on the I/O backend as soon as each chunk is staged), then
+// truncate and fsync every stripe. Commit (manifest, rename) is Python's.
+//
+// Lifetime: the segment sources must stay valid until wait_staged() returns
+// true; the binding keeps the owning Python objects alive until then. Worker
+// threads never touch Python objects.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "io/backend.hpp"
+#include "stage/staging_pool.hpp"
+#include "write/chunk_plan.hpp"
+
+namespace fw {
+
+struct FileSpec {
+  std::string path;
+  std::string header;  // bytes at offset 0 (the padded safetensors header)
+  uint64_t size = 0;   // exact final size
+};
+
+struct SaveOptions {
+  BackendKind backend = BackendKind::Auto;
+  unsigned queue_depth = 16;
+  unsigned copy_threads = 2;
+  bool direct = true;
+};
+
+struct SaveStats {
+  uint64_t bytes_total = 0, bytes_written = 0;
+  double staged_s = -1, done_s = -1;
+  std::string backend;
+  unsigned files_direct = 0, files_buffered = 0;
+};
+
+class SaveJob {
+ public:
+  SaveJob(std::shared_ptr<StagingPool> pool, std::vector<FileSpec> files, std::vector<Segment> segments,
+          SaveOptions opt);
+  ~SaveJob();  // cancels and joins if still running
+
+  void start();
+  bool wait_staged(double timeout_s);  // true once staged or finished (possibly failed)
+  bool wait_done(double timeout_s);
+  void cancel();
+  bool staged() const { return staged_.load(); }
+  bool done() const { return done_.load(); }
+  // Rethrows the first error, if any (call after done()).
+  void rethrow() const;
+  bool failed() const;
+
+  // Checksums per input segment, one per chunk_bytes-aligned piece.
+  std::vector<std::vector<uint64_t>> checksums() const;
+  SaveStats stats() const;
+  uint64_t bytes_written() const { return bytes_written_.load(); }
+  uint64_t bytes_total() const { return bytes_total_; }
+
+ private:
+  struct File {
+    std::string path;
+    uint64_t size;
+    std::atomic<int> fd{-1};
+    std::atomic<bool> direct{false};
+    int direct_fd = -1;  // kept open until the end after a fallback, closed then
+  };
+
+  void run();
+  void copy_worker();
+  void on_io(IoRequest* req, int64_t res);
+  void fail(std::exception_ptr e);
+  void finish_files();
+  double since_start() const;
+
+  std::shared_ptr<StagingPool> pool_;
+  std::vector<FileSpec> specs_;
+  std::vector<Segment> segments_;  // caller's, then one per header
+  size_t user_segments_;
+  SaveOptions opt_;
+  ChunkPlan plan_;
+  std::vector<uint64_t> hashes_;
+  std::vector<IoRequest> requests_;
+  std::vector<std::unique_ptr<File>> files_;
+  std::unique_ptr<IoBackend> backend_;
+  std::string backend_name_;
+
+  uint64_t bytes_total_ = 0;
+  std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<size_t> next_chunk_{0};
+  std::atomic<bool> cancel_{false}, staged_{false}, done_{false};
+  double staged_s_ = -1, done_s_ = -1;
+  std::chrono::steady_clock::time_point t0_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::mutex fallback_mu_;
+  std::exception_ptr error_;
+  std::thread control_;
+};
+
+}  // namespace fw

@@ -1,0 +1,30 @@
+"""flashwrite: nearly free PyTorch checkpoints.
+
+``save_async`` returns once the state is snapshotted in host memory; a native
+engine (io_uring, O_DIRECT, striped) writes it and commits it atomically. Each
+checkpoint is a directory of valid safetensors files plus a manifest.
+"""
+
+from ._core import __version__
+from .errors import (CheckpointExistsError, ChecksumMismatchError, CorruptCheckpointError, FlashwriteError,
+                     UnsafeCheckpointError)
+from .info import backend_info
+from .load import load, load_async
+from .save import SaveFuture, SaveStats, Writer, save, save_async
+
+__all__ = [
+    "__version__",
+    "backend_info",
+    "save",
+    "save_async",
+    "load",
+    "load_async",
+    "Writer",
+    "SaveFuture",
+    "SaveStats",
+    "FlashwriteError",
+    "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "UnsafeCheckpointError",
+    "CheckpointExistsError",
+]

@@ -1,0 +1,83 @@
+"""Commit: make a checkpoint visible only when it is whole and durable.
+
+Stripes are written into a temporary sibling directory; once they are fsync'd
+the index and then the manifest are written and fsync'd, the directory is
+fsync'd, renamed into place, and the parent fsync'd. A crash at any point leaves
+either the previous state or the complete new checkpoint; a leftover temporary
+directory is recognisable by its name and never mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+
+from . import _core
+from .errors import CheckpointExistsError
+from .format import INDEX_NAME, MANIFEST_NAME
+
+TMP_MARK = ".flashwrite-tmp-"
+OLD_MARK = ".flashwrite-old-"
+
+
+def temp_dir_for(final: str) -> str:
+    parent, name = os.path.split(os.path.abspath(final))
+    return os.path.join(parent, f".{name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and (TMP_MARK in name or OLD_MARK in name)
+
+
+def prepare(final: str, overwrite: bool) -> str:
+    """Create the temp dir (and missing parents). Raises now for a bad target, not later."""
+    final = os.path.abspath(final)
+    if os.path.exists(final) and not overwrite:
+        raise CheckpointExistsError(17, "checkpoint already exists (pass overwrite=True to replace it)", final)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = temp_dir_for(final)
+    os.mkdir(tmp)
+    return tmp
+
+
+def _write_durable(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite: bool) -> None:
+    final = os.path.abspath(final)
+    parent = os.path.dirname(final)
+    if index is not None:
+        _write_durable(os.path.join(tmp, INDEX_NAME), json.dumps(index, indent=1).encode())
+    _write_durable(os.path.join(tmp, MANIFEST_NAME), json.dumps(manifest, separators=(",", ":")).encode())
+    _core.fsync_dir(tmp)
+    if os.path.lexists(final):
+        if not overwrite:
+            raise CheckpointExistsError(17, "checkpoint appeared while saving (pass overwrite=True to replace it)", final)
+        # Atomic swap where the file system supports it; the old checkpoint is
+        # then at `tmp` and is removed only after the parent is durable.
+        if _core.rename_exchange(tmp, final):
+            _core.fsync_dir(parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        old = os.path.join(parent, f".{os.path.basename(final)}{OLD_MARK}{uuid.uuid4().hex[:12]}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        _core.fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.rename(tmp, final)
+    _core.fsync_dir(parent)
+
+
+def discard(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)

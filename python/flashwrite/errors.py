@@ -1,0 +1,43 @@
+"""Exceptions raised by flashwrite.
+
+OS failures are plain ``OSError`` subclasses (``FileNotFoundError``, ``PermissionError``,
+``OSError`` with ``errno.ENOSPC``...) whose message names the operation and file offset;
+the native layer also sets ``.offset`` and ``.op`` on them.
+"""
+
+from __future__ import annotations
+
+
+class FlashwriteError(Exception):
+    """Base class of flashwrite's own errors."""
+
+
+class CorruptCheckpointError(FlashwriteError):
+    """A checkpoint's bytes or structure are not what its manifest promises.
+
+    ``file`` and ``tensor`` name the damaged place when it is known.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        super().__init__(message)
+        self.file = file
+        self.tensor = tensor
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """Bytes read back do not hash to the checksum recorded at save time."""
+
+    def __init__(self, message: str, *, file: str, tensor: str, offset: int, expected: str, actual: str):
+        super().__init__(message, file=file, tensor=tensor)
+        self.offset = offset
+        self.expected = expected
+        self.actual = actual
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """The checkpoint asks for something flashwrite will not do by default
+    (unpickling, a path outside the checkpoint directory)."""
+
+
+class CheckpointExistsError(FlashwriteError, FileExistsError):
+    """The target path already holds a checkpoint and ``overwrite=True`` was not given."""

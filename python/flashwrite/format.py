@@ -1,0 +1,262 @@
+"""On-disk format, version 1: the manifest (``flashwrite.json``), the Hugging Face
+style index, and the checks that make a checkpoint safe to open.
+
+Everything read from disk is treated as hostile: names cannot leave the
+checkpoint directory, sizes and offsets are bounds-checked before anything is
+allocated, tensors cannot overlap, and dtype/shape must agree with byte lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import dtypes
+from ._core import CHECKSUM_ALGORITHM
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .plan import MAX_HEADER_BYTES, PlannedFile
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "flashwrite.json"
+INDEX_NAME = "model.safetensors.index.json"
+MAX_MANIFEST_BYTES = 1 << 30
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    header_bytes: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    file: int
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    checksums: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    files: list[FileEntry]
+    tensors: dict[str, TensorEntry]
+    aliases: dict[str, str]
+    tree: Any
+    block_bytes: int
+    writer_version: str
+    metadata: dict[str, str]
+    raw: dict
+
+
+def piece_ranges(offset: int, nbytes: int, block: int) -> list[tuple[int, int]]:
+    """Checksummed pieces of a tensor: its bytes cut at file offsets that are multiples of block."""
+    out = []
+    pos, end = offset, offset + nbytes
+    while pos < end:
+        nxt = min(end, (pos // block + 1) * block)
+        out.append((pos, nxt - pos))
+        pos = nxt
+    return out
+
+
+def build_manifest(files: list[PlannedFile], checksums: dict[str, list[int]], aliases: dict[str, str], tree: Any,
+                   block_bytes: int, writer_version: str, metadata: dict[str, str] | None = None,
+                   rank_info: dict | None = None) -> dict:
+    tensors = {}
+    for i, f in enumerate(files):
+        for p in f.tensors:
+            tensors[p.key] = {
+                "file": i, "offset": p.offset, "nbytes": p.nbytes, "dtype": dtypes.dtype_name(p.dtype),
+                "shape": p.shape, "device": str(p.source.device),
+                "checksums": [f"{h:016x}" for h in checksums[p.key]],
+            }
+    m = {
+        "format": "flashwrite",
+        "format_version": FORMAT_VERSION,
+        "writer_version": writer_version,
+        "created_unix": time.time(),
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": block_bytes},
+        "files": [{"name": f.name, "size": f.size, "header_bytes": len(f.header)} for f in files],
+        "tensors": tensors,
+        "aliases": aliases,
+        "tree": tree,
+        "metadata": metadata or {},
+    }
+    if rank_info:
+        m["ranks"] = rank_info
+    return m
+
+
+def build_index(m: dict) -> dict:
+    names = [f["name"] for f in m["files"]]
+    return {
+        "metadata": {"total_size": sum(t["nbytes"] for t in m["tensors"].values())},
+        "weight_map": {k: names[t["file"]] for k, t in m["tensors"].items()},
+    }
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise CorruptCheckpointError(f"manifest: {what} must be an integer in [{lo}, {hi}], got {str(v)[:40]!r}",
+                                     file=MANIFEST_NAME)
+    return v
+
+
+def check_member_name(name: Any) -> str:
+    """A file name inside the checkpoint: no separators, no '..', not absolute."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", "..") or name == MANIFEST_NAME:
+        raise UnsafeCheckpointError(f"manifest names file {str(name)[:80]!r}, which is not a plain file name "
+                                    "inside the checkpoint directory", file=MANIFEST_NAME)
+    return name
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    mpath = os.path.join(os.fspath(path), MANIFEST_NAME)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(2, "checkpoint directory not found", os.fspath(path))
+    try:
+        with open(mpath, "rb") as fh:
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{mpath} is missing: the checkpoint is incomplete or not a flashwrite "
+                                     "checkpoint", file=MANIFEST_NAME) from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{mpath} is larger than {MAX_MANIFEST_BYTES} bytes", file=MANIFEST_NAME)
+    return parse_manifest(data)
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"manifest is not valid JSON: {e}"[:300], file=MANIFEST_NAME) from None
+    bad = lambda msg: CorruptCheckpointError(f"manifest: {msg}", file=MANIFEST_NAME)  # noqa: E731
+    if not isinstance(raw, dict) or raw.get("format") != "flashwrite":
+        raise bad("not a flashwrite manifest")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise bad(f"format version {str(version)[:20]!r} is not supported (this flashwrite reads {FORMAT_VERSION})")
+    ck = raw.get("checksum")
+    if not isinstance(ck, dict) or ck.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise bad(f"checksum algorithm must be {CHECKSUM_ALGORITHM}")
+    block = _int(ck.get("block_bytes"), "checksum.block_bytes", 4096, 1 << 30)
+    if block % 4096:
+        raise bad("checksum.block_bytes must be a multiple of 4096")
+
+    rfiles = raw.get("files")
+    if not isinstance(rfiles, list) or len(rfiles) > 1_000_000:
+        raise bad("files must be a list")
+    files: list[FileEntry] = []
+    seen_names = set()
+    for f in rfiles:
+        if not isinstance(f, dict):
+            raise bad("file entry is not an object")
+        name = check_member_name(f.get("name"))
+        if name in seen_names:
+            raise bad(f"file {name} listed twice")
+        seen_names.add(name)
+        size = _int(f.get("size"), f"{name}.size", 8)
+        hb = _int(f.get("header_bytes"), f"{name}.header_bytes", 8, min(size, MAX_HEADER_BYTES + 8))
+        files.append(FileEntry(name, size, hb))
+
+    rt = raw.get("tensors")
+    if not isinstance(rt, dict):
+        raise bad("tensors must be an object")
+    tensors: dict[str, TensorEntry] = {}
+    per_file: dict[int, list[tuple[int, int, str]]] = {}
+    for key, t in rt.items():
+        if not isinstance(t, dict):
+            raise bad(f"tensor {key[:80]!r} is not an object")
+        fi = _int(t.get("file"), f"{key}.file", 0, max(0, len(files) - 1))
+        if not files:
+            raise bad("tensors listed but no files")
+        fe = files[fi]
+        nbytes = _int(t.get("nbytes"), f"{key}.nbytes")
+        offset = _int(t.get("offset"), f"{key}.offset", fe.header_bytes)
+        if offset + nbytes > fe.size:
+            raise CorruptCheckpointError(f"tensor {key!r} ends at {offset + nbytes}, past the end of {fe.name} "
+                                         f"({fe.size} bytes)", file=fe.name, tensor=key)
+        try:
+            dt = dtypes.dtype_from_name(t.get("dtype"))
+        except ValueError as e:
+            raise bad(f"tensor {key!r}: {e}") from None
+        shape = t.get("shape")
+        if not isinstance(shape, list) or len(shape) > 64:
+            raise bad(f"tensor {key!r}: shape must be a list of at most 64 dims")
+        shape = tuple(_int(s, f"{key}.shape") for s in shape)
+        if math.prod(shape) * dtypes.itemsize(dt) != nbytes:
+            raise CorruptCheckpointError(f"tensor {key!r}: dtype {t.get('dtype')} and shape {list(shape)} need "
+                                         f"{math.prod(shape) * dtypes.itemsize(dt)} bytes, the manifest says {nbytes}",
+                                         file=fe.name, tensor=key)
+        device = t.get("device", "cpu")
+        if not isinstance(device, str) or len(device) > 64:
+            raise bad(f"tensor {key!r}: bad device")
+        sums = t.get("checksums")
+        if not isinstance(sums, list) or not all(isinstance(s, str) and _HEX_RE.match(s) for s in sums):
+            raise bad(f"tensor {key!r}: checksums must be 16-digit hex strings")
+        if len(sums) != len(piece_ranges(offset, nbytes, block)):
+            raise bad(f"tensor {key!r}: {len(sums)} checksums for {len(piece_ranges(offset, nbytes, block))} pieces")
+        tensors[key] = TensorEntry(key, fi, offset, nbytes, t["dtype"], shape, device, tuple(sums))
+        if nbytes:
+            per_file.setdefault(fi, []).append((offset, nbytes, key))
+    for fi, spans in per_file.items():
+        spans.sort()
+        for (o1, n1, k1), (o2, _, k2) in zip(spans, spans[1:]):
+            if o1 + n1 > o2:
+                raise CorruptCheckpointError(f"tensors {k1!r} and {k2!r} overlap in {files[fi].name}",
+                                             file=files[fi].name, tensor=k2)
+
+    aliases = raw.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) and v in tensors for v in aliases.values()):
+        raise bad("aliases must map names to stored tensors")
+    meta = raw.get("metadata", {})
+    if not isinstance(meta, dict):
+        raise bad("metadata must be an object")
+    wv = raw.get("writer_version", "")
+    return Manifest(files, tensors, aliases, raw.get("tree"), block, wv if isinstance(wv, str) else "", meta, raw)
+
+
+def check_stripe_header(buf: memoryview, fe: FileEntry, entries: list[TensorEntry]) -> None:
+    """The stripe's own safetensors header must describe exactly what the manifest says."""
+    def bad(msg: str, tensor: str | None = None) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{fe.name}: {msg}", file=fe.name, tensor=tensor)
+
+    if len(buf) < 8:
+        raise bad("too short for a safetensors header")
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n + 8 != fe.header_bytes:
+        raise bad(f"header length {n} does not match the manifest ({fe.header_bytes - 8})")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (ValueError, RecursionError):
+        raise bad("safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise bad("safetensors header is not an object")
+    header.pop("__metadata__", None)
+    want = {e.key for e in entries}
+    if set(header) != want:
+        extra = sorted(set(header) - want)[:3]
+        missing = sorted(want - set(header))[:3]
+        raise bad(f"header tensors differ from the manifest (extra {extra}, missing {missing})")
+    for e in entries:
+        h = header[e.key]
+        dt = dtypes.dtype_from_name(e.dtype)
+        code = dtypes.safetensors_code(dt)
+        shape = list(e.shape) if code else [e.nbytes]
+        rel = e.offset - fe.header_bytes
+        if not isinstance(h, dict) or h.get("dtype") != (code or "U8") or h.get("shape") != shape \
+                or h.get("data_offsets") != [rel, rel + e.nbytes]:
+            raise bad("header entry disagrees with the manifest", e.key)

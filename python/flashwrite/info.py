@@ -1,0 +1,30 @@
+"""What the native engine will do on this machine, for users and bug reports."""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+from typing import Any
+
+from . import _core
+
+
+def backend_info(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Which I/O backend ``backend="auto"`` uses, whether io_uring works at run time,
+    whether O_DIRECT works in ``path`` (a directory; default: the current one), and
+    whether a CUDA runtime was found."""
+    directory = os.fspath(path) if path is not None else os.getcwd()
+    if os.path.isfile(directory):
+        directory = os.path.dirname(os.path.abspath(directory))
+    ring_err = _core.io_uring_probe() if _core.io_uring_compiled() else _errno.ENOSYS
+    return {
+        "version": _core.__version__,
+        "backend": "io_uring" if _core.io_uring_compiled() and ring_err == 0 else "threads",
+        "io_uring_compiled": _core.io_uring_compiled(),
+        "io_uring_runtime": ring_err == 0,
+        "io_uring_error": None if ring_err == 0 else f"{_errno.errorcode.get(ring_err, ring_err)}: {os.strerror(ring_err)}",
+        "directory": os.path.abspath(directory),
+        "direct_io": _core.probe_direct(directory),
+        "checksum": _core.CHECKSUM_ALGORITHM,
+        "cuda": _core.cuda_info(),
+    }

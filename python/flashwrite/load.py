@@ -1,0 +1,196 @@
+"""Load: read (native, parallel, O_DIRECT) -> verify (native, overlapped) -> place.
+
+CPU tensors come back as views of the page-aligned read buffers (no second
+copy); ``into=`` copies into existing tensors; other devices get a copy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from . import _core, dtypes
+from .errors import ChecksumMismatchError, CorruptCheckpointError
+from .flatten import flatten, unflatten
+from .format import Manifest, check_stripe_header, piece_ranges, read_manifest
+
+DEFAULT_READ_CHUNK = 8 << 20
+
+
+def _read_chunk(block: int) -> int:
+    # A multiple of the checksum block, so every checksummed piece lies inside one read.
+    return block * max(1, DEFAULT_READ_CHUNK // block)
+
+
+def _device_for(entry_device: str, map_location: Any) -> torch.device:
+    if map_location is None:
+        return torch.device(entry_device)
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get(entry_device, entry_device))
+    return torch.device(map_location)
+
+
+class LoadResult:
+    """Tensors of one checkpoint, keyed by stored name, plus the manifest."""
+
+    def __init__(self, manifest: Manifest, tensors: dict[str, torch.Tensor], elapsed_s: float, backend: str,
+                 direct: bool):
+        self.manifest = manifest
+        self.tensors = tensors
+        self.elapsed_s = elapsed_s
+        self.backend = backend
+        self.direct = direct
+
+
+def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str = "auto", direct: bool = True,
+                 queue_depth: int = 16, keys: set[str] | None = None) -> LoadResult:
+    """Read and verify every stripe; return CPU tensors that view the read buffers."""
+    path = os.fspath(path)
+    m = read_manifest(path)
+    wanted = set(m.tensors) if keys is None else keys
+    file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
+    slot = {fi: i for i, fi in enumerate(file_ids)}
+    specs = []
+    for fi in file_ids:
+        fe = m.files[fi]
+        full = os.path.join(path, fe.name)
+        try:
+            size = os.stat(full).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
+        if size != fe.size:
+            what = "truncated" if size < fe.size else "longer than recorded"
+            raise CorruptCheckpointError(f"stripe {fe.name} is {size} bytes, the manifest says {fe.size} ({what})",
+                                         file=fe.name)
+        specs.append((full, fe.size))
+    pieces: list[tuple[int, int, int, int]] = []
+    owners: list[str] = []
+    if verify:
+        for k in wanted:
+            e = m.tensors[k]
+            for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums):
+                pieces.append((slot[e.file], off, n, int(h, 16)))
+                owners.append(k)
+    t0 = time.perf_counter()
+    job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
+                           max(1, min(4, len(os.sched_getaffinity(0)))), direct)
+    job.wait()
+    job.rethrow()
+    bad = job.mismatches()
+    if bad:
+        pi, actual = bad[0]
+        fi, off, n, expected = pieces[pi]
+        key = owners[pi]
+        fe = m.files[file_ids[fi]]
+        e = m.tensors[key]
+        more = f" ({len(bad) - 1} more damaged pieces)" if len(bad) > 1 else ""
+        raise ChecksumMismatchError(
+            f"checksum mismatch in {fe.name}, tensor {key!r}, bytes {off - e.offset}..{off - e.offset + n} of the "
+            f"tensor (file offset {off}): expected {expected:016x}, got {actual:016x}{more}",
+            file=fe.name, tensor=key, offset=off, expected=f"{expected:016x}", actual=f"{actual:016x}")
+    buffers = job.buffers()
+    bases = {}
+    for i, fi in enumerate(file_ids):
+        buf = buffers[i]
+        fe = m.files[fi]
+        check_stripe_header(memoryview(buf)[: fe.header_bytes], fe, [e for e in m.tensors.values() if e.file == fi])
+        bases[fi] = torch.frombuffer(buf, dtype=torch.uint8)
+    tensors = {}
+    for k in wanted:
+        e = m.tensors[k]
+        dt = dtypes.dtype_from_name(e.dtype)
+        if e.nbytes == 0:
+            tensors[k] = torch.empty(e.shape, dtype=dt)
+        else:
+            tensors[k] = bases[e.file][e.offset:e.offset + e.nbytes].view(dt).view(e.shape)
+    return LoadResult(m, tensors, time.perf_counter() - t0, job.backend, job.files_direct == len(file_ids))
+
+
+def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, verify: bool = True, *,
+         allow_pickle: bool = False, strict: bool = True, backend: str = "auto", direct: bool = True,
+         queue_depth: int = 16) -> Any:
+    """Load a checkpoint and return the nested structure that was saved.
+
+    map_location: "cpu" (default; tensors are views of the read buffers), a device,
+    a {saved_device: device} dict, or None for the devices they were saved from.
+    into: an existing (nested) state dict; its tensors are filled in place and it is
+    returned. strict: with into, every saved tensor must have a destination.
+    verify: check every byte against the save-time checksums.
+    allow_pickle: unpickle objects saved with allow_pickle=True (executes code:
+    only for trusted checkpoints).
+    """
+    res = read_tensors(path, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth)
+    m = res.manifest
+    if into is not None:
+        return _load_into(res, into, strict, allow_pickle)
+
+    placed: dict[str, torch.Tensor] = {}
+
+    def tensor_for(key: str) -> torch.Tensor:
+        if key not in res.tensors:
+            raise CorruptCheckpointError(f"manifest tree refers to unknown tensor {key!r}", file="flashwrite.json",
+                                         tensor=key)
+        if key not in placed:
+            t = res.tensors[key]
+            dev = _device_for(m.tensors[key].device, map_location)
+            placed[key] = t if dev.type == "cpu" else t.to(dev)
+        return placed[key]
+
+    return unflatten(m.tree, tensor_for, allow_pickle=allow_pickle)
+
+
+def _load_into(res: LoadResult, into: Any, strict: bool, allow_pickle: bool) -> Any:
+    m = res.manifest
+    saved = unflatten(m.tree, lambda k: res.tensors[k], allow_pickle=allow_pickle)
+    _, dst_flat, dst_alias = flatten(into, allow_pickle=True)
+    _, src_flat, src_alias = flatten(saved, allow_pickle=True)
+    dst = {ft.key: ft.tensor for ft in dst_flat}
+    src = {ft.key: ft.tensor for ft in src_flat}
+    missing = sorted(set(src) - set(dst) - set(dst_alias))
+    if strict and missing:
+        raise KeyError(f"load(into=...): the checkpoint has tensors with no destination: {missing[:10]}")
+    for k, s in src.items():
+        d = dst.get(k)
+        if d is None:
+            continue
+        if d.shape != s.shape:
+            raise ValueError(f"load(into=...): {k} has shape {tuple(s.shape)} in the checkpoint, "
+                             f"{tuple(d.shape)} in the destination")
+        with torch.no_grad():
+            d.copy_(s)
+    _copy_leaves(saved, into)
+    return into
+
+
+def _copy_leaves(src: Any, dst: Any) -> None:
+    """Non-tensor leaves (step counters, hyper-parameters) are assigned into mutable containers."""
+    if isinstance(src, dict) and isinstance(dst, dict):
+        for k, v in src.items():
+            if k in dst and isinstance(dst[k], (dict, list)):
+                _copy_leaves(v, dst[k])
+            elif not isinstance(v, (torch.Tensor, dict, list, tuple)):
+                dst[k] = v
+    elif isinstance(src, list) and isinstance(dst, list):
+        for i, v in enumerate(src[: len(dst)]):
+            if isinstance(dst[i], (dict, list)):
+                _copy_leaves(v, dst[i])
+            elif not isinstance(v, (torch.Tensor, dict, list, tuple)):
+                dst[i] = v
+
+
+_load_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_load_pool_lock = threading.Lock()
+
+
+def load_async(path: str | os.PathLike, **kwargs: Any) -> concurrent.futures.Future:
+    """``load`` on a background thread; returns a concurrent.futures.Future."""
+    global _load_pool
+    with _load_pool_lock:
+        if _load_pool is None:
+            _load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="flashwrite-load")
+    return _load_pool.submit(load, path, **kwargs)

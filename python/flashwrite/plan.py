@@ -1,0 +1,102 @@
+"""Plan a save: assign tensors to stripe files and lay each file out.
+
+Each stripe is a valid safetensors file: an 8-byte little-endian header length,
+a JSON header padded with spaces so tensor data starts on a 4 KiB boundary, then
+tensors packed with no holes, largest element size first so every tensor stays
+naturally aligned. Stripes are balanced by bytes (largest tensor to the
+lightest stripe).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+from . import dtypes
+from .flatten import FlatTensor
+
+ALIGN = 4096
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+@dataclass
+class PlannedTensor:
+    key: str
+    source: torch.Tensor  # contiguous, on its original device
+    dtype: torch.dtype
+    shape: list[int]
+    nbytes: int
+    file: int = 0
+    offset: int = 0  # absolute offset in the stripe file
+
+    @property
+    def stored_code(self) -> str:
+        return dtypes.safetensors_code(self.dtype) or "U8"
+
+    @property
+    def stored_shape(self) -> list[int]:
+        return self.shape if dtypes.safetensors_code(self.dtype) else [self.nbytes]
+
+
+@dataclass
+class PlannedFile:
+    name: str
+    header: bytes = b""
+    size: int = 0
+    tensors: list[PlannedTensor] = field(default_factory=list)
+
+
+def stripe_name(prefix: str, i: int, n: int) -> str:
+    return f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
+               metadata: dict[str, str] | None = None) -> list[PlannedFile]:
+    planned = []
+    for ft in tensors:
+        src = _contiguous(ft.tensor)
+        dtypes.dtype_name(src.dtype)  # raises for dtypes we cannot store
+        planned.append(PlannedTensor(ft.key, src, src.dtype, list(src.shape), src.numel() * src.element_size()))
+
+    n = max(1, min(stripes, sum(1 for p in planned if p.nbytes) or 1))
+    files = [PlannedFile(stripe_name(prefix, i, n)) for i in range(n)]
+    heap = [(0, i) for i in range(n)]
+    for p in sorted(planned, key=lambda p: (-p.nbytes, p.key)):
+        load, i = heapq.heappop(heap)
+        files[i].tensors.append(p)
+        heapq.heappush(heap, (load + p.nbytes, i))
+
+    for f in files:
+        f.tensors.sort(key=lambda p: (-p.source.element_size(), p.key))
+        header: dict = {"__metadata__": {"format": "pt", "writer": "flashwrite", **(metadata or {})}}
+        rel = 0
+        for p in f.tensors:
+            header[p.key] = {"dtype": p.stored_code, "shape": p.stored_shape, "data_offsets": [rel, rel + p.nbytes]}
+            p.offset = rel  # relative for now
+            rel += p.nbytes
+        body = json.dumps(header, separators=(",", ":")).encode()
+        padded = -(-(8 + len(body)) // ALIGN) * ALIGN - 8
+        if padded > MAX_HEADER_BYTES:
+            raise ValueError(f"{f.name}: safetensors header would be {padded} bytes (limit {MAX_HEADER_BYTES}); "
+                             "use more stripes")
+        f.header = struct.pack("<Q", padded) + body + b" " * (padded - len(body))
+        for p in f.tensors:
+            p.offset += len(f.header)
+        f.size = len(f.header) + rel
+    for i, f in enumerate(files):
+        for p in f.tensors:
+            p.file = i
+    return files
