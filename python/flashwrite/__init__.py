@@ -9,7 +9,7 @@ from ._core import __version__
 from .errors import (CheckpointExistsError, ChecksumMismatchError, CorruptCheckpointError, FlashwriteError,
                      UnsafeCheckpointError)
 from .info import backend_info
-from .load import load, load_async
+from .load import load, load_async, verify
 from .save import SaveFuture, SaveStats, Writer, save, save_async
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "save_async",
     "load",
     "load_async",
+    "verify",
     "Writer",
     "SaveFuture",
     "SaveStats",

@@ -194,3 +194,12 @@ def load_async(path: str | os.PathLike, **kwargs: Any) -> concurrent.futures.Fut
         if _load_pool is None:
             _load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="flashwrite-load")
     return _load_pool.submit(load, path, **kwargs)
+
+
+def verify(path: str | os.PathLike) -> dict:
+    """Check a checkpoint offline: manifest, stripe sizes and headers, every checksum.
+    Raises CorruptCheckpointError (naming file and tensor) or returns a summary."""
+    res = read_tensors(path, verify=True)
+    m = res.manifest
+    return {"path": os.fspath(path), "files": len(m.files), "tensors": len(m.tensors),
+            "bytes": sum(f.size for f in m.files), "writer_version": m.writer_version, "seconds": res.elapsed_s}

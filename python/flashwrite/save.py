@@ -175,6 +175,20 @@ class Writer:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flashwrite-commit")
             return self._executor
 
+    def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
+                      allow_pickle: bool = False, metadata: dict[str, str] | None = None) -> StripeWrite:
+        """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
+        must exist; nothing is committed). The building block of ``save_async`` and of
+        multi-rank saves, where every rank writes its own stripes into one directory."""
+        tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle)
+        files = plan_files(tensors, self.stripes, prefix=prefix, metadata=metadata)
+        keepalive, segments = _stage_sources(files)
+        job = self._engine.start_save(
+            [(os.path.join(directory, f.name), f.header, f.size) for f in files], segments, keepalive,
+            self.backend, self.queue_depth, self.copy_threads, self.direct)
+        stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files))
+        return StripeWrite(self, job, files, tree, aliases, metadata, stats, t0)
+
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, overwrite: bool = False, block: bool = True,
                    allow_pickle: bool = False, metadata: dict[str, str] | None = None) -> SaveFuture:
         """Snapshot ``state_dict`` and write it to ``path`` in the background.
@@ -182,35 +196,57 @@ class Writer:
         Returns once every tensor is copied into the staging pool (block=True):
         the caller may then modify its tensors. With block=False it returns as soon
         as the copies are started; call ``wait_staged()`` before mutating them.
-        Bad targets (exists, permission denied, no space) raise here.
+        A target that exists or cannot be created raises here; failures while
+        writing (no space, I/O errors) are raised by the future.
         """
         t0 = time.perf_counter()
         path = os.path.abspath(os.fspath(path))
-        tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle)
-        files = plan_files(tensors, self.stripes, metadata=metadata)
         tmp = commit.prepare(path, overwrite)
         try:
-            keepalive, segments = _stage_sources(files)
-            job = self._engine.start_save(
-                [(os.path.join(tmp, f.name), f.header, f.size) for f in files], segments, keepalive,
-                self.backend, self.queue_depth, self.copy_threads, self.direct)
+            sw = self.write_stripes(state_dict, tmp, t0, allow_pickle=allow_pickle, metadata=metadata)
         except BaseException:
             commit.discard(tmp)
             raise
-        stats = SaveStats(path=path, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files))
-        fut = SaveFuture(path, job, stats, t0)
-        ctx = _CommitContext(fut, tmp, files, tree, aliases, metadata, overwrite, self)
+        sw.stats.path = path
+        fut = SaveFuture(path, sw.job, sw.stats, t0)
+
+        def finish() -> SaveStats:
+            manifest = sw.wait_durable()
+            commit.finalize(tmp, path, manifest, build_index(manifest), overwrite)
+            sw.stats.total_s = time.perf_counter() - t0
+            log.debug("saved %s: %.3f GB in %.3f s (stall %.3f s, %s, direct=%s)", path, sw.stats.bytes / 1e9,
+                      sw.stats.total_s, sw.stats.stall_s or 0, sw.stats.backend, sw.stats.direct)
+            return sw.stats
+
+        return self._launch(fut, sw, finish, lambda: commit.discard(tmp), block)
+
+    def _launch(self, fut: SaveFuture, sw: StripeWrite, finish: Callable[[], Any], cleanup: Callable[[], None],
+                block: bool) -> SaveFuture:
+        """Wait for staging if asked, then run ``finish`` on the commit thread; its
+        result (or exception, after ``cleanup``) completes the future."""
         try:
             if block:
                 fut.wait_staged()
         except BaseException:
-            job.cancel()
-            job.wait()
-            commit.discard(tmp)
+            sw.job.cancel()
+            sw.job.wait()
+            cleanup()
             raise
+
+        def run() -> None:
+            try:
+                sw.job.wait()
+                fut._release_sources()
+                result = finish()
+            except BaseException as e:
+                cleanup()
+                fut._future.set_exception(e)
+                return
+            fut._future.set_result(result)
+
         fut._future.set_running_or_notify_cancel()
-        self._committer().submit(ctx.run)
-        stats.stall_s = time.perf_counter() - t0
+        self._committer().submit(run)
+        sw.stats.stall_s = time.perf_counter() - fut._t0
         return fut
 
     def save(self, state_dict: Any, path: str | os.PathLike, **kwargs: Any) -> SaveStats:
@@ -258,45 +294,31 @@ def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int,
     return keepalive, segments
 
 
-class _CommitContext:
-    """Runs on the writer's commit thread: waits for the data to be durable, then commits."""
+class StripeWrite:
+    """Stripes of one state dict being staged and written (no commit)."""
 
-    def __init__(self, fut: SaveFuture, tmp: str, files: list[PlannedFile], tree: Any, aliases: dict,
-                 metadata: dict | None, overwrite: bool, writer: Writer):
-        self.fut, self.tmp, self.files, self.tree = fut, tmp, files, tree
-        self.aliases, self.metadata, self.overwrite, self.writer = aliases, metadata, overwrite, writer
+    def __init__(self, writer: Writer, job: Any, files: list[PlannedFile], tree: Any, aliases: dict,
+                 metadata: dict | None, stats: SaveStats, t0: float):
+        self.writer, self.job, self.files, self.tree = writer, job, files, tree
+        self.aliases, self.metadata, self.stats, self.t0 = aliases, metadata, stats, t0
 
-    def run(self) -> None:
-        fut, job, stats = self.fut, self.fut._job, self.fut._stats
-        try:
-            job.wait()
-            fut._release_sources()
-            job.rethrow()
-            native = job.stats()
-            stats.durable_s = time.perf_counter() - fut._t0
-            stats.backend = native["backend"]
-            stats.files_buffered = native["files_buffered"]
-            stats.direct = native["files_buffered"] == 0 and self.writer.direct
-            stats.pool_bytes = self.writer.pool_bytes
-            stats.pinned = self.writer._engine.pool_pinned
-            sums = job.checksums()
-            by_key: dict[str, list[int]] = {}
-            i = 0
-            for f in self.files:
-                for p in f.tensors:
-                    by_key[p.key] = sums[i] if p.nbytes else []
-                    i += 1 if p.nbytes else 0
-            manifest = build_manifest(self.files, by_key, self.aliases, self.tree, self.writer.chunk_bytes,
-                                      _core.__version__, self.metadata)
-            commit.finalize(self.tmp, fut.path, manifest, build_index(manifest), self.overwrite)
-            stats.total_s = time.perf_counter() - fut._t0
-            log.debug("saved %s: %.3f GB in %.3f s (stall %.3f s, %s, direct=%s)", fut.path, stats.bytes / 1e9,
-                      stats.total_s, stats.stall_s or 0, stats.backend, stats.direct)
-        except BaseException as e:
-            commit.discard(self.tmp)
-            fut._future.set_exception(e)
-            return
-        fut._future.set_result(stats)
+    def wait_durable(self) -> dict:
+        """Wait until every stripe is written and fsync'd (raising what failed) and
+        return this write's manifest (not yet on disk)."""
+        job, stats = self.job, self.stats
+        job.wait()
+        job.rethrow()
+        native = job.stats()
+        stats.durable_s = time.perf_counter() - self.t0
+        stats.backend = native["backend"]
+        stats.files_buffered = native["files_buffered"]
+        stats.direct = native["files_buffered"] == 0 and self.writer.direct
+        stats.pool_bytes = self.writer.pool_bytes
+        stats.pinned = self.writer._engine.pool_pinned
+        sums = iter(job.checksums())  # one list per non-empty tensor, in plan order
+        by_key = {p.key: (next(sums) if p.nbytes else []) for f in self.files for p in f.tensors}
+        return build_manifest(self.files, by_key, self.aliases, self.tree, self.writer.chunk_bytes,
+                              _core.__version__, self.metadata)
 
 
 _default_writers: dict[tuple, Writer] = {}

@@ -1,0 +1,55 @@
+import os
+import tempfile
+
+import pytest
+import torch
+
+import flashwrite as fw
+
+
+@pytest.fixture
+def ckdir(tmp_path):
+    """A directory on the default (disk-backed) file system."""
+    return tmp_path
+
+
+@pytest.fixture
+def shmdir():
+    """A directory on tmpfs (/dev/shm), where O_DIRECT also works on Linux >= 6.6."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="fwtest-") as d:
+        yield d
+
+
+def assert_same(a, b, path="<root>"):
+    """Structural equality with byte-exact tensor comparison (dtype and shape included)."""
+    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.device == b.device, f"{path}: {a.device} vs {b.device}"
+        ac, bc = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+        assert torch.equal(ac.reshape(-1).view(torch.uint8), bc.reshape(-1).view(torch.uint8)), f"{path}: bytes differ"
+        return
+    if isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} vs {list(b)}"
+        assert [type(k) for k in a] == [type(k) for k in b], f"{path}: key types differ"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+        return
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}.{i}")
+        return
+    if isinstance(a, float) and a != a:
+        assert b != b, path
+        return
+    assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+@pytest.fixture
+def writer():
+    w = fw.Writer(stripes=3, chunk_bytes=1 << 20)
+    yield w
+    w.close()
