@@ -1,14 +1,18 @@
-// Primary backend: one io_uring per job. Producers (copy threads) submit under a
-// mutex; one reaper thread waits for completions, resubmits short transfers and
-// -EAGAIN/-EINTR, and reports finished requests. Shutdown is a NOP whose
-// completion tells the reaper to stop, so no timeouts are needed.
+// Primary backend: one io_uring per job, owned by one thread that does all
+// submission and reaping. io_uring ties a request to the task that submitted
+// it and cancels its pending work (-ECANCELED) when that task exits, so the
+// short-lived copy threads never touch the ring: they queue requests and kick
+// an eventfd that the ring thread keeps a read armed on.
 #include "io/backend.hpp"
 
 #ifdef FLASHWRITE_HAVE_URING
 #include <liburing.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
 #include <thread>
 
@@ -17,41 +21,52 @@
 namespace fw {
 namespace {
 
-constexpr uint64_t kStopTag = 0;  // user_data of the shutdown NOP (requests are never null)
+constexpr uint64_t kKickTag = 1;  // user_data of the eventfd read (requests are real pointers)
 
 class UringBackend final : public IoBackend {
  public:
   UringBackend(unsigned qd, IoCallback cb) : qd_(qd), cb_(std::move(cb)) {
-    // Twice the depth in the SQ: resubmits from the reaper never find it full.
-    int rc = io_uring_queue_init(2 * qd, &ring_, 0);
-    if (rc < 0) throw IoError(-rc, "io_uring_queue_init", "");
-    reaper_ = std::thread([this] { reap(); });
+    efd_ = eventfd(0, EFD_CLOEXEC);
+    if (efd_ < 0) throw IoError(errno, "eventfd", "");
+    // Room for every request in flight, their resubmits and the eventfd read.
+    int rc = io_uring_queue_init(2 * qd + 2, &ring_, 0);
+    if (rc < 0) {
+      ::close(efd_);
+      throw IoError(-rc, "io_uring_queue_init", "");
+    }
+    thread_ = std::thread([this] { loop(); });
   }
 
   ~UringBackend() override {
     drain();
     {
       std::lock_guard<std::mutex> lk(mu_);
-      io_uring_sqe* sqe = get_sqe_locked();
-      io_uring_prep_nop(sqe);
-      io_uring_sqe_set_data64(sqe, kStopTag);
-      io_uring_submit(&ring_);
+      stop_ = true;
     }
-    reaper_.join();
+    kick();
+    thread_.join();
     io_uring_queue_exit(&ring_);
+    ::close(efd_);
   }
 
   void submit(IoRequest* req) override {
-    std::unique_lock<std::mutex> lk(mu_);
-    room_cv_.wait(lk, [&] { return inflight_ < qd_; });
-    ++inflight_;
-    push_locked(req);
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      room_cv_.wait(lk, [&] { return inflight_ < qd_; });
+      ++inflight_;
+      pending_.push_back(req);
+    }
+    kick();
   }
 
+  // Only called from the completion callback, i.e. on the ring thread.
   void resubmit(IoRequest* req) override {
-    std::lock_guard<std::mutex> lk(mu_);
-    ++inflight_;
-    push_locked(req);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      ++inflight_;
+    }
+    push(req);
+    flush();
   }
 
   void drain() override {
@@ -62,22 +77,38 @@ class UringBackend final : public IoBackend {
   const char* name() const override { return "io_uring"; }
 
  private:
-  io_uring_sqe* get_sqe_locked() {
+  void kick() {
+    uint64_t one = 1;
+    ssize_t n;
+    do n = ::write(efd_, &one, sizeof one);
+    while (n < 0 && errno == EINTR);
+  }
+
+  io_uring_sqe* get_sqe() {
     io_uring_sqe* sqe;
-    while (!(sqe = io_uring_get_sqe(&ring_))) io_uring_submit(&ring_);
+    while (!(sqe = io_uring_get_sqe(&ring_))) flush();
     return sqe;
   }
 
-  void push_locked(IoRequest* r) {
-    io_uring_sqe* sqe = get_sqe_locked();
+  void flush() {
+    int rc;
+    do rc = io_uring_submit(&ring_);
+    while (rc == -EINTR || rc == -EAGAIN);
+  }
+
+  void push(IoRequest* r) {
+    io_uring_sqe* sqe = get_sqe();
     if (r->write)
       io_uring_prep_write(sqe, r->fd, r->buf + r->done, static_cast<unsigned>(r->len - r->done), r->offset + r->done);
     else
       io_uring_prep_read(sqe, r->fd, r->buf + r->done, static_cast<unsigned>(r->len - r->done), r->offset + r->done);
     io_uring_sqe_set_data(sqe, r);
-    int rc;
-    do rc = io_uring_submit(&ring_);
-    while (rc == -EINTR || rc == -EAGAIN);
+  }
+
+  void arm_kick() {
+    io_uring_sqe* sqe = get_sqe();
+    io_uring_prep_read(sqe, efd_, &kick_buf_, sizeof kick_buf_, 0);
+    io_uring_sqe_set_data64(sqe, kKickTag);
   }
 
   void finish(IoRequest* r, int64_t res) {
@@ -89,20 +120,39 @@ class UringBackend final : public IoBackend {
     room_cv_.notify_all();
   }
 
-  void reap() {
+  // Returns false when asked to stop.
+  bool take_pending() {
+    std::deque<IoRequest*> batch;
+    bool stop;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      batch.swap(pending_);
+      stop = stop_;
+    }
+    for (IoRequest* r : batch) push(r);
+    return !stop;
+  }
+
+  void loop() {
+    arm_kick();
+    flush();
     for (;;) {
       io_uring_cqe* cqe = nullptr;
       int rc = io_uring_wait_cqe(&ring_, &cqe);
-      if (rc == -EINTR || rc == -EAGAIN) continue;
-      if (rc < 0) continue;  // transient; the ring itself is still usable
+      if (rc < 0) continue;  // -EINTR and friends: the ring is still usable
       uint64_t data = io_uring_cqe_get_data64(cqe);
       int res = cqe->res;
       io_uring_cqe_seen(&ring_, cqe);
-      if (data == kStopTag) return;
+      if (data == kKickTag) {
+        if (!take_pending()) return;
+        arm_kick();
+        flush();
+        continue;
+      }
       auto* r = reinterpret_cast<IoRequest*>(data);
       if (res == -EAGAIN || res == -EINTR) {
-        std::lock_guard<std::mutex> lk(mu_);
-        push_locked(r);
+        push(r);
+        flush();
         continue;
       }
       if (res < 0) {
@@ -115,8 +165,8 @@ class UringBackend final : public IoBackend {
       }
       r->done += static_cast<uint64_t>(res);
       if (!request_complete(r)) {
-        std::lock_guard<std::mutex> lk(mu_);
-        push_locked(r);  // short transfer: continue where it stopped
+        push(r);  // short transfer: continue where it stopped
+        flush();
         continue;
       }
       finish(r, static_cast<int64_t>(r->done));
@@ -126,10 +176,14 @@ class UringBackend final : public IoBackend {
   const unsigned qd_;
   IoCallback cb_;
   io_uring ring_{};
+  int efd_ = -1;
+  uint64_t kick_buf_ = 0;
   std::mutex mu_;
   std::condition_variable room_cv_;
+  std::deque<IoRequest*> pending_;
   unsigned inflight_ = 0;
-  std::thread reaper_;
+  bool stop_ = false;
+  std::thread thread_;
 };
 
 }  // namespace
