@@ -34,6 +34,9 @@ static OpenedFile open_maybe_direct(const std::string& path, int flags, bool dir
       return f;
     }
     if (errno != EINVAL) throw_errno(errno, op, path);
+    // Some file systems (ramfs, some FUSE) create the file before refusing
+    // O_DIRECT, so the buffered retry must not insist on creating it.
+    flags &= ~O_EXCL;
   }
   f.fd = retry_open(path.c_str(), flags, 0644);
   if (f.fd < 0) throw_errno(errno, op, path);
