@@ -36,7 +36,10 @@ def prepare(final: str, overwrite: bool) -> str:
     final = os.path.abspath(final)
     if os.path.exists(final) and not overwrite:
         raise CheckpointExistsError(17, "checkpoint already exists (pass overwrite=True to replace it)", final)
-    os.makedirs(os.path.dirname(final), exist_ok=True)
+    parent = os.path.dirname(final)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise NotADirectoryError(20, "parent of the checkpoint path is not a directory", parent)
+    os.makedirs(parent, exist_ok=True)
     tmp = temp_dir_for(final)
     os.mkdir(tmp)
     return tmp

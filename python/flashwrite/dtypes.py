@@ -29,7 +29,9 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), (
 
 # Every dtype whose tensors have whole-byte elements and can be created.
 _EXTRA = ("complex32", "complex64", "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-          "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2")
+          "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+          # Shell dtypes for sub-byte integers: one element per byte in torch's storage.
+          *(f"int{i}" for i in range(1, 8)), *(f"uint{i}" for i in range(1, 8)))
 
 _BY_NAME: dict[str, torch.dtype] = {}
 for _dt in list(_ST_CODES) + [getattr(torch, n) for n in _EXTRA if hasattr(torch, n)]:
@@ -56,7 +58,7 @@ def safetensors_code(dt: torch.dtype) -> str | None:
 
 
 def itemsize(dt: torch.dtype) -> int:
-    return torch.empty((), dtype=dt).element_size()
+    return dt.itemsize
 
 
 def supported_dtypes() -> list[torch.dtype]:

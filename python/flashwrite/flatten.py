@@ -72,6 +72,11 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict, list[FlatT
             f"{where}: cannot store {type(v).__module__}.{type(v).__qualname__} without pickling; "
             "pass allow_pickle=True to save (and to load) to opt in")
 
+    def key_node(k: Any, where: str) -> dict:
+        if type(k) is tuple:  # tuple keys of plain values, e.g. (layer, head)
+            return {"t": "tuple", "items": [key_node(x, where) for x in k]}
+        return leaf(k, where)
+
     def walk(v: Any, path: list[str], depth: int) -> dict:
         where = ".".join(path) or "<root>"
         if depth > MAX_DEPTH:
@@ -91,15 +96,13 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict, list[FlatT
             return {"t": "tensor", "k": key}
         if isinstance(v, torch.Size):
             return {"t": "size", "v": list(v)}
-        if isinstance(v, dict):
-            kind = "odict" if isinstance(v, collections.OrderedDict) else "dict"
-            if type(v) not in (dict, collections.OrderedDict) and not allow_pickle:
-                raise TypeError(f"{where}: cannot store mapping type {type(v).__qualname__} without allow_pickle")
+        if type(v) in (dict, collections.OrderedDict):
+            kind = "odict" if type(v) is collections.OrderedDict else "dict"
             items = []
             for k, x in v.items():
                 if isinstance(k, (torch.Tensor, dict, list)):
                     raise TypeError(f"{where}: unsupported key type {type(k).__qualname__}")
-                items.append([leaf(k, where), walk(x, path + [str(k)], depth + 1)])
+                items.append([key_node(k, where), walk(x, path + [str(k)], depth + 1)])
             return {"t": kind, "items": items}
         if type(v) in (list, tuple):
             return {"t": "list" if isinstance(v, list) else "tuple",

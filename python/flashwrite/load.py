@@ -105,7 +105,7 @@ def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str =
         e = m.tensors[k]
         dt = dtypes.dtype_from_name(e.dtype)
         if e.nbytes == 0:
-            tensors[k] = torch.empty(e.shape, dtype=dt)
+            tensors[k] = torch.empty(0, dtype=torch.uint8).view(dt).reshape(e.shape)
         else:
             tensors[k] = bases[e.file][e.offset:e.offset + e.nbytes].view(dt).view(e.shape)
     return LoadResult(m, tensors, time.perf_counter() - t0, job.backend, job.files_direct == len(file_ids))
