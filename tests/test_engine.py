@@ -1,0 +1,241 @@
+"""The native engine's contract: backends, O_DIRECT and its fallback, snapshot
+semantics, bounded staging, errors with errno/path/offset, the GIL, no leaks."""
+
+import errno
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+import flashwrite as fw
+from flashwrite import _core
+import sys
+
+load_module = sys.modules["flashwrite.load"]  # the module; flashwrite.load is the function
+
+
+def _state(mib=8, n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {f"p{i}": torch.randn(mib * (1 << 20) // 4 // n + i, generator=g) for i in range(n)}
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+BACKENDS = ["threads"] + (["io_uring"] if _core.io_uring_compiled() and _core.io_uring_probe() == 0 else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_backends_with_o_direct(backend, where, tmp_path, shmdir):
+    d = tmp_path if where == "disk" else shmdir
+    sd = _state()
+    with fw.Writer(stripes=3, chunk_bytes=1 << 20, queue_depth=8, backend=backend) as w:
+        st = w.save(sd, os.path.join(d, "ck"))
+    assert st.backend == backend
+    if _core.probe_direct(str(d)):
+        assert st.direct and st.files_buffered == 0
+    res = load_module.read_tensors(os.path.join(d, "ck"), backend=backend)
+    assert res.backend == backend
+    assert _equal(fw.load(os.path.join(d, "ck"), backend=backend), sd)
+
+
+def test_backend_info_reports_reality(tmp_path):
+    info = fw.backend_info(tmp_path)
+    assert info["backend"] in ("io_uring", "threads")
+    assert info["io_uring_runtime"] == (info["backend"] == "io_uring")
+    assert info["direct_io"] == _core.probe_direct(str(tmp_path))
+    assert set(info["cuda"]) >= {"available", "reason"}
+    if not info["cuda"]["available"]:
+        assert info["cuda"]["reason"]
+    assert os.listdir(tmp_path) == []  # the O_DIRECT probe leaves nothing behind
+
+
+def test_buffered_mode_when_direct_disabled(tmp_path):
+    sd = _state(2)
+    with fw.Writer(direct=False) as w:
+        st = w.save(sd, tmp_path / "ck")
+    assert not st.direct
+    assert _equal(fw.load(tmp_path / "ck", direct=False), sd)
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """ramfs refuses O_DIRECT with EINVAL: the real case for the buffered fallback."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting ramfs needs root")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount ramfs here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_einval_fallback_to_buffered(ramfs, backend):
+    assert fw.backend_info(ramfs)["direct_io"] is False
+    sd = _state(3)
+    with fw.Writer(backend=backend, stripes=2) as w:
+        st = w.save(sd, ramfs / "ck")
+    assert not st.direct and st.files_buffered == 2
+    assert _equal(fw.load(ramfs / "ck", backend=backend), sd)
+
+
+def test_snapshot_semantics(writer, tmp_path):
+    sd = _state(16)
+    expect = {k: v.clone() for k, v in sd.items()}
+    fut = writer.save_async(sd, tmp_path / "ck")
+    for v in sd.values():  # training continues and mutates the parameters at once
+        v.mul_(-3).add_(1)
+    del sd
+    fut.result()
+    assert _equal(fw.load(tmp_path / "ck"), expect)
+
+
+def test_nonblocking_save_then_wait_staged(tmp_path):
+    sd = _state(16)
+    expect = {k: v.clone() for k, v in sd.items()}
+    with fw.Writer(max_staging_bytes=2 << 20, chunk_bytes=1 << 20) as w:
+        fut = w.save_async(sd, tmp_path / "ck", block=False)
+        assert fut.wait_staged(timeout=60)
+        for v in sd.values():
+            v.zero_()
+        stats = fut.result(timeout=60)
+        assert w.pool_bytes <= 2 << 20
+    assert stats.staged_s is not None and stats.durable_s >= stats.staged_s
+    assert fut.progress() == 1.0 and fut.done()
+    assert _equal(fw.load(tmp_path / "ck"), expect)
+
+
+def test_bounded_staging_pool(tmp_path):
+    sd = _state(24)
+    with fw.Writer(max_staging_bytes=4 << 20, chunk_bytes=1 << 20) as w:
+        for i in range(3):
+            w.save(sd, tmp_path / f"ck{i}")
+            assert w.pool_bytes == 4 << 20
+    assert _equal(fw.load(tmp_path / "ck2"), sd)
+
+
+def test_pool_is_reused_across_saves(tmp_path):
+    sd = _state(8)
+    with fw.Writer(chunk_bytes=1 << 20) as w:
+        w.save(sd, tmp_path / "a")
+        first = w.pool_bytes
+        w.save(sd, tmp_path / "b")
+        w.save({"small": torch.ones(10)}, tmp_path / "c")
+        assert w.pool_bytes == first > 0
+    assert w.pool_bytes == 0  # close() frees it
+
+
+def test_flipped_byte_named_precisely(writer, tmp_path):
+    sd = {"a": torch.randn(50_000), "b": torch.randn(70_000), "c": torch.arange(1000)}
+    writer.save(sd, tmp_path / "ck")
+    m = fw.format.read_manifest(tmp_path / "ck")
+    e = m.tensors["b"]
+    path = tmp_path / "ck" / m.files[e.file].name
+    with open(path, "r+b") as fh:
+        fh.seek(e.offset + 12345)
+        byte = fh.read(1)
+        fh.seek(e.offset + 12345)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(fw.ChecksumMismatchError) as ei:
+        fw.load(tmp_path / "ck")
+    err = ei.value
+    assert err.file == m.files[e.file].name and err.tensor == "b"
+    assert m.files[e.file].name in str(err) and "'b'" in str(err)
+    with pytest.raises(fw.ChecksumMismatchError):
+        fw.verify(tmp_path / "ck")
+    out = fw.load(tmp_path / "ck", verify=False)  # the user accepts the risk
+    assert torch.equal(out["a"], sd["a"]) and not torch.equal(out["b"], sd["b"])
+
+
+def test_os_errors_carry_errno_path_offset(tmp_path):
+    with pytest.raises(FileNotFoundError) as ei:
+        _core.start_load([(str(tmp_path / "nope"), 10)], [])
+    assert ei.value.errno == errno.ENOENT and ei.value.filename == str(tmp_path / "nope")
+    assert "open for read" in str(ei.value)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(NotADirectoryError):
+        fw.save({"a": torch.ones(2)}, blocker / "ck")
+
+
+def test_gil_released_during_save_and_load(tmp_path):
+    """A Python thread keeps running while the engine writes and reads."""
+    sd = _state(64, n=8)
+    ticks = []
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    with fw.Writer(backend="threads") as w:
+        w.save(sd, tmp_path / "warm")  # allocate the pool first
+        t = threading.Thread(target=spin)
+        t.start()
+        try:
+            t0 = time.perf_counter()
+            w.save(sd, tmp_path / "ck")
+            fw.load(tmp_path / "ck")
+            t1 = time.perf_counter()
+        finally:
+            stop.set()
+            t.join()
+    inside = [x for x in ticks if t0 <= x <= t1]
+    # With the GIL held for the whole operation, the thread would get (almost) no ticks.
+    assert len(inside) >= max(5, 0.2 * (t1 - t0) / 0.001), (len(inside), t1 - t0)
+
+
+def _resources():
+    pid = os.getpid()
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    threads = len(os.listdir(f"/proc/{pid}/task"))
+    with open(f"/proc/{pid}/status") as fh:
+        rss = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) * 1024
+    return rss, fds, threads
+
+
+def test_200_saves_do_not_grow_rss_fds_threads(tmp_path):
+    sd = _state(4, n=6)
+    with fw.Writer(stripes=3, chunk_bytes=1 << 20) as w:
+        for i in range(20):
+            w.save(sd, tmp_path / f"warm{i}")
+        w.save(sd, tmp_path / "x")
+        rss0, fds0, thr0 = _resources()
+        for i in range(200):
+            w.save(sd, tmp_path / "x", overwrite=True)
+        rss1, fds1, thr1 = _resources()
+    assert fds1 == fds0, (fds0, fds1)
+    assert thr1 == thr0, (thr0, thr1)
+    assert rss1 - rss0 < 16 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB over 200 saves"
+    assert _equal(fw.load(tmp_path / "x"), sd)
+
+
+def test_ctrl_c_interrupts_a_wait(tmp_path):
+    """A wait on the native engine is interruptible: KeyboardInterrupt arrives within
+    one wait slice, even though the GIL is released while waiting."""
+    code = f"""
+import os, signal, threading, time, torch, flashwrite as fw
+w = fw.Writer(max_staging_bytes=1 << 20, chunk_bytes=1 << 20, backend="threads", queue_depth=1, direct=False)
+sd = {{f"p{{i}}": torch.randn(1 << 22) for i in range(16)}}
+threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+t0 = time.perf_counter()
+try:
+    for i in range(1000):
+        w.save(sd, "{tmp_path}/ck%d" % i)
+    print("FINISHED")
+except KeyboardInterrupt:
+    print("INTERRUPTED %.2f" % (time.perf_counter() - t0))
+"""
+    out = subprocess.run(["python", "-c", code], capture_output=True, text=True, timeout=120)
+    assert "INTERRUPTED" in out.stdout, out.stdout + out.stderr
+    leftovers = [n for n in os.listdir(tmp_path) if ".flashwrite-tmp-" in n]
+    assert leftovers == [], "an interrupted save must clean its temporary directory"

@@ -1,0 +1,112 @@
+"""The on-disk format: stripes are valid safetensors files that the real `safetensors`
+package opens, data is 4 KiB aligned with no holes, the HF index is right."""
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import flashwrite as fw
+from flashwrite import dtypes
+from flashwrite.format import INDEX_NAME, MANIFEST_NAME, read_manifest
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _state():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "model": {f"layer{i}.weight": torch.randn(64 + i, 33, generator=g) for i in range(6)},
+        "bf16": torch.randn(17, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(9, generator=g) > 0.5,
+        "ids": torch.randint(-5, 5, (13,), dtype=torch.int8, generator=g),
+        "i64": torch.arange(7),
+        "f8": torch.randn(11, generator=g).to(torch.float8_e4m3fn),
+        "c64": torch.randn(5, dtype=torch.complex64, generator=g),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "none_bytes": torch.empty(0, 3),
+        "step": 12,
+    }
+
+
+def test_each_stripe_opens_with_safetensors(writer, ckdir):
+    sd = _state()
+    writer.save(sd, ckdir / "ck")
+    m = read_manifest(ckdir / "ck")
+    flat = fw.load(ckdir / "ck")
+    seen = set()
+    for f in m.files:
+        loaded = safetensors_torch.load_file(str(ckdir / "ck" / f.name))
+        for key, t in loaded.items():
+            entry = m.tensors[key]
+            seen.add(key)
+            dt = dtypes.dtype_from_name(entry.dtype)
+            if dtypes.safetensors_code(dt):
+                assert t.dtype == dt and tuple(t.shape) == entry.shape
+            else:  # stored as bytes; the manifest keeps the true dtype
+                assert t.dtype == torch.uint8 and t.numel() == entry.nbytes
+            # Same bytes as flashwrite's own loader returns.
+            ours = {"model." + k: v for k, v in flat["model"].items()}
+            ours.update({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)})
+            assert torch.equal(t.reshape(-1).view(torch.uint8), ours[key].reshape(-1).view(torch.uint8))
+    assert seen == set(m.tensors)
+
+
+def test_layout_aligned_packed_exact_size(writer, ckdir):
+    writer.save(_state(), ckdir / "ck")
+    m = read_manifest(ckdir / "ck")
+    for f in m.files:
+        path = ckdir / "ck" / f.name
+        raw = path.read_bytes()
+        assert len(raw) == f.size == os.path.getsize(path)
+        (n,) = struct.unpack("<Q", raw[:8])
+        assert (8 + n) % 4096 == 0, "tensor data must start on a 4 KiB boundary"
+        header = json.loads(raw[8:8 + n])
+        assert header["__metadata__"]["format"] == "pt"
+        spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+        pos = 0
+        for a, b in spans:
+            assert a == pos, "no holes between tensors"
+            pos = b
+        assert 8 + n + pos == len(raw), "file ends exactly at the last tensor"
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            dt = dtypes.dtype_from_name(m.tensors[k].dtype)
+            assert (8 + n + v["data_offsets"][0]) % dtypes.itemsize(dt) == 0, f"{k} not naturally aligned"
+
+
+def test_index_and_manifest(writer, ckdir):
+    sd = _state()
+    writer.save(sd, ckdir / "ck")
+    index = json.loads((ckdir / "ck" / INDEX_NAME).read_text())
+    m = read_manifest(ckdir / "ck")
+    assert set(index["weight_map"]) == set(m.tensors)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in m.tensors.values())
+    for key, fname in index["weight_map"].items():
+        assert fname == m.files[m.tensors[key].file].name
+    raw = json.loads((ckdir / "ck" / MANIFEST_NAME).read_text())
+    assert raw["format_version"] == 1 and raw["checksum"]["algorithm"] == "xxh3-64"
+    assert raw["writer_version"] == fw.__version__
+    assert sorted(os.listdir(ckdir / "ck")) == sorted([MANIFEST_NAME, INDEX_NAME] + [f.name for f in m.files])
+
+
+def test_stripes_are_balanced(ckdir):
+    sd = {f"w{i}": torch.zeros(1 << 16) for i in range(16)}
+    with fw.Writer(stripes=4) as w:
+        st = w.save(sd, ckdir / "ck")
+    sizes = [f.size for f in read_manifest(ckdir / "ck").files]
+    assert st.stripes == 4 and len(sizes) == 4 and max(sizes) == min(sizes)
+
+
+def test_checksums_match_an_independent_xxh3(writer, ckdir):
+    xxhash = pytest.importorskip("xxhash")
+    x = torch.randn(3000)
+    writer.save({"x": x}, ckdir / "ck")
+    m = read_manifest(ckdir / "ck")
+    e = m.tensors["x"]
+    data = (ckdir / "ck" / m.files[e.file].name).read_bytes()
+    for (off, n), h in zip(fw.format.piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums):
+        assert xxhash.xxh3_64_hexdigest(data[off:off + n]) == h
