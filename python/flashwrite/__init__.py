@@ -10,6 +10,7 @@ from .errors import (CheckpointExistsError, ChecksumMismatchError, CorruptCheckp
                      UnsafeCheckpointError)
 from .info import backend_info
 from .load import load, load_async, verify
+from .manager import CheckpointManager
 from .save import SaveFuture, SaveStats, Writer, save, save_async
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Writer",
     "SaveFuture",
     "SaveStats",
+    "CheckpointManager",
     "FlashwriteError",
     "CorruptCheckpointError",
     "ChecksumMismatchError",

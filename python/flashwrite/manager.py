@@ -1,0 +1,535 @@
+"""Checkpoint manager: periodic saves, retention, crash clean-up, preemption.
+
+A training loop drives it with one call per step::
+
+    mgr = flashwrite.CheckpointManager("ckpt/", every_n_steps=500, keep_last=3)
+    restored = mgr.restore()                   # None on a fresh start
+    start = restored[0] + 1 if restored else 0
+    for step in range(start, steps):
+        train_step()
+        mgr.maybe_save(step, state_dict)       # returns once the state is staged
+    mgr.close()                                # waits until the last save is durable
+
+Layout: one committed checkpoint per step, ``root/step-00001000``. A checkpoint
+directory only ever appears whole (see ``commit``), so listing the directory is
+the truth about which checkpoints exist, also across processes and restarts.
+
+Policies, stated once:
+
+* At most one save is in flight. When the next one is due before the previous
+  one is durable, ``if_busy="wait"`` (default) blocks until it is, then saves,
+  so no due checkpoint is lost; ``if_busy="skip"`` skips this one and logs it,
+  so the loop never waits for the disk. ``save()`` always waits.
+* A failed save (no space, I/O error) is logged at ERROR when it happens and the
+  loop keeps training; its future raises the error, and so does the next
+  ``wait()``/``close()`` unless it was already seen through the future.
+* Retention runs only after a new checkpoint has committed, deletes only
+  committed checkpoints outside the policy (``keep_last`` newest, plus every
+  multiple of ``keep_every_n_steps``) and never the newest one. A deletion first
+  renames the directory to a temporary name and removes its manifest, so a crash
+  mid-deletion never leaves something that looks like a checkpoint.
+* At start-up, temporary directories left by crashed saves or deletions in
+  ``root`` are removed (names carrying ``commit.TMP_MARK``/``commit.OLD_MARK``;
+  nothing else is touched). A save's temporary directory whose process is still
+  alive on this host is left alone. A checkpoint that was moved aside to be
+  replaced when the process died, and whose replacement never appeared, is put
+  back. One manager per root: on shared storage the manager cannot tell another
+  host's live save from a crashed one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from . import _core, commit
+from .errors import CorruptCheckpointError
+from .format import MANIFEST_NAME
+from .load import load
+from .save import SaveFuture, SaveStats, Writer
+
+log = logging.getLogger("flashwrite")
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_PID_RE = re.compile(re.escape(commit.TMP_MARK) + r"(\d+)-")
+
+StateSource = Any  # a (nested) state dict, or a callable returning one (called only when a save is due)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _boot_time() -> float | None:
+    try:
+        with open("/proc/stat") as fh:
+            for line in fh:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _owner_alive(name: str, path: str) -> bool:
+    """Whether the process that created temp dir ``name`` may still be writing it.
+
+    The pid is in the name; a live process with that pid that started after the
+    directory was last modified is a recycled pid, not the owner.
+    """
+    m = _TMP_PID_RE.search(name)
+    if not m:
+        return False
+    pid = int(m.group(1))
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(")") + 2:].split()
+    if not fields or fields[0] in ("Z", "X"):
+        return False
+    btime = _boot_time()
+    if btime is None or len(fields) < 20:
+        return True  # cannot tell: keep it
+    started = btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    try:
+        mtime = os.lstat(path).st_mtime
+    except OSError:
+        return False
+    return started <= mtime + 2.0  # btime has 1 s resolution
+
+
+class _Pending:
+    """One save started by the manager; ``done`` is set after logging and retention."""
+
+    def __init__(self, step: int, path: str, future: SaveFuture):
+        self.step = step
+        self.path = path
+        self.future = future
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.error_seen = False
+
+
+class CheckpointManager:
+    """Periodic checkpoints of a training run under ``root``.
+
+    every_n_steps: ``maybe_save`` saves when ``step % every_n_steps == 0``.
+    every_n_seconds: ... or when this long has passed since the last save started
+    (or since the manager was created). With neither, ``maybe_save`` never saves
+    and ``save`` is the way to checkpoint.
+    keep_last: keep this many newest checkpoints (None: keep all).
+    keep_every_n_steps: also keep every checkpoint whose step is a multiple of this.
+    writer: the ``Writer`` to save with (its staging pool is reused); default: one
+    owned by the manager and closed by ``close()``.
+    if_busy: "wait" or "skip" when a save is due while the previous one is in flight.
+    cleanup: remove stale temporary directories at start-up (False for read-only observers).
+    handle_sigterm / final_state: see ``install_sigterm_handler``.
+    allow_pickle: store (and restore) non-tensor objects by pickling. Only for trusted storage.
+    """
+
+    def __init__(self, root: str | os.PathLike, every_n_steps: int | None = None, every_n_seconds: float | None = None,
+                 keep_last: int | None = None, keep_every_n_steps: int | None = None, writer: Writer | None = None, *,
+                 if_busy: str = "wait", cleanup: bool = True, handle_sigterm: bool = False,
+                 final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False):
+        for name, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
+                        ("keep_every_n_steps", keep_every_n_steps)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, not {v!r}")
+        if every_n_seconds is not None and not every_n_seconds > 0:
+            raise ValueError(f"every_n_seconds must be positive or None, not {every_n_seconds!r}")
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.every_n_steps = every_n_steps
+        self.every_n_seconds = every_n_seconds
+        self.keep_last = keep_last
+        self.keep_every_n_steps = keep_every_n_steps
+        self.if_busy = if_busy
+        self.allow_pickle = allow_pickle
+        self.preempted = False
+        self._owns_writer = writer is None
+        self._writer = writer if writer is not None else Writer()
+        self._lock = threading.Lock()
+        self._inflight: _Pending | None = None
+        self._restoring: dict[int, int] = {}
+        self._last_start = time.monotonic()
+        self._closed = False
+        self._in_call = 0
+        self._sigterm_installed = False
+        self._sigterm_prev: Any = None
+        self._sigterm_pending = False
+        self._preempting = False
+        self._final_state = final_state
+        os.makedirs(self.root, exist_ok=True)
+        if cleanup:
+            self.cleanup_stale()
+        if handle_sigterm:
+            self.install_sigterm_handler(final_state)
+
+    # ----------------------------------------------------------------- naming
+
+    def path_for(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step:08d}")
+
+    def all_steps(self) -> list[int]:
+        """Steps of the committed checkpoints under root, ascending. A directory
+        counts only under its exact name and with its manifest in place."""
+        steps = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for e in entries:
+            m = _STEP_RE.match(e.name)
+            if not m or os.path.basename(self.path_for(int(m.group(1)))) != e.name:
+                continue
+            if e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ----------------------------------------------------------------- saving
+
+    def _check_step(self, step: int) -> None:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, not {step!r}")
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+
+    def is_due(self, step: int) -> bool:
+        """Whether ``maybe_save(step, ...)`` would start a save (ignoring a busy writer)."""
+        if self.every_n_steps is not None and step % self.every_n_steps == 0:
+            return True
+        return self.every_n_seconds is not None and time.monotonic() - self._last_start >= self.every_n_seconds
+
+    def maybe_save(self, step: int, state_dict: StateSource) -> SaveFuture | None:
+        """Save if a checkpoint is due at ``step``; returns its future (already staged)
+        or None. ``state_dict`` may be a callable that builds it, called only when due.
+        A step that already has a checkpoint is not saved again."""
+        self._check_step(step)
+        if not self.is_due(step):
+            return None
+        with self._call():
+            p = self._inflight
+            if (p is not None and p.step == step and not p.done.is_set()) or os.path.lexists(self.path_for(step)):
+                log.warning("checkpoint for step %d already exists in %s; not saving it again", step, self.root)
+                return None
+            return self._start(step, state_dict, overwrite=False, policy=self.if_busy)
+
+    def save(self, step: int, state_dict: StateSource, *, overwrite: bool = False) -> SaveFuture:
+        """Save now (after the save in flight, if any, is durable). Returns once staged."""
+        self._check_step(step)
+        with self._call():
+            fut = self._start(step, state_dict, overwrite=overwrite, policy="wait")
+            assert fut is not None
+            return fut
+
+    def _start(self, step: int, state_dict: StateSource, *, overwrite: bool, policy: str) -> SaveFuture | None:
+        prev = self._inflight
+        if prev is not None and not prev.done.is_set():
+            if policy == "skip":
+                log.info("skipping the checkpoint at step %d: step %d is still being written", step, prev.step)
+                return None
+            t0 = time.perf_counter()
+            prev.done.wait()
+            log.debug("step %d waited %.3f s for the checkpoint of step %d", step, time.perf_counter() - t0, prev.step)
+        if callable(state_dict):
+            state_dict = state_dict()
+        path = self.path_for(step)
+        self._last_start = time.monotonic()
+        fut = self._writer.save_async(state_dict, path, overwrite=overwrite, allow_pickle=self.allow_pickle,
+                                      metadata={"step": str(step)})
+        pending = _Pending(step, path, fut)
+        with self._lock:
+            self._inflight = pending
+        fut.add_done_callback(lambda _f: self._finished(pending))
+        return fut
+
+    def _finished(self, p: _Pending) -> None:
+        """Runs once per save, on the writer's commit thread: log, then retention."""
+        try:
+            exc = p.future.exception()
+            if exc is not None:
+                p.error = exc
+                log.error("checkpoint step %d failed, nothing was committed (%s: %s)", p.step, type(exc).__name__, exc)
+                return
+            st = p.future.result()
+            log.info("checkpoint step %d committed: %s, %s, stall %.3f s, durable after %.3f s, %.3g GB/s", p.step,
+                     p.path, _fmt_bytes(st.bytes), st.stall_s or 0.0, st.total_s or 0.0, st.gbps or 0.0)
+            self._retain(p.step)
+        except Exception:
+            log.exception("checkpoint step %d: retention failed (the checkpoint itself is committed)", p.step)
+        finally:
+            p.done.set()
+
+    def wait(self) -> SaveStats | None:
+        """Block until the save in flight is durable and committed (and retention
+        has run). Returns its stats; raises its error if it failed and the error
+        was not already seen through its future."""
+        with self._call():
+            p = self._inflight
+            if p is None:
+                return None
+            p.done.wait()
+            if p.error is not None:
+                if not p.error_seen:
+                    p.error_seen = True
+                    raise p.error
+                return None
+            return p.future.result()
+
+    # -------------------------------------------------------------- retention
+
+    def _retain(self, committed: int) -> None:
+        if self.keep_last is None:
+            return
+        steps = self.all_steps()
+        if not steps:
+            return
+        keep = set(steps[-self.keep_last:])
+        if self.keep_every_n_steps is not None:
+            keep.update(s for s in steps if s % self.keep_every_n_steps == 0)
+        keep.update((steps[-1], committed))
+        with self._lock:
+            keep.update(self._restoring)
+        for s in steps:
+            if s not in keep:
+                self._delete(s)
+
+    def _delete(self, step: int) -> None:
+        path = self.path_for(step)
+        doomed = os.path.join(self.root, f".{os.path.basename(path)}{commit.OLD_MARK}{uuid.uuid4().hex[:12]}")
+        os.rename(path, doomed)
+        _core.fsync_dir(self.root)
+        # Without its manifest the moved directory can never be taken for (or
+        # restored as) a checkpoint, whatever state a crash leaves it in.
+        os.unlink(os.path.join(doomed, MANIFEST_NAME))
+        shutil.rmtree(doomed, ignore_errors=True)
+        log.info("removed checkpoint step %d (retention)", step)
+
+    def cleanup_stale(self) -> list[str]:
+        """Remove temporary directories left in root by crashed saves and deletions
+        (and put back a checkpoint whose replacement never appeared). Returns the
+        names it removed or restored. Called by the constructor."""
+        touched = []
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError as e:
+            log.warning("cannot list %s to clean up stale temporary directories: %s", self.root, e)
+            return touched
+        for e in entries:
+            if not commit.is_temp_name(e.name):
+                continue
+            try:
+                if not e.is_dir(follow_symlinks=False):
+                    os.unlink(e.path)
+                elif commit.TMP_MARK in e.name:
+                    if _owner_alive(e.name, e.path):
+                        log.debug("leaving %s: its process is still alive", e.path)
+                        continue
+                    shutil.rmtree(e.path)
+                else:
+                    original = os.path.join(self.root, e.name[1:e.name.index(commit.OLD_MARK)])
+                    if not os.path.lexists(original) and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
+                        os.rename(e.path, original)
+                        log.warning("restored %s: it was being replaced when its process died", original)
+                        touched.append(e.name)
+                        continue
+                    shutil.rmtree(e.path)
+                log.info("removed stale temporary %s", e.path)
+                touched.append(e.name)
+            except OSError as err:
+                log.warning("cannot remove stale temporary %s: %s", e.path, err)
+        if touched:
+            try:
+                _core.fsync_dir(self.root)
+            except OSError as err:
+                log.warning("fsync of %s failed: %s", self.root, err)
+        return touched
+
+    # ---------------------------------------------------------------- restore
+
+    def restore(self, step: int | None = None, into: Any = None, *, fallback: bool = True,
+                **load_options: Any) -> tuple[int, Any] | None:
+        """Load a checkpoint: ``(step, state)``, or None when there is none.
+
+        step=None takes the newest; if it is damaged (CorruptCheckpointError) and
+        ``fallback`` is true, the error is logged and the next older one is tried.
+        into: fill an existing state dict in place (see ``flashwrite.load``); it is
+        left untouched by a damaged checkpoint, whose bytes are checked first.
+        load_options go to ``flashwrite.load`` (map_location, verify, ...).
+        """
+        with self._call():
+            if step is not None:
+                self._check_step(step)
+                candidates = [step]
+            else:
+                candidates = list(reversed(self.all_steps()))
+            first_error: BaseException | None = None
+            for s in candidates:
+                with self._lock:
+                    self._restoring[s] = self._restoring.get(s, 0) + 1
+                try:
+                    state = load(self.path_for(s), into=into, allow_pickle=self.allow_pickle, **load_options)
+                    return s, state
+                except (CorruptCheckpointError, FileNotFoundError) as e:
+                    if step is not None or not fallback:
+                        raise
+                    log.error("checkpoint step %d cannot be restored (%s); trying an older one", s, e)
+                    first_error = first_error or e
+                finally:
+                    with self._lock:
+                        self._restoring[s] -= 1
+                        if not self._restoring[s]:
+                            del self._restoring[s]
+            if first_error is not None:
+                raise first_error
+            return None
+
+    def restore_latest(self, into: Any = None, **load_options: Any) -> tuple[int, Any] | None:
+        return self.restore(None, into, **load_options)
+
+    # ------------------------------------------------------------- preemption
+
+    def install_sigterm_handler(self, final_state: Callable[[], tuple[int, Any]] | None = None) -> None:
+        """On SIGTERM: finish the save in flight, then, if ``final_state`` is given,
+        save ``final_state() -> (step, state_dict)`` (unless that step is already
+        saved), then hand the signal to the handler that was installed before
+        (the default one terminates the process). Main thread only.
+
+        The handler runs between bytecodes of the main thread, so ``final_state``
+        must return a consistent state from wherever the loop was interrupted
+        (e.g. the state as of the last completed step). A signal that arrives
+        while the main thread is inside a manager call is handled when that call
+        returns.
+        """
+        if final_state is not None:
+            self._final_state = final_state
+        if self._sigterm_installed:
+            return
+        self._sigterm_prev = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._sigterm_installed = True
+
+    def uninstall_sigterm_handler(self) -> None:
+        if not self._sigterm_installed:
+            return
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            prev = self._sigterm_prev
+            signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
+        self._sigterm_installed = False
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._in_call:
+            self._sigterm_pending = True
+            return
+        self._preempt(signum, frame)
+
+    def _preempt(self, signum: int, frame: Any) -> None:
+        if self._preempting:
+            return
+        self._preempting = True
+        self.preempted = True
+        try:
+            log.warning("SIGTERM: completing the checkpoint in flight%s", " and saving a final one"
+                        if self._final_state else "")
+            try:
+                self.wait()
+            except Exception as e:
+                log.error("the checkpoint in flight failed: %s", e)
+            if self._final_state is not None and not self._closed:
+                try:
+                    step, state = self._final_state()
+                    if step in self.all_steps():
+                        log.info("final checkpoint: step %d is already saved", step)
+                    else:
+                        self.save(step, state)
+                        self.wait()
+                except Exception:
+                    log.exception("final checkpoint on SIGTERM failed")
+        finally:
+            self._preempting = False
+        prev = self._sigterm_prev
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:
+            # The default action: terminate, with the status a plain SIGTERM gives.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    class _CallGuard:
+        def __init__(self, mgr: CheckpointManager):
+            self.mgr = mgr
+
+        def __enter__(self) -> None:
+            self.mgr._in_call += 1
+
+        def __exit__(self, *exc: Any) -> None:
+            mgr = self.mgr
+            mgr._in_call -= 1
+            if not mgr._in_call and mgr._sigterm_pending:
+                mgr._sigterm_pending = False
+                mgr._preempt(signal.SIGTERM, None)
+
+    def _call(self) -> CheckpointManager._CallGuard:
+        # Only the main thread counts: signal handlers run there.
+        return self._CallGuard(self) if threading.current_thread() is threading.main_thread() else _NULL_GUARD
+
+    # --------------------------------------------------------------- shutdown
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error if unseen), restore the
+        previous SIGTERM handler, and close the writer if the manager owns it."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if threading.current_thread() is threading.main_thread():
+                self.uninstall_sigterm_handler()
+            if self._owns_writer:
+                self._writer.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # do not hide the exception already on its way
+            log.error("closing the checkpoint manager: %s", e)
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.root!r}, every_n_steps={self.every_n_steps}, "
+                f"every_n_seconds={self.every_n_seconds}, keep_last={self.keep_last}, "
+                f"keep_every_n_steps={self.keep_every_n_steps}, if_busy={self.if_busy!r})")
+
+
+class _NullGuard:
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+_NULL_GUARD = _NullGuard()
