@@ -3,38 +3,68 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <utility>
 
 #include "core/error.hpp"
 
 namespace fw {
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace {
+constexpr size_t kHuge = 2 << 20;
+}
+
 AlignedBuffer::AlignedBuffer(size_t bytes, bool populate) : size_(bytes), cap_(round_up(bytes ? bytes : 1, kAlign)) {
-  int flags = MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0);
-  void* p = mmap(nullptr, cap_, PROT_READ | PROT_WRITE, flags, -1, 0);
-  if (p == MAP_FAILED) throw_errno(errno, "mmap staging buffer", "", -1, static_cast<int64_t>(cap_));
+  bool huge = cap_ >= 2 * kHuge;
+  map_len_ = huge ? cap_ + kHuge : cap_;
+  void* p = mmap(nullptr, map_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw_errno(errno, "mmap host buffer", "", -1, static_cast<int64_t>(map_len_));
+  map_ = p;
   ptr_ = static_cast<char*>(p);
+  if (huge) {
+    ptr_ = reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(p), kHuge));
+    madvise(ptr_, cap_, MADV_HUGEPAGE);  // advisory: ignored where THP is off
+  }
+  if (populate) prefault(0, cap_);
+}
+
+void AlignedBuffer::prefault(size_t offset, size_t len) const noexcept {
+  if (!ptr_ || offset >= cap_) return;
+  len = std::min(len, cap_ - offset);
+  if (madvise(ptr_ + offset, len, MADV_POPULATE_WRITE) == 0) return;
+  for (size_t i = 0; i < len; i += kAlign) *static_cast<volatile char*>(ptr_ + offset + i) = 0;
 }
 
 AlignedBuffer::~AlignedBuffer() { reset(); }
 
 AlignedBuffer::AlignedBuffer(AlignedBuffer&& o) noexcept
-    : ptr_(std::exchange(o.ptr_, nullptr)), size_(std::exchange(o.size_, 0)), cap_(std::exchange(o.cap_, 0)) {}
+    : ptr_(std::exchange(o.ptr_, nullptr)),
+      map_(std::exchange(o.map_, nullptr)),
+      size_(std::exchange(o.size_, 0)),
+      cap_(std::exchange(o.cap_, 0)),
+      map_len_(std::exchange(o.map_len_, 0)) {}
 
 AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& o) noexcept {
   if (this != &o) {
     reset();
     ptr_ = std::exchange(o.ptr_, nullptr);
+    map_ = std::exchange(o.map_, nullptr);
     size_ = std::exchange(o.size_, 0);
     cap_ = std::exchange(o.cap_, 0);
+    map_len_ = std::exchange(o.map_len_, 0);
   }
   return *this;
 }
 
 void AlignedBuffer::reset() noexcept {
-  if (ptr_) munmap(ptr_, cap_);
+  if (map_) munmap(map_, map_len_);
+  map_ = nullptr;
   ptr_ = nullptr;
-  size_ = cap_ = 0;
+  size_ = cap_ = map_len_ = 0;
 }
 
 }  // namespace fw

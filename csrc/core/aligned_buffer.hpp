@@ -1,5 +1,7 @@
 // Page-aligned host memory from mmap: aligned for O_DIRECT, and whole pages so
-// it can be page-locked by the CUDA runtime without touching neighbours.
+// it can be page-locked by the CUDA runtime without touching neighbours. Large
+// buffers are 2 MiB aligned and advised as transparent huge pages: faulting in
+// 4 KiB pages costs ~0.4 s per GiB on a VM, more than reading it from NVMe.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +23,9 @@ class AlignedBuffer {
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
 
+  // Fault in [offset, offset+len) now (MADV_POPULATE_WRITE, or touching pages).
+  void prefault(size_t offset, size_t len) const noexcept;
+
   char* data() const noexcept { return ptr_; }
   size_t size() const noexcept { return size_; }      // usable bytes (as requested)
   size_t capacity() const noexcept { return cap_; }   // mapped bytes (page multiple)
@@ -28,7 +33,8 @@ class AlignedBuffer {
  private:
   void reset() noexcept;
   char* ptr_ = nullptr;
-  size_t size_ = 0, cap_ = 0;
+  void* map_ = nullptr;  // what mmap returned (ptr_ may be aligned up inside it)
+  size_t size_ = 0, cap_ = 0, map_len_ = 0;
 };
 
 }  // namespace fw

@@ -64,6 +64,7 @@ void LoadJob::start() {
       r.write = false;
       r.tag = requests_.size();
       requests_.push_back(r);
+      file_of_request_.push_back(f);
     }
   // Interleave files so every one has reads in flight.
   std::stable_sort(requests_.begin(), requests_.end(), [](const IoRequest& a, const IoRequest& b) { return a.offset < b.offset; });
@@ -82,6 +83,9 @@ void LoadJob::start() {
     if (!p.len) continue;
     chunk_pieces_[index_of[tag]].push_back(i);
   }
+  std::vector<uint32_t> file_of(requests_.size());
+  for (size_t i = 0; i < requests_.size(); ++i) file_of[i] = file_of_request_[requests_[i].tag];
+  file_of_request_.swap(file_of);
   for (size_t i = 0; i < requests_.size(); ++i) requests_[i].tag = i;
   backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
   backend_name_ = backend_->name();
@@ -89,16 +93,13 @@ void LoadJob::start() {
 }
 
 void LoadJob::on_io(IoRequest* r, int64_t res) {
+  const uint32_t f = file_of_request_[r->tag];
   if (res < 0) {
-    uint32_t f = 0;
-    while (f + 1 < fds_.size() && fds_[f] != r->fd) ++f;
     fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "read", specs_[f].path,
                                          static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
     return;
   }
   if (static_cast<uint64_t>(res) < r->want) {
-    uint32_t f = 0;
-    while (f + 1 < fds_.size() && fds_[f] != r->fd) ++f;
     fail(std::make_exception_ptr(FormatError("'" + specs_[f].path + "' ended at offset " +
                                              std::to_string(r->offset + res) + " while reading (truncated)")));
     return;
@@ -136,6 +137,10 @@ void LoadJob::run() {
   for (unsigned i = 0; i < opt_.verify_threads && !pieces_.empty(); ++i) verifiers.emplace_back([this] { verify_worker(); });
   for (auto& r : requests_) {
     if (cancel_.load()) break;
+    // Fault the destination in here, while earlier reads are in flight, rather
+    // than in the kernel's direct-I/O path where it stalls the request.
+    const AlignedBuffer& b = *buffers_[file_of_request_[r.tag]];
+    b.prefault(static_cast<size_t>(r.buf - b.data()), r.len);
     backend_->submit(&r);
   }
   backend_->drain();

@@ -70,6 +70,7 @@ class LoadJob {
   std::vector<std::shared_ptr<AlignedBuffer>> buffers_;
   std::vector<int> fds_;
   std::vector<IoRequest> requests_;
+  std::vector<uint32_t> file_of_request_;  // per request (by tag)
   std::vector<std::vector<uint32_t>> chunk_pieces_;  // per request: pieces inside it
   std::unique_ptr<IoBackend> backend_;
   std::string backend_name_;

@@ -44,7 +44,8 @@ void StagingPool::reserve(size_t slots) {
   if (slots <= total_slots_) return;
   size_t add = slots - total_slots_;
   auto slab = std::make_unique<Slab>();
-  slab->mem = AlignedBuffer(add * slot_bytes_, /*populate=*/true);
+  // Not pre-faulted here: the copy threads fault the slots in parallel on first use.
+  slab->mem = AlignedBuffer(add * slot_bytes_);
   pin_slab(*slab);
   for (size_t i = 0; i < add; ++i) free_.push_back(slab->mem.data() + i * slot_bytes_);
   total_slots_ += add;
