@@ -116,3 +116,78 @@ def fill(directory: str, leave_bytes: int) -> str:
 def free_bytes(directory: str) -> int:
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
+
+
+class Zygote:
+    """Client of ``fault_child.py zygote``: forks victims, reads their phase lines."""
+
+    def __init__(self, log_path: str):
+        import queue
+        import sys
+        import threading
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(here, "fault_child.py"), "zygote"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, bufsize=0)
+        self.lines: queue.Queue = queue.Queue()
+        self.log_path = log_path
+        self.victim: int | None = None
+        self._early: list = []
+
+        def pump():
+            for raw in self.proc.stdout:
+                self.lines.put(raw.decode().split())
+            self.lines.put(None)
+
+        self._reader = threading.Thread(target=pump, daemon=True)
+        self._reader.start()
+
+    def start(self, **req) -> int:
+        import json
+
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        early = []  # the victim may print before the zygote reports the fork
+        while True:
+            line = self.next(timeout=60)
+            assert line is not None, "the zygote did not fork"
+            if line[0] == "forked":
+                self.victim = int(line[1])
+                self._early.extend(early)
+                return self.victim
+            early.append(line)
+
+    def next(self, timeout: float | None = None) -> list[str] | None:
+        """The next line (split), or None on timeout. Raises if the zygote died."""
+        import queue
+
+        if self._early:
+            return self._early.pop(0)
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if line is None:
+            raise RuntimeError(f"the zygote exited; see {self.log_path}: {open(self.log_path).read()[-2000:]}")
+        if line[0] == "exit":
+            self.victim = None
+        return line
+
+    def close(self) -> None:
+        import signal
+
+        if self.victim is not None:  # a test failed with a victim still paused
+            try:
+                os.kill(self.victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        finally:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc.stdout.close()
+            self._reader.join(5)
+            self._log.close()
