@@ -1,0 +1,319 @@
+"""The side-by-side comparison: every contender saves (then loads) the same
+synthetic training state, in one run, next to the device limit and a memcpy.
+
+Isolation: by default each contender runs in a fresh subprocess (one per
+contender per round), so peak RSS and CPU time belong to that contender alone
+(no allocator caches, pools or threads left behind by another library) and an
+import of one peer cannot slow another. Rounds interleave the contenders, so
+disk noise hits all of them alike; the report shows medians over rounds, and
+ratios are taken within a round before the median.
+
+Contenders that keep state across saves (staging pools, writer processes) do
+one unmeasured warm-up save first, as a training run would have done by its
+second checkpoint; the first save's figures are kept in the JSON ("first").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from . import devicelimit, peers
+from .measure import Meter, resident_bytes
+from .state import make_state, planned_bytes, state_bytes, tensors_of
+
+GiB = 1 << 30
+
+
+def _check_loaded(state: Any, loaded: Any) -> str:
+    """'ok' when the loaded object holds every tensor byte of the state (checked on
+    the largest tensors), else what differs."""
+    src = tensors_of(state)
+    got = tensors_of(loaded)
+    if state_bytes(state) != sum(t.numel() * t.element_size() for t in got):
+        return f"loaded {sum(t.numel() * t.element_size() for t in got)} tensor bytes, saved {state_bytes(state)}"
+    by_shape: dict[tuple, list[torch.Tensor]] = {}
+    for t in got:
+        by_shape.setdefault((tuple(t.shape), t.dtype), []).append(t)
+    for s in sorted(src, key=lambda t: -t.numel())[:3]:
+        if not any(torch.equal(s, t) for t in by_shape.get((tuple(s.shape), s.dtype), [])):
+            return f"a {tuple(s.shape)} tensor came back different"
+    return "ok"
+
+
+def run_worker(spec: dict, state: Any = None) -> dict:
+    """Run one contender (or the memcpy reference) on a state: warm-up save if it
+    needs one, one measured save, one cold load. Returns the measured figures."""
+    key = spec["contender"]
+    if state is None:
+        state = make_state(spec["size"], seed=spec.get("seed", 0))
+    nbytes = state_bytes(state)
+    out: dict[str, Any] = {"key": key, "bytes": nbytes}
+    if key == "memcpy":
+        m = devicelimit.memcpy_seconds(tensors_of(state))
+        out.update(status="ok", name=f"memcpy, {m['threads']} threads", stall_s=m["seconds"],
+                   label=f"memcpy of every tensor into one warm buffer, {m['threads']} threads (best of 3)")
+        return out
+    c = peers.contenders(spec.get("dcp_threads", peers.DCP_THREADS))[key]
+    if key == "flashwrite" and spec.get("flashwrite_options"):
+        c = peers.Flashwrite(**spec["flashwrite_options"])
+    out.update(name=c.name, label=c.label, note=c.note())
+    why = c.available()
+    if why:
+        out["status"] = f"skipped: {why}"
+        return out
+    workdir = spec["dir"]
+    path = os.path.join(workdir, peers.file_name(key))
+    drop = spec.get("drop_caches", True)
+    base = resident_bytes()
+    try:
+        warm = path + ".warmup"
+        if c.needs_warmup:
+            # A pool or worker kept between saves: the steady state starts at the second save.
+            devicelimit.drop_caches() if drop else None
+            with Meter() as m:
+                r = c.save(state, warm)
+            out["first"] = {"stall_s": r["stall_s"], "durable_s": r["durable_s"], "cpu_s": m.cpu_s,
+                            "rss_growth": m.peak_bytes - base}
+        else:
+            # Stateless: a tiny save pays the lazy imports and first-call set-up only.
+            c.save(make_state(1 << 20, seed=7), warm)
+        peers.remove(warm)
+        why_not = devicelimit.drop_caches() if drop else "page cache not dropped (--no-drop-caches)"
+        with Meter() as m:
+            r = c.save(state, path)
+        out.update(r)
+        out["cpu_s"] = m.cpu_s
+        # Against the memory before any save: a pool kept from the warm-up counts.
+        out["rss_growth"] = m.peak_bytes - base
+        if spec.get("load", True):
+            why_not = (devicelimit.drop_caches() if drop else why_not) or why_not
+            template = None
+            if key.startswith("dcp"):
+                # DCP loads in place: a resumed trainer has its model allocated already.
+                template = make_state(spec["size"], seed=spec.get("seed", 0) + 1)
+            elif key == "torch_checkpointing":
+                template = dict.fromkeys(state)
+            with Meter() as m:
+                t0 = time.perf_counter()
+                loaded = c.load(path, template)
+                out["load_s"] = time.perf_counter() - t0
+            out["load_cpu_s"] = m.cpu_s
+            out["load_check"] = _check_loaded(state, loaded)
+            del loaded, template
+        out["cache"] = "dropped" if why_not is None else why_not
+        out["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash of the run
+        out["status"] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        out["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        c.close()
+        peers.remove(path)
+        peers.remove(path + ".warmup")
+    return out
+
+
+def _run_subprocess(spec: dict, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="fwbench-spec-") as d:
+        sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
+        with open(sp, "w") as f:
+            json.dump(spec, f)
+        try:
+            p = subprocess.run([sys.executable, "-m", "flashwrite.bench.runner", "--worker", sp, op],
+                               capture_output=True, text=True, timeout=timeout_s, cwd=spec["dir"])
+        except subprocess.TimeoutExpired:
+            return {"key": spec["contender"], "status": f"failed: timed out after {timeout_s:.0f} s"}
+        if p.returncode != 0 or not os.path.exists(op):
+            tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"key": spec["contender"], "status": f"failed: worker exited {p.returncode}: {tail[0][:200]}",
+                    "stderr": p.stderr[-4000:]}
+        with open(op) as f:
+            return json.load(f)
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _fs_of(directory: str) -> str:
+    try:
+        best = ("", "?")
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if (directory + "/").startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(best[0]):
+                    best = (mnt, f"{fstype} ({dev} on {mnt})")
+        return best[1]
+    except OSError:
+        return "?"
+
+
+def compare(size: int, contenders: list[str], directory: str | None = None, rounds: int = 1,
+            isolation: str = "subprocess", load: bool = True, device_tool: str = "auto",
+            dcp_threads: int = peers.DCP_THREADS, drop_caches: bool = True, seed: int = 0,
+            flashwrite_options: dict | None = None, log: Callable[[str], None] = print,
+            timeout_s: float = 1800) -> dict:
+    """Run the comparison and return the results (see report.py for their shape)."""
+    known = peers.contenders(dcp_threads)
+    for k in contenders:
+        if k not in known:
+            raise ValueError(f"unknown contender {k!r}; known: {', '.join(known)}")
+    parent = os.path.abspath(directory or os.getcwd())
+    os.makedirs(parent, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix=".flashwrite-bench-", dir=parent)
+    can_drop = devicelimit.drop_caches() if drop_caches else "not asked (--no-drop-caches)"
+    meta = {"size_requested": size, "rounds": rounds, "isolation": isolation, "directory": parent,
+            "filesystem": _fs_of(parent), "cpus": len(os.sched_getaffinity(0)),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1),
+            "python": platform.python_version(), "torch": torch.__version__, "kernel": platform.release(),
+            "cold_cache": "page cache dropped before every save and load" if can_drop is None else can_drop,
+            "dcp_threads": dcp_threads, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import flashwrite
+        meta["flashwrite"] = flashwrite.__version__
+        meta["flashwrite_backend"] = flashwrite.backend_info(parent)
+    except Exception as e:  # noqa: BLE001
+        meta["flashwrite"] = f"unavailable: {e}"
+    shared_state = make_state(size, seed=seed) if isolation == "inprocess" else None
+    nbytes = planned_bytes(size)
+    per: dict[str, list[dict]] = {k: [] for k in ["memcpy", *contenders]}
+    devices: list[dict] = []
+    try:
+        for rnd in range(rounds):
+            for key in ["device", "memcpy", *contenders]:
+                spec = {"contender": key, "size": size, "seed": seed, "dir": workdir, "load": load,
+                        "drop_caches": drop_caches and can_drop is None, "dcp_threads": dcp_threads,
+                        "flashwrite_options": flashwrite_options or {}}
+                t0 = time.perf_counter()
+                if key == "device":
+                    d = devicelimit.device_limit(workdir, nbytes, device_tool)
+                    d["bytes"] = nbytes
+                    devices.append(d)
+                    log(f"[round {rnd + 1}/{rounds}] device limit ({d['tool']}): write {d['write_s']:.2f} s, "
+                        f"read {d['read_s']:.2f} s")
+                    continue
+                if isolation == "subprocess":
+                    r = _run_subprocess(spec, timeout_s)
+                else:
+                    r = run_worker(spec, shared_state)
+                per[key].append(r)
+                msg = r.get("status", "?")
+                if msg == "ok" and "durable_s" in r:
+                    msg = (f"stall {r['stall_s']:.3f} s, durable {r['durable_s']:.3f} s"
+                           + (f", cold load {r['load_s']:.3f} s" if "load_s" in r else ""))
+                elif msg == "ok":
+                    msg = f"{r['stall_s']:.3f} s"
+                log(f"[round {rnd + 1}/{rounds}] {r.get('name', key)}: {msg} ({time.perf_counter() - t0:.0f} s)")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return summarize(meta, nbytes, devices, per)
+
+
+def summarize(meta: dict, nbytes: int, devices: list[dict], per: dict[str, list[dict]]) -> dict:
+    """Medians over rounds; ratios to the device limit taken within each round."""
+    dev = {"tool": devices[0]["tool"] if devices else "?",
+           "write_s": _median([d["write_s"] for d in devices]), "read_s": _median([d["read_s"] for d in devices]),
+           "rounds": devices}
+    if dev["write_s"]:
+        dev["write_gbps"] = nbytes / dev["write_s"] / 1e9
+    if dev["read_s"]:
+        dev["read_gbps"] = nbytes / dev["read_s"] / 1e9
+    mem = [r for r in per.pop("memcpy", []) if r.get("status") == "ok"]
+    memcpy = {"name": mem[0]["name"], "label": mem[0]["label"],
+              "stall_s": _median([r["stall_s"] for r in mem])} if mem else None
+    rows = []
+    for key, runs in per.items():
+        ok = [(i, r) for i, r in enumerate(runs) if r.get("status") == "ok"]
+        first = runs[0] if runs else {"key": key}
+        row: dict[str, Any] = {"key": key, "name": first.get("name", key), "label": first.get("label", key),
+                               "note": first.get("note", ""),
+                               "rounds_ok": len(ok), "runs": runs}
+        if not ok:
+            row["status"] = first.get("status", "not run")
+            rows.append(row)
+            continue
+        row["status"] = "ok" if len(ok) == len(runs) else f"ok in {len(ok)}/{len(runs)} rounds: " + next(
+            r["status"] for r in runs if r.get("status") != "ok")
+        rs = [r for _, r in ok]
+        for f in ("stall_s", "durable_s", "cpu_s", "rss_growth", "load_s", "load_cpu_s"):
+            row[f] = _median([r.get(f) for r in rs])
+        row["gbps"] = nbytes / row["durable_s"] / 1e9 if row["durable_s"] else None
+        row["cpu_s_per_gib"] = row["cpu_s"] / (nbytes / GiB) if row["cpu_s"] is not None else None
+        row["vs_device"] = _median([devices[i]["write_s"] / r["durable_s"] for i, r in ok
+                                    if i < len(devices) and r.get("durable_s")])
+        row["load_vs_device"] = _median([devices[i]["read_s"] / r["load_s"] for i, r in ok
+                                         if i < len(devices) and r.get("load_s")])
+        row["load_check"] = ", ".join(sorted({r.get("load_check", "-") for r in rs}))
+        row["cache"] = ", ".join(sorted({r.get("cache", "?") for r in rs}))
+        for f in ("backend", "direct", "stripes", "written_s"):
+            if f in rs[0]:
+                row[f] = rs[0][f]
+        firsts = [r["first"] for r in rs if "first" in r]
+        if firsts:
+            row["first"] = {f: _median([x[f] for x in firsts]) for f in firsts[0]}
+        rows.append(row)
+    res = {"meta": meta, "bytes": nbytes, "device": dev, "memcpy": memcpy, "rows": rows}
+    res["targets"] = targets(res)
+    return res
+
+
+def targets(res: dict) -> list[dict]:
+    """flashwrite against the DESIGN.md §5 targets, from this run's figures."""
+    rows = {r["key"]: r for r in res["rows"]}
+    fw = rows.get("flashwrite")
+    if not fw or fw.get("durable_s") is None:
+        return []
+    out = []
+
+    def add(name, ok, detail):
+        out.append({"target": name, "met": bool(ok), "detail": detail})
+
+    if fw.get("vs_device") is not None:
+        add("durable >= 0.9 x device limit", fw["vs_device"] >= 0.9, f"{fw['vs_device']:.2f} x")
+    if res.get("memcpy") and res["memcpy"]["stall_s"]:
+        ratio = fw["stall_s"] / res["memcpy"]["stall_s"]
+        add("stall <= 1.5 x multi-threaded memcpy", ratio <= 1.5,
+            f"{fw['stall_s']:.3f} s = {ratio:.1f} x memcpy ({res['memcpy']['stall_s']:.3f} s)")
+    if fw.get("load_vs_device") is not None:
+        add("cold load >= 0.9 x device read", fw["load_vs_device"] >= 0.9, f"{fw['load_vs_device']:.2f} x")
+    peers_ok = [r for k, r in rows.items() if k != "flashwrite" and r.get("durable_s") is not None]
+    if peers_ok:
+        best_d = min(peers_ok, key=lambda r: r["durable_s"])
+        best_s = min(peers_ok, key=lambda r: r["stall_s"])
+        add("faster to durable than every peer", fw["durable_s"] < best_d["durable_s"],
+            f"{fw['durable_s']:.2f} s vs best peer {best_d['name']} {best_d['durable_s']:.2f} s")
+        add("shorter stall than every peer", fw["stall_s"] < best_s["stall_s"],
+            f"{fw['stall_s']:.3f} s vs best peer {best_s['name']} {best_s['stall_s']:.3f} s")
+        loads = [r for r in peers_ok if r.get("load_s") is not None]
+        if loads and fw.get("load_s") is not None:
+            best_l = min(loads, key=lambda r: r["load_s"])
+            add("faster cold load than every peer", fw["load_s"] < best_l["load_s"],
+                f"{fw['load_s']:.2f} s vs best peer {best_l['name']} {best_l['load_s']:.2f} s")
+    return out
+
+
+def _worker_main(spec_path: str, out_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    res = run_worker(spec)
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
+    sys.exit("usage: python -m flashwrite.bench.runner --worker SPEC.json OUT.json (use `flashwrite bench`)")
