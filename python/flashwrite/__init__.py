@@ -9,6 +9,7 @@ from ._core import __version__
 from .errors import (CheckpointExistsError, ChecksumMismatchError, CorruptCheckpointError, FlashwriteError,
                      UnsafeCheckpointError)
 from .info import backend_info
+from .distributed import DistributedSaveError
 from .load import load, load_async, verify
 from .manager import CheckpointManager
 from .save import SaveFuture, SaveStats, Writer, save, save_async
@@ -30,4 +31,5 @@ __all__ = [
     "ChecksumMismatchError",
     "UnsafeCheckpointError",
     "CheckpointExistsError",
+    "DistributedSaveError",
 ]

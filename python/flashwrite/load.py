@@ -113,7 +113,7 @@ def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str =
 
 def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, verify: bool = True, *,
          allow_pickle: bool = False, strict: bool = True, backend: str = "auto", direct: bool = True,
-         queue_depth: int = 16) -> Any:
+         queue_depth: int = 16, process_group: Any = None) -> Any:
     """Load a checkpoint and return the nested structure that was saved.
 
     map_location: "cpu" (default; tensors are views of the read buffers), a device,
@@ -123,7 +123,15 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     verify: check every byte against the save-time checksums.
     allow_pickle: unpickle objects saved with allow_pickle=True (executes code:
     only for trusted checkpoints).
+    process_group: return this rank's state of a checkpoint saved by every rank of
+    a group of the same size (reading only its stripes). Without it, a multi-rank
+    checkpoint loads as ``{rank: state}``.
     """
+    if process_group is not None:
+        from . import distributed
+        return distributed.load(path, process_group=process_group, map_location=map_location, into=into,
+                                verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend,
+                                direct=direct, queue_depth=queue_depth)
     res = read_tensors(path, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth)
     m = res.manifest
     if into is not None:

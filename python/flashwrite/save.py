@@ -190,7 +190,8 @@ class Writer:
         return StripeWrite(self, job, files, tree, aliases, metadata, stats, t0)
 
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, overwrite: bool = False, block: bool = True,
-                   allow_pickle: bool = False, metadata: dict[str, str] | None = None) -> SaveFuture:
+                   allow_pickle: bool = False, metadata: dict[str, str] | None = None, process_group: Any = None,
+                   coordination_group: Any = None, timeout: float | None = None) -> SaveFuture:
         """Snapshot ``state_dict`` and write it to ``path`` in the background.
 
         Returns once every tensor is copied into the staging pool (block=True):
@@ -198,7 +199,20 @@ class Writer:
         as the copies are started; call ``wait_staged()`` before mutating them.
         A target that exists or cannot be created raises here; failures while
         writing (no space, I/O errors) are raised by the future.
+
+        process_group: save this rank's ``state_dict`` as its part of one checkpoint
+        written by every rank of the group (see ``flashwrite.distributed``; every
+        rank calls this; ``timeout`` bounds how long a rank waits for a silent peer,
+        ``coordination_group`` supplies flashwrite's gloo group for subgroups).
         """
+        if process_group is not None or coordination_group is not None:
+            from . import distributed
+            return distributed.save_async(self, state_dict, path, process_group=process_group,
+                                          coordination_group=coordination_group, timeout=timeout,
+                                          overwrite=overwrite, block=block, allow_pickle=allow_pickle,
+                                          metadata=metadata)
+        if timeout is not None:
+            raise ValueError("timeout= applies to multi-rank saves (process_group=)")
         t0 = time.perf_counter()
         path = os.path.abspath(os.fspath(path))
         tmp = commit.prepare(path, overwrite)
@@ -346,7 +360,8 @@ def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> Save
 
     Options: Writer settings (stripes, queue_depth, chunk_bytes, backend, direct,
     max_staging_bytes, copy_threads) and per-save settings (overwrite, block,
-    allow_pickle, metadata).
+    allow_pickle, metadata; process_group, coordination_group, timeout for a
+    multi-rank save).
     """
     wopts, sopts = _split_options(dict(options))
     return default_writer(**wopts).save_async(state_dict, path, **sopts)
