@@ -52,6 +52,8 @@ def _write_durable(path: str, data: bytes) -> None:
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
+    except OSError as e:  # os.write/fsync errors carry no path: name the file, as native errors do
+        raise OSError(e.errno, f"{e.strerror} (writing {os.path.basename(path)})", path) from None
     finally:
         os.close(fd)
 
