@@ -189,3 +189,206 @@ def test_kill9_at_random_moments(tmp_path, zygote):
     assert len(killed) >= 20, (report, [(r["trial"], r["where"]) for r in results if not r["killed"]])
     for g in ("staging", "writing+fsync (native)", "commit", "retention", "commit (overwrite)"):
         assert g in groups, report
+
+
+# --------------------------------------------------------------------------- disk full
+
+SMALL_N = 1 << 17   # ~0.7 MB per checkpoint
+BIG_N = 1 << 20     # ~5.6 MB per checkpoint
+
+
+def _assert_enospc(fut, mnt):
+    with pytest.raises(OSError) as ei:
+        fut.result(timeout=60)
+    e = ei.value
+    assert e.errno == errno.ENOSPC, e
+    assert "No space left" in str(e)
+    return e
+
+
+def _disk_full_scenario(mnt, caplog, leave_bytes):
+    root = os.path.join(mnt, "ck")
+    w = fw.Writer(stripes=3, chunk_bytes=1 << 20)
+    mgr = fw.CheckpointManager(root, every_n_steps=1, keep_last=1, writer=w)
+    try:
+        mgr.maybe_save(1, make_state(1, SMALL_N))
+        mgr.wait()
+        ballast = fill(mnt, leave_bytes)
+        fut = mgr.maybe_save(2, make_state(2, BIG_N))
+        assert fut is not None and fut.staged  # staging worked; the disk filled up while writing
+        e = _assert_enospc(fut, mnt)
+        assert e.filename and commit.TMP_MARK in e.filename  # names the stripe being written
+        with pytest.raises(OSError) as ei:  # wait() reports it too (once)
+            mgr.wait()
+        assert ei.value is e
+        assert mgr.wait() is None
+        assert temp_entries(root) == []                       # temp dir removed
+        assert mgr.all_steps() == [1]                         # retention did not run
+        assert_same(fw.load(mgr.path_for(1)), make_state(1, SMALL_N))
+        assert any(r.levelno == logging.ERROR and "step 2 failed" in r.getMessage() for r in caplog.records)
+        # Training goes on; the next save fails the same way while the disk is full ...
+        x = torch.randn(100)
+        x.mul_(2)
+        _assert_enospc(mgr.maybe_save(3, make_state(3, BIG_N)), mnt)
+        # ... and works once space is freed.
+        os.unlink(ballast)
+        mgr.maybe_save(4, make_state(4, BIG_N)).result(timeout=60)
+        mgr.wait()
+        assert mgr.all_steps() == [4] and temp_entries(root) == []
+        assert_same(fw.load(mgr.path_for(4)), make_state(4, BIG_N))
+        fw.verify(mgr.path_for(4))
+    finally:
+        try:
+            mgr.close()
+        except OSError:
+            pass
+        w.close()
+
+
+@pytest.mark.root
+def test_disk_full_tmpfs(tmp_path, caplog):
+    """tmpfs: fallocate of a later stripe fails up front (the first stripe fits)."""
+    with tmpfs(str(tmp_path / "mnt"), "16m") as mnt:
+        _disk_full_scenario(mnt, caplog, leave_bytes=3 << 20)
+
+
+@pytest.mark.root
+def test_disk_full_ext4_mid_write(tmp_path, caplog):
+    """ext4 without extents refuses fallocate: the disk fills in the middle of a write."""
+    with loop_ext4(str(tmp_path / "mnt"), 24, extents=False) as mnt:
+        _disk_full_scenario(mnt, caplog, leave_bytes=3 << 20)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("extra_pages", [0, 1], ids=["index", "manifest"])
+def test_disk_full_at_commit(tmp_path, extra_pages):
+    """Every stripe fits, then the index (or the manifest) does not: the failure comes
+    from the commit step in Python, and is handled the same way."""
+    w = fw.Writer(stripes=3, chunk_bytes=1 << 20)
+    state = make_state(5, SMALL_N)
+    fw.save(state, tmp_path / "probe", stripes=3, chunk_bytes=1 << 20)
+    stripes = [f for f in os.listdir(tmp_path / "probe") if f.endswith(".safetensors")]
+    pages = sum(-(-os.path.getsize(tmp_path / "probe" / f) // 4096) for f in stripes)
+    with tmpfs(str(tmp_path / "mnt"), "8m") as mnt:
+        fw.save(make_state(1, SMALL_N), os.path.join(mnt, "step-1"), stripes=3, chunk_bytes=1 << 20)
+        ballast = fill(mnt, (pages + extra_pages) * 4096)
+        fut = w.save_async(state, os.path.join(mnt, "step-5"))
+        e = _assert_enospc(fut, mnt)
+        assert os.path.basename(e.filename) == (fw.format.INDEX_NAME, fw.format.MANIFEST_NAME)[extra_pages], e
+        assert commit.TMP_MARK in e.filename
+        assert sorted(os.listdir(mnt)) == sorted(["step-1", os.path.basename(ballast)])
+        assert_same(fw.load(os.path.join(mnt, "step-1")), make_state(1, SMALL_N))
+        os.unlink(ballast)
+        w.save(state, os.path.join(mnt, "step-5"))
+        assert_same(fw.load(os.path.join(mnt, "step-5")), state)
+    w.close()
+
+
+# --------------------------------------------------------------------------- permissions
+
+def test_missing_parents_are_created(tmp_path):
+    p = tmp_path / "a" / "b" / "c" / "step-1"
+    fw.save(make_state(1, SMALL_N), p)
+    assert_same(fw.load(p), make_state(1, SMALL_N))
+    mgr = fw.CheckpointManager(tmp_path / "x" / "y", every_n_steps=1)
+    mgr.maybe_save(0, make_state(0, SMALL_N))
+    mgr.close()
+    assert mgr.all_steps() == [0]
+
+
+@pytest.mark.root
+def test_permission_denied_immutable_dir(tmp_path):
+    need_root()
+    root = tmp_path / "ck"
+    mgr = fw.CheckpointManager(root, every_n_steps=1)
+    mgr.maybe_save(1, make_state(1, SMALL_N))
+    mgr.wait()
+    r = subprocess.run(["chattr", "+i", str(root)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"chattr +i not possible here: {r.stderr.strip()}")
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(PermissionError) as ei:
+            mgr.maybe_save(2, make_state(2, SMALL_N))
+        assert str(root) in str(ei.value)
+        with pytest.raises(PermissionError):
+            fw.save_async(make_state(2, SMALL_N), root / "sub" / "step-2")  # a parent to create
+        assert time.perf_counter() - t0 < 10
+        assert mgr.all_steps() == [1] and temp_entries(root) == []
+    finally:
+        subprocess.run(["chattr", "-i", str(root)], check=True)
+    mgr.maybe_save(3, make_state(3, SMALL_N)).result()
+    mgr.close()
+    assert mgr.all_steps() == [1, 3]
+
+
+@pytest.mark.root
+def test_read_only_mount(tmp_path):
+    need_root()
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    ro.mkdir()
+    fw.save(make_state(1, SMALL_N), src / "step-00000001")
+    r = subprocess.run(["mount", "--bind", "-o", "ro", str(src), str(ro)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot bind-mount read-only: {r.stderr.strip()}")
+    try:
+        if subprocess.run(["touch", str(ro / "probe")], capture_output=True).returncode == 0:
+            pytest.skip("the bind mount is not read-only here")
+        with pytest.raises(OSError) as ei:
+            fw.save_async(make_state(2, SMALL_N), ro / "step-00000002")
+        assert ei.value.errno == errno.EROFS
+        # A read-only root still serves restores (clean-up failures are only logged).
+        mgr = fw.CheckpointManager(ro)
+        assert mgr.restore()[0] == 1
+        mgr.close()
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+_UNPRIVILEGED = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    import flashwrite as fw
+    os.setgid(65534)
+    os.setuid(65534)
+    root = sys.argv[1]
+    for target in (os.path.join(root, "step-2"), os.path.join(root, "new", "step-2")):
+        try:
+            fw.save_async({"w": torch.ones(1000)}, target)
+            print("no error")
+        except PermissionError as e:
+            print("PermissionError", e.errno, e.filename)
+    mgr = fw.CheckpointManager(root, every_n_steps=1)
+    try:
+        mgr.maybe_save(2, {"w": torch.ones(1000)})
+        print("no error")
+    except PermissionError as e:
+        print("PermissionError", e.errno, e.filename)
+    print("restored", mgr.restore()[0])
+    """)
+
+
+@pytest.mark.root
+def test_permission_denied_unprivileged_process(tmp_path):
+    """Root ignores mode bits, so the check runs in a process that dropped to nobody."""
+    need_root()
+    import shutil
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix="fw-perm-")  # pytest's tmp dirs are 0700: nobody could not even look
+    try:
+        os.chmod(top, 0o755)
+        root = os.path.join(top, "ck")
+        fw.save(make_state(1, SMALL_N), os.path.join(root, "step-00000001"))
+        os.chmod(root, 0o755)
+        r = subprocess.run([sys.executable, "-c", _UNPRIVILEGED, root], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert len(lines) == 4 and lines[3] == "restored 1", r.stdout
+        for line in lines[:3]:  # raised by the call itself, naming the place it could not create
+            assert line.startswith(f"PermissionError {errno.EACCES} {root}/"), r.stdout
+        assert sorted(os.listdir(root)) == ["step-00000001"]
+    finally:
+        shutil.rmtree(top)

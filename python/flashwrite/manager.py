@@ -22,7 +22,7 @@ Policies, stated once:
   so the loop never waits for the disk. ``save()`` always waits.
 * A failed save (no space, I/O error) is logged at ERROR when it happens and the
   loop keeps training; its future raises the error, and so does the next
-  ``wait()``/``close()`` unless it was already seen through the future.
+  ``wait()`` or ``close()`` (once), so a run cannot end on a lost checkpoint unawares.
 * Retention runs only after a new checkpoint has committed, deletes only
   committed checkpoints outside the policy (``keep_last`` newest, plus every
   multiple of ``keep_every_n_steps``) and never the newest one. A deletion first
@@ -279,8 +279,8 @@ class CheckpointManager:
 
     def wait(self) -> SaveStats | None:
         """Block until the save in flight is durable and committed (and retention
-        has run). Returns its stats; raises its error if it failed and the error
-        was not already seen through its future."""
+        has run). Returns its stats; if it failed, raises its error (the first
+        wait after the failure does; later ones return None)."""
         with self._call():
             p = self._inflight
             if p is None:
