@@ -392,3 +392,226 @@ def test_permission_denied_unprivileged_process(tmp_path):
         assert sorted(os.listdir(root)) == ["step-00000001"]
     finally:
         shutil.rmtree(top)
+
+
+# --------------------------------------------------------------------------- corruption on disk
+
+def _corruption_state():
+    g = torch.Generator().manual_seed(7)
+    return {"a": torch.randn(300_000, generator=g), "b": torch.randn(70_000, generator=g).double(),
+            "c": torch.randint(0, 100, (50_000,), generator=g, dtype=torch.int32),
+            "d": torch.randn(120_000, generator=g).half(), "step": 3}
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    """A fresh 3-stripe checkpoint and its manifest, to be damaged by the test."""
+    path = tmp_path / "ck"
+    state = _corruption_state()
+    fw.save(state, path, stripes=3, chunk_bytes=1 << 16)
+    manifest = json.loads((path / "flashwrite.json").read_text())
+    return path, state, manifest
+
+
+def _flip(path, offset, mask=0x01):
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ mask]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_flipped_byte_is_named(damaged, seed):
+    path, state, m = damaged
+    rng = random.Random(seed)
+    key = sorted(m["tensors"])[seed % 4]
+    t = m["tensors"][key]
+    fname = m["files"][t["file"]]["name"]
+    pos = rng.randrange(t["nbytes"])
+    _flip(path / fname, t["offset"] + pos, 1 << rng.randrange(8))
+    for check in (lambda: fw.load(path), lambda: fw.verify(path)):
+        with pytest.raises(fw.ChecksumMismatchError) as ei:
+            check()
+        e = ei.value
+        assert (e.file, e.tensor) == (fname, key)
+        assert fname in str(e) and repr(key) in str(e)
+        assert e.offset <= t["offset"] + pos < e.offset + (1 << 16)
+        assert e.expected != e.actual
+    # verify=False: the user gets the bytes on disk, flipped bit included, and nothing else changed
+    got = fw.load(path, verify=False)
+    for k in ("a", "b", "c", "d"):
+        a = got[k].reshape(-1).view(torch.uint8)
+        b = state[k].reshape(-1).view(torch.uint8)
+        diff = (a != b).nonzero().flatten().tolist()
+        assert diff == ([pos] if k == key else []), (k, diff)
+
+
+def test_flipped_byte_in_header_is_named(damaged):
+    path, _, m = damaged
+    fname = m["files"][1]["name"]
+    with open(path / fname, "rb") as fh:
+        head = fh.read(200)
+    pos = head.index(b'"dtype"') + 2
+    _flip(path / fname, pos, 0x20)
+    for verify in (True, False):
+        with pytest.raises(fw.CorruptCheckpointError) as ei:
+            fw.load(path, verify=verify)
+        assert ei.value.file == fname and fname in str(ei.value)
+
+
+@pytest.mark.parametrize("cut", ["one-byte", "half", "header-only", "empty"])
+def test_truncated_stripe_is_named(damaged, cut):
+    path, _, m = damaged
+    f = m["files"][2]
+    size = {"one-byte": f["size"] - 1, "half": f["size"] // 2, "header-only": f["header_bytes"], "empty": 0}[cut]
+    os.truncate(path / f["name"], size)
+    for verify in (True, False):
+        with pytest.raises(fw.CorruptCheckpointError) as ei:
+            fw.load(path, verify=verify)
+        assert ei.value.file == f["name"] and "truncated" in str(ei.value)
+
+
+def test_grown_stripe_is_named(damaged):
+    path, _, m = damaged
+    with open(path / m["files"][0]["name"], "ab") as fh:
+        fh.write(b"x")
+    with pytest.raises(fw.CorruptCheckpointError) as ei:
+        fw.load(path)
+    assert ei.value.file == m["files"][0]["name"]
+
+
+def test_missing_stripe_is_named(damaged):
+    path, _, m = damaged
+    os.unlink(path / m["files"][1]["name"])
+    for verify in (True, False):
+        with pytest.raises(fw.CorruptCheckpointError) as ei:
+            fw.load(path, verify=verify)
+        assert ei.value.file == m["files"][1]["name"] and "missing" in str(ei.value)
+
+
+def test_missing_manifest(damaged, tmp_path):
+    path, _, m = damaged
+    os.unlink(path / "flashwrite.json")
+    with pytest.raises(fw.CorruptCheckpointError) as ei:
+        fw.load(path, verify=False)
+    assert ei.value.file == "flashwrite.json" and "missing" in str(ei.value)
+    os.rename(path, tmp_path / "step-00000003")
+    assert fw.CheckpointManager(tmp_path, cleanup=False).all_steps() == []  # never listed as a checkpoint
+
+
+def _alter(m, what):
+    key = "a"
+    t = m["tensors"][key]
+    if what == "checksum":
+        t["checksums"][1] = f"{int(t['checksums'][1], 16) ^ 1:016x}"
+    elif what == "dtype":
+        t["dtype"] = "int32"                   # same item size: only the header can tell
+    elif what == "shape":
+        t["shape"] = [t["shape"][0] // 2, 2]   # same byte length
+    elif what == "offset":
+        t["offset"] += 4
+        t["nbytes"] -= 4
+        t["shape"] = [t["nbytes"] // 4]
+    elif what == "file-size":
+        m["files"][t["file"]]["size"] += 4096
+    elif what == "file-name":
+        m["files"][t["file"]]["name"] = "model-00009-of-00009.safetensors"
+    elif what == "dropped-tensor":
+        del m["tensors"][key]
+    return key
+
+
+@pytest.mark.parametrize("what", ["checksum", "dtype", "shape", "offset", "file-size", "file-name",
+                                  "dropped-tensor", "truncated-json", "not-json"])
+def test_altered_manifest_is_detected(damaged, what):
+    path, state, m = damaged
+    key = _alter(m, what)
+    data = json.dumps(m).encode()
+    if what == "truncated-json":
+        data = data[: len(data) // 2]
+    elif what == "not-json":
+        data = b"\x00\xff" * 100
+    (path / "flashwrite.json").write_bytes(data)
+    with pytest.raises(fw.CorruptCheckpointError) as ei:
+        fw.load(path)
+    e = ei.value
+    assert e.file is not None and (e.file in str(e) or e.file == "flashwrite.json"), e
+    if what in ("checksum", "dtype", "shape"):
+        assert e.tensor == key, e
+    if what == "checksum":
+        assert isinstance(e, fw.ChecksumMismatchError)
+        assert_same(fw.load(path, verify=False), state)  # the bytes are fine: verify=False loads them
+
+
+# --------------------------------------------------------------------------- concurrency
+
+def test_saves_from_two_threads(tmp_path):
+    """Two training threads, each with its own manager, plus two threads sharing the
+    default writer through fw.save_async, all at once."""
+    errors = []
+
+    def with_manager(name):
+        try:
+            mgr = fw.CheckpointManager(tmp_path / name, every_n_steps=1, keep_last=3,
+                                       writer=fw.Writer(stripes=2, chunk_bytes=1 << 16))
+            for s in range(12):
+                mgr.maybe_save(s, make_state(s + (100 if name == "m2" else 0), SMALL_N))
+            mgr.close()
+            mgr._writer.close()
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    def shared_writer(name):
+        try:
+            futs = [fw.save_async(make_state(s + 1000, SMALL_N), tmp_path / name / f"s{s}") for s in range(8)]
+            for f in futs:
+                f.result(60)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=with_manager, args=(n,)) for n in ("m1", "m2")]
+    threads += [threading.Thread(target=shared_writer, args=(n,)) for n in ("d1", "d2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for name, off in (("m1", 0), ("m2", 100)):
+        mgr = fw.CheckpointManager(tmp_path / name)
+        assert mgr.all_steps() == [9, 10, 11]
+        for s in mgr.all_steps():
+            assert_same(fw.load(mgr.path_for(s)), make_state(s + off, SMALL_N))
+    for name in ("d1", "d2"):
+        for s in range(8):
+            assert_same(fw.load(tmp_path / name / f"s{s}"), make_state(s + 1000, SMALL_N))
+
+
+def test_load_while_a_save_is_in_flight(tmp_path):
+    w = fw.Writer(stripes=3, chunk_bytes=1 << 20)
+    mgr = fw.CheckpointManager(tmp_path, every_n_steps=1, writer=w)
+    mgr.maybe_save(1, make_state(1, BIG_N))
+    mgr.wait()
+    gate = threading.Event()
+    w._committer().submit(gate.wait)  # hold step 2 between "written" and "committed"
+    try:
+        fut = mgr.maybe_save(2, make_state(2, BIG_N))
+        assert not fut.done()
+        assert_same(fw.load(mgr.path_for(1)), make_state(1, BIG_N))
+        assert_same(fw.load_async(mgr.path_for(1)).result(60), make_state(1, BIG_N))
+        assert mgr.restore()[0] == 1 and mgr.all_steps() == [1]
+        with pytest.raises(FileNotFoundError):
+            fw.load(mgr.path_for(2))  # invisible until committed
+    finally:
+        gate.set()
+    fut.result(60)
+    assert mgr.restore()[0] == 2
+    # And with real overlap: loads racing saves, no gate.
+    futs = []
+    for s in range(3, 9):
+        futs.append(mgr.maybe_save(s, make_state(s, BIG_N)))
+        assert_same(fw.load(mgr.path_for(s - 2)), make_state(s - 2, BIG_N))
+    mgr.close()
+    w.close()
+    for s in range(1, 9):
+        assert_same(fw.load(mgr.path_for(s)), make_state(s, BIG_N))
