@@ -111,7 +111,7 @@ def train(spec: dict) -> dict:
         opt.zero_grad(set_to_none=False)
         loss.backward()
         opt.step()
-        return float(loss)
+        return loss.item()
 
     def state(s: int) -> dict:
         return {"model": model.state_dict(), "optim": opt.state_dict(), "step": s}

@@ -204,7 +204,12 @@ def compare(size: int, contenders: list[str], directory: str | None = None, roun
                     log(f"[round {rnd + 1}/{rounds}] device limit ({d['tool']}): write {d['write_s']:.2f} s, "
                         f"read {d['read_s']:.2f} s")
                     continue
-                if isolation == "subprocess":
+                why = known[key].available() if key in known else None
+                if why:
+                    # No need to start a process to learn that a peer is missing.
+                    c = known[key]
+                    r = {"key": key, "name": c.name, "label": c.label, "status": f"skipped: {why}"}
+                elif isolation == "subprocess":
                     r = _run_subprocess(spec, timeout_s)
                 else:
                     r = run_worker(spec, shared_state)

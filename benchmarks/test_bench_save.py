@@ -1,0 +1,100 @@
+"""Save benchmarks: time until a checkpoint is durable and committed (the stall is
+kept in extra_info), for several sizes and both I/O backends, and sweeps of one
+Writer setting at a time around the defaults in flashwrite/save.py.
+
+Every Writer does one warm-up save first (its staging pool is allocated then);
+the measured rounds are the steady state of a training run.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from _params import BACKENDS, ROUNDS, SIZES, SWEEP_SIZE, size_id
+
+import flashwrite as fw
+from flashwrite import save as fw_save
+from flashwrite.bench import devicelimit
+from flashwrite.bench.state import state_bytes
+
+MiB = 1 << 20
+
+
+def bench_save(benchmark, state, paths, cold, **writer_options):
+    w = fw.Writer(**writer_options)
+    stalls, backends = [], set()
+
+    def setup():
+        cold()
+        return (paths.next(),), {}
+
+    def run(path):
+        f = w.save_async(state, path)
+        st = f.result()
+        stalls.append(st.stall_s)
+        backends.add(f"{st.backend}{'' if st.direct else ' (buffered)'}")
+
+    try:
+        benchmark.pedantic(run, setup=setup, rounds=ROUNDS, warmup_rounds=1)
+    finally:
+        w.close()
+    benchmark.extra_info.update(bytes=state_bytes(state), stall_median_s=statistics.median(stalls[1:]),
+                                first_stall_s=stalls[0], backend=", ".join(sorted(backends)),
+                                writer=repr(w))
+
+
+@pytest.mark.benchmark(group="save: size x backend")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("size", SIZES, ids=size_id)
+def test_save(benchmark, state_of, paths, cold, size, backend):
+    bench_save(benchmark, state_of(size), paths, cold, backend=backend)
+
+
+@pytest.mark.benchmark(group="save: device limit (fio or probe, write + fsync)")
+@pytest.mark.parametrize("size", sorted(set(SIZES + [SWEEP_SIZE])), ids=size_id)
+def test_device_write(benchmark, bench_dir, state_of, size):
+    n = state_bytes(state_of(size))
+    seconds = []
+
+    def run():
+        seconds.append(devicelimit.device_limit(bench_dir, n)["write_s"])
+
+    benchmark.pedantic(run, rounds=ROUNDS)
+    # fio's start-up is not the device's time: the summary uses this instead of the wall clock.
+    benchmark.extra_info.update(bytes=n, seconds_median=statistics.median(seconds))
+
+
+@pytest.mark.benchmark(group="save sweep: stripes")
+@pytest.mark.parametrize("stripes", [1, 2, 4, 8, 16])
+def test_sweep_stripes(benchmark, state_of, paths, cold, stripes):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, stripes=stripes)
+
+
+@pytest.mark.benchmark(group="save sweep: chunk_bytes")
+@pytest.mark.parametrize("chunk_mib", [1, 2, 4, 8, 16, 32])
+def test_sweep_chunk_bytes(benchmark, state_of, paths, cold, chunk_mib):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, chunk_bytes=chunk_mib * MiB)
+
+
+@pytest.mark.benchmark(group="save sweep: queue_depth")
+@pytest.mark.parametrize("queue_depth", [2, 4, 8, 16, 32, 64])
+def test_sweep_queue_depth(benchmark, state_of, paths, cold, queue_depth):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, queue_depth=queue_depth)
+
+
+@pytest.mark.benchmark(group="save sweep: queue_depth, threads backend")
+@pytest.mark.parametrize("queue_depth", [4, 8, 16, 32])
+def test_sweep_queue_depth_threads(benchmark, state_of, paths, cold, queue_depth):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, queue_depth=queue_depth, backend="threads")
+
+
+@pytest.mark.benchmark(group="save sweep: copy_threads")
+@pytest.mark.parametrize("copy_threads", [1, 2, 4, 8])
+def test_sweep_copy_threads(benchmark, state_of, paths, cold, copy_threads):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, copy_threads=copy_threads)
+
+
+def test_defaults_are_what_the_sweeps_vary_around():
+    # The sweeps hold every other setting at the defaults; say which ones ran.
+    assert fw_save.DEFAULT_CHUNK_BYTES % 4096 == 0 and fw_save.DEFAULT_STRIPES >= 1
