@@ -172,6 +172,8 @@ def compare(size: int, contenders: list[str], directory: str | None = None, roun
             raise ValueError(f"unknown contender {k!r}; known: {', '.join(known)}")
     parent = os.path.abspath(directory or os.getcwd())
     os.makedirs(parent, exist_ok=True)
+    # Each contender's checkpoint is removed before the next one starts; a warm-up copy may sit beside it.
+    devicelimit.check_space(parent, 2 * planned_bytes(size))
     workdir = tempfile.mkdtemp(prefix=".flashwrite-bench-", dir=parent)
     can_drop = devicelimit.drop_caches() if drop_caches else "not asked (--no-drop-caches)"
     meta = {"size_requested": size, "rounds": rounds, "isolation": isolation, "directory": parent,
