@@ -159,7 +159,7 @@ def unflatten(tree: Any, tensor_for: Callable[[str], torch.Tensor], *, allow_pic
         if t == "float" and isinstance(v, str):
             try:
                 return float.fromhex(v)
-            except ValueError:
+            except (ValueError, OverflowError):  # "0x1p99999" overflows
                 raise bad(f"bad float {v[:40]!r}") from None
         if t == "str" and isinstance(v, str):
             return v
@@ -179,6 +179,8 @@ def unflatten(tree: Any, tensor_for: Callable[[str], torch.Tensor], *, allow_pic
             except (RuntimeError, ValueError):
                 raise bad(f"bad device {v[:40]!r}") from None
         if t == "size" and isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            if not all(-(1 << 63) <= x < (1 << 63) for x in v):  # torch.Size holds int64s
+                raise bad("size out of range")
             return torch.Size(v)
         if t == "pickle" and isinstance(v, str):
             if not allow_pickle:

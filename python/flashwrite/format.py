@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -128,11 +129,18 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     if not os.path.isdir(path):
         raise FileNotFoundError(2, "checkpoint directory not found", os.fspath(path))
     try:
-        with open(mpath, "rb") as fh:
-            data = fh.read(MAX_MANIFEST_BYTES + 1)
+        # O_NONBLOCK: a FIFO planted as the manifest must not hang the open.
+        fd = os.open(mpath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{mpath} is missing: the checkpoint is incomplete or not a flashwrite "
                                      "checkpoint", file=MANIFEST_NAME) from None
+    with open(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{mpath} is not a regular file", file=MANIFEST_NAME)
+        if st.st_size > MAX_MANIFEST_BYTES:  # checked before reading: no allocation sized by a hostile file
+            raise CorruptCheckpointError(f"{mpath} is larger than {MAX_MANIFEST_BYTES} bytes", file=MANIFEST_NAME)
+        data = fh.read(st.st_size + 1)  # read(n) allocates n up front: ask for what is there
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{mpath} is larger than {MAX_MANIFEST_BYTES} bytes", file=MANIFEST_NAME)
     return parse_manifest(data)
@@ -201,14 +209,19 @@ def parse_manifest(data: bytes) -> Manifest:
             raise CorruptCheckpointError(f"tensor {key!r}: dtype {t.get('dtype')} and shape {list(shape)} need "
                                          f"{math.prod(shape) * dtypes.itemsize(dt)} bytes, the manifest says {nbytes}",
                                          file=fe.name, tensor=key)
+        if nbytes and offset % dtypes.itemsize(dt):  # the writer aligns every tensor; views need it
+            raise CorruptCheckpointError(f"tensor {key!r} at offset {offset} of {fe.name} is not aligned to its "
+                                         f"{dtypes.itemsize(dt)}-byte elements", file=fe.name, tensor=key)
         device = t.get("device", "cpu")
         if not isinstance(device, str) or len(device) > 64:
             raise bad(f"tensor {key!r}: bad device")
         sums = t.get("checksums")
         if not isinstance(sums, list) or not all(isinstance(s, str) and _HEX_RE.match(s) for s in sums):
             raise bad(f"tensor {key!r}: checksums must be 16-digit hex strings")
-        if len(sums) != len(piece_ranges(offset, nbytes, block)):
-            raise bad(f"tensor {key!r}: {len(sums)} checksums for {len(piece_ranges(offset, nbytes, block))} pieces")
+        # Counted, not listed: a hostile nbytes must not make us build a list of 2**50 pieces.
+        pieces = (offset + nbytes - 1) // block - offset // block + 1 if nbytes else 0
+        if len(sums) != pieces:
+            raise bad(f"tensor {key!r}: {len(sums)} checksums for {pieces} pieces")
         tensors[key] = TensorEntry(key, fi, offset, nbytes, t["dtype"], shape, device, tuple(sums))
         if nbytes:
             per_file.setdefault(fi, []).append((offset, nbytes, key))

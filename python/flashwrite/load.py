@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import stat
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from . import _core, dtypes
-from .errors import ChecksumMismatchError, CorruptCheckpointError
+from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from .flatten import flatten, unflatten
 from .format import Manifest, check_stripe_header, piece_ranges, read_manifest
 
@@ -60,9 +61,12 @@ def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str =
         fe = m.files[fi]
         full = os.path.join(path, fe.name)
         try:
-            size = os.stat(full).st_size
+            st = os.lstat(full)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
+        if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
+            raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
+        size = st.st_size
         if size != fe.size:
             what = "truncated" if size < fe.size else "longer than recorded"
             raise CorruptCheckpointError(f"stripe {fe.name} is {size} bytes, the manifest says {fe.size} ({what})",
@@ -154,7 +158,14 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
 
 def _load_into(res: LoadResult, into: Any, strict: bool, allow_pickle: bool) -> Any:
     m = res.manifest
-    saved = unflatten(m.tree, lambda k: res.tensors[k], allow_pickle=allow_pickle)
+
+    def tensor_for(key: str) -> torch.Tensor:
+        if key not in res.tensors:
+            raise CorruptCheckpointError(f"manifest tree refers to unknown tensor {key!r}", file="flashwrite.json",
+                                         tensor=key)
+        return res.tensors[key]
+
+    saved = unflatten(m.tree, tensor_for, allow_pickle=allow_pickle)
     _, dst_flat, dst_alias = flatten(into, allow_pickle=True)
     _, src_flat, src_alias = flatten(saved, allow_pickle=True)
     dst = {ft.key: ft.tensor for ft in dst_flat}
