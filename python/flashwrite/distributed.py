@@ -103,8 +103,8 @@ class _Coordinator:
             self.seq += 1
             return self.seq
 
-    def run(self, fn: Any, *args: Any) -> concurrent.futures.Future:
-        return self.executor.submit(fn, *args)
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        return self.executor.submit(fn, *args, **kwargs)
 
     def lost(self, e: BaseException) -> None:
         with self.lock:
