@@ -7,7 +7,10 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -17,6 +20,7 @@
 #include "io/files.hpp"
 #include "read/load_job.hpp"
 #include "shim/cuda.hpp"
+#include "stage/device_copy.hpp"
 #include "stage/staging_pool.hpp"
 #include "write/chunk_plan.hpp"
 #include "write/save_job.hpp"
@@ -73,21 +77,56 @@ struct PyLoadJob {
   }
 };
 
+// Segments: (address, nbytes, file, offset[, device]); device -1 = host memory.
+std::vector<Segment> parse_segments(const py::sequence& segments, std::vector<int>& devices) {
+  std::vector<Segment> segs;
+  segs.reserve(py::len(segments));
+  for (py::handle h : segments) {
+    if (!py::isinstance<py::tuple>(h)) throw py::type_error("a segment is a tuple (address, nbytes, file, offset[, device])");
+    auto t = py::reinterpret_borrow<py::tuple>(h);
+    if (t.size() != 4 && t.size() != 5) throw py::value_error("a segment is (address, nbytes, file, offset[, device])");
+    Segment sg{reinterpret_cast<const char*>(t[0].cast<uintptr_t>()), t[1].cast<uint64_t>(), t[2].cast<uint32_t>(),
+               t[3].cast<uint64_t>()};
+    if (t.size() == 5) sg.device = t[4].cast<int32_t>();
+    if (sg.device >= 0 && std::find(devices.begin(), devices.end(), sg.device) == devices.end())
+      devices.push_back(sg.device);
+    segs.push_back(sg);
+  }
+  return segs;
+}
+
+// The callers' streams the copies wait for: the given ones, and the legacy
+// default stream of any device used without one.
+std::vector<StreamRef> wait_streams(const std::vector<std::pair<int, uintptr_t>>& given, const std::vector<int>& devices) {
+  std::vector<StreamRef> out;
+  for (int d : devices) {
+    uintptr_t handle = 0;
+    for (auto& [gd, gh] : given)
+      if (gd == d) handle = gh;
+    out.push_back(StreamRef{d, handle});
+  }
+  return out;
+}
+
 class Engine {
  public:
   Engine(uint64_t chunk_bytes, uint64_t max_staging_bytes)
       : pool_(std::make_shared<StagingPool>(chunk_bytes, max_staging_bytes)) {}
 
   std::unique_ptr<PySaveJob> start_save(const std::vector<std::tuple<std::string, py::object, uint64_t>>& files,
-                                        const std::vector<std::tuple<uintptr_t, uint64_t, uint32_t, uint64_t>>& segments,
-                                        py::object keepalive, const std::string& backend, unsigned queue_depth,
-                                        unsigned copy_threads, bool direct) {
+                                        const py::sequence& segments, py::object keepalive, const std::string& backend,
+                                        unsigned queue_depth, unsigned copy_threads, bool direct,
+                                        const std::vector<std::pair<int, uintptr_t>>& streams) {
     std::vector<FileSpec> fs;
     for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
-    std::vector<Segment> segs;
-    segs.reserve(segments.size());
-    for (auto& [ptr, n, file, off] : segments) segs.push_back(Segment{reinterpret_cast<const char*>(ptr), n, file, off});
+    std::vector<int> devices;
+    std::vector<Segment> segs = parse_segments(segments, devices);
     SaveOptions opt;
+    if (!devices.empty()) {
+      cuda::require("saving tensors that live on a GPU");
+      opt.copy_streams = copy_streams();
+      opt.wait_streams = wait_streams(streams, devices);
+    }
     opt.backend = parse_backend(backend);
     opt.queue_depth = queue_depth;
     opt.copy_threads = copy_threads;
@@ -96,10 +135,33 @@ class Engine {
     out->keepalive = std::move(keepalive);
     {
       py::gil_scoped_release nogil;
+      if (!devices.empty()) pin_pool(devices.front());
       out->job = std::make_unique<SaveJob>(pool_, std::move(fs), std::move(segs), opt);
       out->job->start();
     }
     return out;
+  }
+
+  // The pool is page-locked once, by the first save that copies from a GPU
+  // (a CPU-only process never initialises CUDA); later slabs are pinned as
+  // they are created.
+  void pin_pool(int device) {
+    std::lock_guard<std::mutex> lk(cuda_mu_);
+    if (pinning_) return;
+    pinning_ = true;
+    pool_->set_pin_hooks(cuda_pin_hooks(device, pin_error_));
+  }
+
+  std::shared_ptr<CopyStreams> copy_streams() {
+    std::lock_guard<std::mutex> lk(cuda_mu_);
+    if (!streams_) streams_ = std::make_shared<CopyStreams>();
+    return streams_;
+  }
+
+  py::object pin_error() const {
+    std::lock_guard<std::mutex> lk(cuda_mu_);
+    // Written under the pool's lock while pinning; read once pinning is over.
+    return pin_error_->empty() ? py::none() : py::object(py::str(*pin_error_));
   }
 
   uint64_t chunk_bytes() const { return pool_->slot_bytes(); }
@@ -111,7 +173,33 @@ class Engine {
 
  private:
   std::shared_ptr<StagingPool> pool_;
+  mutable std::mutex cuda_mu_;
+  bool pinning_ = false;
+  std::shared_ptr<std::string> pin_error_ = std::make_shared<std::string>();
+  std::shared_ptr<CopyStreams> streams_;
 };
+
+// Loads to GPUs share pinned bounce pools (one per slot size and depth) and
+// copy streams for the life of the process: pinning costs far more than a
+// small load. Never destroyed, so nothing calls into CUDA at exit.
+std::shared_ptr<StagingPool> bounce_pool(uint64_t slot_bytes, size_t slots, int device) {
+  static std::mutex mu;
+  static auto* pools = new std::map<std::pair<uint64_t, size_t>, std::shared_ptr<StagingPool>>();
+  std::lock_guard<std::mutex> lk(mu);
+  auto& pool = (*pools)[{slot_bytes, slots}];
+  if (!pool) {
+    auto p = std::make_shared<StagingPool>(slot_bytes, slot_bytes * slots);
+    p->set_pin_hooks(cuda_pin_hooks(device));
+    p->reserve(slots);
+    pool = p;
+  }
+  return pool;
+}
+
+std::shared_ptr<CopyStreams> load_streams() {
+  static auto* s = new std::shared_ptr<CopyStreams>(std::make_shared<CopyStreams>());
+  return *s;
+}
 
 py::dict save_stats(const SaveJob& j) {
   SaveStats s = j.stats();
@@ -123,6 +211,7 @@ py::dict save_stats(const SaveJob& j) {
   d["backend"] = s.backend;
   d["files_direct"] = s.files_direct;
   d["files_buffered"] = s.files_buffered;
+  d["device_bytes"] = s.device_bytes;
   return d;
 }
 
@@ -132,7 +221,10 @@ py::dict cuda_info() {
   d["available"] = rt.available;
   d["reason"] = rt.available ? py::none() : py::object(py::str(rt.reason));
   d["library"] = rt.library.empty() ? py::none() : py::object(py::str(rt.library));
+  d["via"] = rt.via.empty() ? py::none() : py::object(py::str(rt.via));
   d["device_count"] = rt.device_count;
+  d["runtime_version"] = rt.runtime_version;
+  d["driver_version"] = rt.driver_version;
   return d;
 }
 
@@ -195,13 +287,17 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<uint64_t, uint64_t>(), py::arg("chunk_bytes"), py::arg("max_staging_bytes") = 0)
       .def("start_save", &Engine::start_save, py::arg("files"), py::arg("segments"), py::arg("keepalive"),
            py::arg("backend") = "auto", py::arg("queue_depth") = 16, py::arg("copy_threads") = 2,
-           py::arg("direct") = true,
+           py::arg("direct") = true, py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
            "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "
-           "[(address, nbytes, file, offset)]; keepalive must own every address until staged.")
+           "[(address, nbytes, file, offset[, device])] with device -1 for host memory; keepalive must own "
+           "every address until staged. streams: [(device, cudaStream_t)] the GPU copies are ordered after "
+           "(PyTorch's current streams; a device without one uses its legacy default stream). Returns once "
+           "that ordering is in place.")
       .def_property_readonly("chunk_bytes", &Engine::chunk_bytes)
       .def_property_readonly("pool_bytes", &Engine::pool_bytes)
       .def_property_readonly("max_staging_bytes", &Engine::max_staging_bytes)
       .def_property_readonly("pool_pinned", &Engine::pool_pinned)
+      .def_property_readonly("pin_error", &Engine::pin_error, "Why the pool could not be page-locked, or None.")
       .def("trim", [](Engine& e) {
         py::gil_scoped_release nogil;
         return e.trim();
@@ -230,7 +326,9 @@ PYBIND11_MODULE(_core, m) {
       "start_load",
       [](const std::vector<std::pair<std::string, uint64_t>>& files,
          const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>>& pieces, const std::string& backend,
-         unsigned queue_depth, uint64_t chunk_bytes, unsigned verify_threads, bool direct) {
+         unsigned queue_depth, uint64_t chunk_bytes, unsigned verify_threads, bool direct,
+         const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, int, uintptr_t>>& placements,
+         const std::vector<std::pair<int, uintptr_t>>& streams) {
         std::vector<ReadFileSpec> fs;
         for (auto& [p, n] : files) fs.push_back(ReadFileSpec{p, n});
         std::vector<VerifyPiece> ps;
@@ -242,15 +340,35 @@ PYBIND11_MODULE(_core, m) {
         opt.chunk_bytes = chunk_bytes;
         opt.verify_threads = verify_threads;
         opt.direct = direct;
+        std::vector<DevicePlacer::Placement> pl;
+        std::vector<int> devices;
+        for (auto& [f, off, len, dev, ptr] : placements) {
+          if (f >= fs.size() || dev < 0) throw py::value_error("a placement is (file, offset, nbytes, device >= 0, address)");
+          pl.push_back(DevicePlacer::Placement{f, off, len, dev, reinterpret_cast<char*>(ptr)});
+          if (std::find(devices.begin(), devices.end(), dev) == devices.end()) devices.push_back(dev);
+        }
+        if (!pl.empty()) cuda::require("loading tensors to a GPU");
         auto out = std::make_unique<PyLoadJob>();
         py::gil_scoped_release nogil;
+        if (!pl.empty()) {
+          // Enough slots for a full read queue plus chunks being verified and copied.
+          size_t slots = std::max<size_t>(8, queue_depth + 4);
+          opt.placer = std::make_shared<DevicePlacer>(std::move(pl), wait_streams(streams, devices),
+                                                      bounce_pool(chunk_bytes, slots, devices.front()), load_streams(),
+                                                      slots);
+        }
         out->job = std::make_unique<LoadJob>(std::move(fs), std::move(ps), opt);
         out->job->start();
         return out;
       },
       py::arg("files"), py::arg("pieces"), py::arg("backend") = "auto", py::arg("queue_depth") = 16,
       py::arg("chunk_bytes") = 8 << 20, py::arg("verify_threads") = 2, py::arg("direct") = true,
-      "Read whole files [(path, size)] into aligned buffers, verifying [(file, offset, len, xxh3)] pieces.");
+      py::arg("placements") = std::vector<std::tuple<uint32_t, uint64_t, uint64_t, int, uintptr_t>>{},
+      py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
+      "Read whole files [(path, size)] into aligned buffers, verifying [(file, offset, len, xxh3)] pieces. "
+      "placements: [(file, offset, nbytes, device, address)] byte ranges copied to GPU memory instead, through "
+      "pinned bounce buffers, each chunk verified before it is copied; the destinations must stay valid until "
+      "the job is done. streams: [(device, cudaStream_t)] the copies are ordered after.");
 
   m.def(
       "checksum",

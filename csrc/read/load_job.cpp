@@ -87,6 +87,10 @@ void LoadJob::start() {
   for (size_t i = 0; i < requests_.size(); ++i) file_of[i] = file_of_request_[requests_[i].tag];
   file_of_request_.swap(file_of);
   for (size_t i = 0; i < requests_.size(); ++i) requests_[i].tag = i;
+  to_device_.assign(requests_.size(), 0);
+  if (opt_.placer)
+    for (size_t i = 0; i < requests_.size(); ++i)
+      to_device_[i] = opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
   backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
   backend_name_ = backend_->name();
   control_ = std::thread([this] { run(); });
@@ -94,6 +98,7 @@ void LoadJob::start() {
 
 void LoadJob::on_io(IoRequest* r, int64_t res) {
   const uint32_t f = file_of_request_[r->tag];
+  if ((res < 0 || static_cast<uint64_t>(res) < r->want) && to_device_[r->tag]) opt_.placer->discard(r->buf);
   if (res < 0) {
     fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "read", specs_[f].path,
                                          static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
@@ -104,7 +109,7 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
                                              std::to_string(r->offset + res) + " while reading (truncated)")));
     return;
   }
-  if (!chunk_pieces_[r->tag].empty()) {
+  if (!chunk_pieces_[r->tag].empty() || to_device_[r->tag]) {
     std::lock_guard<std::mutex> lk(mu_);
     verify_queue_.push_back(static_cast<uint32_t>(r->tag));
     verify_cv_.notify_one();
@@ -121,22 +126,47 @@ void LoadJob::verify_worker() {
       ci = verify_queue_.front();
       verify_queue_.pop_front();
     }
+    const IoRequest& r = requests_[ci];
+    bool ok = true;
     for (uint32_t pi : chunk_pieces_[ci]) {
       const VerifyPiece& p = pieces_[pi];
-      uint64_t h = checksum(buffers_[p.file]->data() + p.offset, p.len);
+      const char* data = to_device_[ci] ? r.buf + (p.offset - r.offset) : buffers_[p.file]->data() + p.offset;
+      uint64_t h = checksum(data, p.len);
       if (h != p.expected) {
+        ok = false;
         std::lock_guard<std::mutex> lk(mu_);
         mismatches_.push_back({pi, h});
       }
+    }
+    if (to_device_[ci]) {
+      // Verified before it is copied: damaged bytes never reach a GPU tensor.
+      uint32_t f = file_of_request_[ci];
+      opt_.placer->place(f, r.offset, r.want, r.buf, buffers_[f]->data() + r.offset, ok && !cancel_.load());
     }
   }
 }
 
 void LoadJob::run() {
   std::vector<std::thread> verifiers;
-  for (unsigned i = 0; i < opt_.verify_threads && !pieces_.empty(); ++i) verifiers.emplace_back([this] { verify_worker(); });
+  for (unsigned i = 0; i < opt_.verify_threads && (!pieces_.empty() || opt_.placer); ++i)
+    verifiers.emplace_back([this] { verify_worker(); });
+  if (opt_.placer) {
+    try {
+      opt_.placer->begin();
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
   for (auto& r : requests_) {
     if (cancel_.load()) break;
+    if (to_device_[r.tag]) {
+      // A pinned bounce slot: waits here while every slot is being read,
+      // verified or copied to a GPU, which paces reading to the H2D copies.
+      r.buf = opt_.placer->acquire(&cancel_);
+      if (!r.buf) break;
+      backend_->submit(&r);
+      continue;
+    }
     // Fault the destination in here, while earlier reads are in flight, rather
     // than in the kernel's direct-I/O path where it stalls the request.
     const AlignedBuffer& b = *buffers_[file_of_request_[r.tag]];
@@ -151,6 +181,13 @@ void LoadJob::run() {
   }
   verify_cv_.notify_all();
   for (auto& t : verifiers) t.join();
+  if (opt_.placer) {
+    try {
+      opt_.placer->finish();
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
   for (int fd : fds_) close_fd(fd);
   fds_.clear();
   {

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace fw::cuda {
@@ -36,49 +38,69 @@ bool bind(void* h, const char* sym, F& fn) {
 
 Runtime load() {
   Runtime rt;
-  std::vector<std::string> candidates;
+  std::vector<std::pair<std::string, const char*>> candidates;  // (name, via)
   const char* env = std::getenv("FLASHWRITE_CUDA_RUNTIME");
   bool forced = env && *env;
   if (forced) {
-    candidates.push_back(env);
+    candidates.emplace_back(env, "FLASHWRITE_CUDA_RUNTIME");
   } else {
     std::string m = mapped_cudart();
-    if (!m.empty()) candidates.push_back(m);
-    for (const char* s : {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"}) candidates.push_back(s);
+    if (!m.empty()) candidates.emplace_back(m, "already loaded");
+    for (const char* s : {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"})
+      candidates.emplace_back(s, "soname");
   }
   void* h = nullptr;
   std::string errors;
-  for (auto& c : candidates) {
-    h = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
+  for (auto& [name, via] : candidates) {
+    h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (h) {
-      rt.library = c;
+      rt.library = name;
+      rt.via = via;
       break;
     }
     const char* e = dlerror();
-    errors += (errors.empty() ? "" : "; ") + std::string(e ? e : c);
+    errors += (errors.empty() ? "" : "; ") + std::string(e ? e : name.c_str());
   }
   if (!h) {
     rt.reason = forced ? "FLASHWRITE_CUDA_RUNTIME=" + std::string(env) + " could not be loaded: " + errors
                        : "no CUDA runtime found (" + errors + ")";
     return rt;
   }
-  bool ok = bind(h, "cudaGetDeviceCount", rt.GetDeviceCount) && bind(h, "cudaGetDevice", rt.GetDevice) &&
-            bind(h, "cudaSetDevice", rt.SetDevice) && bind(h, "cudaHostRegister", rt.HostRegister) &&
-            bind(h, "cudaHostUnregister", rt.HostUnregister) && bind(h, "cudaMemcpyAsync", rt.MemcpyAsync) &&
-            bind(h, "cudaStreamCreateWithFlags", rt.StreamCreateWithFlags) &&
-            bind(h, "cudaStreamDestroy", rt.StreamDestroy) && bind(h, "cudaStreamSynchronize", rt.StreamSynchronize) &&
-            bind(h, "cudaStreamWaitEvent", rt.StreamWaitEvent) &&
-            bind(h, "cudaEventCreateWithFlags", rt.EventCreateWithFlags) && bind(h, "cudaEventRecord", rt.EventRecord) &&
-            bind(h, "cudaEventSynchronize", rt.EventSynchronize) && bind(h, "cudaEventDestroy", rt.EventDestroy) &&
-            bind(h, "cudaGetErrorString", rt.GetErrorString);
-  if (!ok) {
-    rt.reason = rt.library + " lacks CUDA runtime symbols";
+  std::string missing;
+  auto need = [&](const char* sym, auto& fn) {
+    if (!bind(h, sym, fn)) missing += (missing.empty() ? "" : ", ") + std::string(sym);
+  };
+  need("cudaGetDeviceCount", rt.GetDeviceCount);
+  need("cudaGetDevice", rt.GetDevice);
+  need("cudaSetDevice", rt.SetDevice);
+  need("cudaHostRegister", rt.HostRegister);
+  need("cudaHostUnregister", rt.HostUnregister);
+  need("cudaMemcpyAsync", rt.MemcpyAsync);
+  need("cudaStreamCreateWithFlags", rt.StreamCreateWithFlags);
+  need("cudaStreamDestroy", rt.StreamDestroy);
+  need("cudaStreamSynchronize", rt.StreamSynchronize);
+  need("cudaStreamWaitEvent", rt.StreamWaitEvent);
+  need("cudaEventCreateWithFlags", rt.EventCreateWithFlags);
+  need("cudaEventRecord", rt.EventRecord);
+  need("cudaEventSynchronize", rt.EventSynchronize);
+  need("cudaEventQuery", rt.EventQuery);
+  need("cudaEventDestroy", rt.EventDestroy);
+  need("cudaGetLastError", rt.GetLastError);
+  need("cudaGetErrorString", rt.GetErrorString);
+  if (!missing.empty()) {
+    rt.reason = std::string(forced ? "FLASHWRITE_CUDA_RUNTIME=" : "") + rt.library +
+                " is not a usable CUDA runtime (missing " + missing + ")";
     return rt;
   }
+  bind(h, "cudaGetErrorName", rt.GetErrorName);
+  bind(h, "cudaRuntimeGetVersion", rt.RuntimeGetVersion);
+  bind(h, "cudaDriverGetVersion", rt.DriverGetVersion);
+  if (rt.RuntimeGetVersion) rt.RuntimeGetVersion(&rt.runtime_version);
+  if (rt.DriverGetVersion) rt.DriverGetVersion(&rt.driver_version);
   int n = 0;
   cudaError_t err = rt.GetDeviceCount(&n);
-  if (err != 0) {
-    rt.reason = std::string("cudaGetDeviceCount failed: ") + rt.GetErrorString(err);
+  if (err != cudaSuccess) {
+    rt.reason = "cudaGetDeviceCount failed: " + std::string(rt.GetErrorString(err));
     return rt;
   }
   if (n == 0) {
@@ -97,6 +119,53 @@ const Runtime& runtime() {
   static Runtime rt;
   std::call_once(once, [] { rt = load(); });
   return rt;
+}
+
+const Runtime& require(const char* what) {
+  const Runtime& rt = runtime();
+  if (!rt.available) throw std::runtime_error(std::string(what) + " needs the CUDA runtime, which is unavailable: " + rt.reason);
+  return rt;
+}
+
+std::string describe(cudaError_t code) {
+  const Runtime& rt = runtime();
+  std::string s = rt.GetErrorString ? rt.GetErrorString(code) : "CUDA error";
+  s += " (";
+  s += rt.GetErrorName ? rt.GetErrorName(code) : "cudaError";
+  s += " " + std::to_string(code) + ")";
+  return s;
+}
+
+CudaError::CudaError(cudaError_t code, const std::string& what)
+    : std::runtime_error("CUDA error in " + what + ": " + describe(code)), code_(code) {}
+
+void use_device(int device) {
+  // The runtime keeps the current device per thread; so do we, to skip the call.
+  thread_local int current = -1;
+  if (current == device) return;
+  check(runtime().SetDevice(device), "cudaSetDevice", "cuda:" + std::to_string(device));
+  current = device;
+}
+
+std::string pin(void* p, size_t n, int device) {
+  const Runtime& rt = runtime();
+  if (!rt.available) return rt.reason;
+  std::string err;
+  std::thread([&] {
+    cudaError_t e = rt.SetDevice(device);
+    if (e == cudaSuccess) e = rt.HostRegister(p, n, cudaHostRegisterPortable);
+    if (e == cudaErrorHostMemoryAlreadyRegistered) e = cudaSuccess;
+    if (e != cudaSuccess) {
+      rt.GetLastError();  // not sticky: clear it so it does not surface in PyTorch's next check
+      err = "cudaHostRegister of " + std::to_string(n) + " bytes: " + describe(e);
+    }
+  }).join();
+  return err;
+}
+
+void unpin(void* p) {
+  const Runtime& rt = runtime();
+  if (rt.available && rt.HostUnregister(p) != cudaSuccess) rt.GetLastError();
 }
 
 }  // namespace fw::cuda

@@ -16,6 +16,7 @@ struct Segment {
   uint64_t nbytes;
   uint32_t file;       // stripe index
   uint64_t offset;     // absolute offset in the stripe file
+  int32_t device = -1; // CUDA device index of `src`, or -1 for host memory
 };
 
 struct Piece {

@@ -1,6 +1,7 @@
 #include "write/save_job.hpp"
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
@@ -26,6 +27,21 @@ SaveJob::SaveJob(std::shared_ptr<StagingPool> pool, std::vector<FileSpec> files,
   hashes_.assign(plan_.segment_hash_start.back(), 0);
   requests_.resize(plan_.chunks.size());
   if (opt_.copy_threads == 0) opt_.copy_threads = 1;
+  for (size_t ci = 0; ci < plan_.chunks.size(); ++ci) {
+    const Chunk& c = plan_.chunks[ci];
+    bool on_device = false;
+    for (uint32_t i = 0; i < c.piece_count; ++i) {
+      const Piece& p = plan_.pieces[c.first_piece + i];
+      if (segments_[p.segment].device >= 0) {
+        on_device = true;
+        device_bytes_ += p.len;
+      }
+    }
+    (on_device ? device_chunks_ : host_chunks_).push_back(ci);
+  }
+  unstaged_ = plan_.chunks.size();
+  if (!device_chunks_.empty() && !opt_.copy_streams)
+    throw std::invalid_argument("segments on a GPU need the engine's CUDA copy streams");
 }
 
 SaveJob::~SaveJob() {
@@ -68,6 +84,13 @@ void SaveJob::start() {
     throw;
   }
   control_ = std::thread([this] { run(); });
+  if (!device_chunks_.empty()) {
+    // Return only once the copy streams wait for the callers' streams: work the
+    // caller queues after this call (the next optimizer step) can no longer
+    // reach the snapshot.
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return fenced_ || done_.load(); });
+  }
 }
 
 double SaveJob::since_start() const {
@@ -78,43 +101,201 @@ void SaveJob::fail(std::exception_ptr e) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (!error_) error_ = e;
+    cancel_ = true;
   }
-  cancel_ = true;
+  work_cv_.notify_all();
+  write_cv_.notify_all();
 }
 
 void SaveJob::cancel() {
   if (!done_.load()) fail(std::make_exception_ptr(std::runtime_error("save cancelled")));
 }
 
+void SaveJob::copy_host_chunk(size_t ci, char* slot) {
+  const Chunk& c = plan_.chunks[ci];
+  if (c.has_gaps)
+    std::memset(slot, 0, c.write_len);
+  else if (c.write_len > c.data_len)
+    std::memset(slot + c.data_len, 0, c.write_len - c.data_len);
+  for (uint32_t i = 0; i < c.piece_count; ++i) {
+    const Piece& p = plan_.pieces[c.first_piece + i];
+    hashes_[p.hash_index] = copy_and_checksum(slot + p.chunk_offset, segments_[p.segment].src + p.src_offset, p.len);
+  }
+  requests_[ci].buf = slot;
+}
+
+// Copy threads stage the chunks that live in host memory and checksum the
+// device chunks once their bytes have landed. In a save with GPU sources a
+// staged chunk goes to the submitter, so a full I/O queue never holds up the
+// staging that the caller waits for; a CPU-only save submits directly.
 void SaveJob::copy_worker() {
+  const bool gpu = !device_chunks_.empty();
   try {
     for (;;) {
-      size_t ci = next_chunk_.fetch_add(1);
-      if (ci >= plan_.chunks.size() || cancel_.load()) return;
-      const Chunk& c = plan_.chunks[ci];
-      char* slot = pool_->acquire(&cancel_);
-      if (!slot) return;
-      if (c.has_gaps)
-        std::memset(slot, 0, c.write_len);
-      else if (c.write_len > c.data_len)
-        std::memset(slot + c.data_len, 0, c.write_len - c.data_len);
-      for (uint32_t i = 0; i < c.piece_count; ++i) {
-        const Piece& p = plan_.pieces[c.first_piece + i];
-        hashes_[p.hash_index] = copy_and_checksum(slot + p.chunk_offset, segments_[p.segment].src + p.src_offset, p.len);
+      if (cancel_.load()) return;
+      if (gpu) {
+        size_t ci = SIZE_MAX;
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          if (!landed_.empty()) {
+            ci = landed_.front();
+            landed_.pop_front();
+          }
+        }
+        if (ci != SIZE_MAX) {
+          const Chunk& c = plan_.chunks[ci];
+          const char* slot = requests_[ci].buf;
+          for (uint32_t i = 0; i < c.piece_count; ++i) {
+            const Piece& p = plan_.pieces[c.first_piece + i];
+            if (segments_[p.segment].device >= 0) hashes_[p.hash_index] = checksum(slot + p.chunk_offset, p.len);
+          }
+          submit_write(ci);
+          continue;
+        }
       }
-      IoRequest& r = requests_[ci];
-      r.fd = files_[c.file]->fd.load();
-      r.buf = slot;
-      r.len = c.write_len;
-      r.offset = c.file_offset;
-      r.write = true;
-      r.done = 0;
-      r.tag = ci;
-      backend_->submit(&r);
+      size_t hi = next_chunk_.fetch_add(1);
+      if (hi < host_chunks_.size()) {
+        char* slot = pool_->acquire(&cancel_);
+        if (!slot) return;
+        copy_host_chunk(host_chunks_[hi], slot);
+        chunk_staged();
+        if (gpu)
+          submit_write(host_chunks_[hi]);
+        else
+          write_chunk(host_chunks_[hi]);
+        continue;
+      }
+      if (!gpu) return;
+      // Only device chunks are left: wait for the next one to land.
+      std::unique_lock<std::mutex> lk(mu_);
+      work_cv_.wait(lk, [&] { return !landed_.empty() || d2h_done_ || cancel_.load(); });
+      if (landed_.empty()) return;
     }
   } catch (...) {
     fail(std::current_exception());
   }
+}
+
+void SaveJob::stage_device_chunks() {
+  std::unique_ptr<CopyPipeline> pipe;
+  try {
+    // Enough batches in flight to keep the copy engine busy while the oldest
+    // chunks are checksummed and written.
+    pipe = std::make_unique<CopyPipeline>(opt_.copy_streams, CopyDirection::DeviceToHost, 64);
+    pipe->order_after(opt_.wait_streams);
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    fenced_ = true;
+  }
+  cv_.notify_all();
+  if (pipe) {
+    try {
+      std::vector<DeviceCopy> copies;
+      for (size_t ci : device_chunks_) {
+        if (cancel_.load() || pipe->failed()) break;
+        char* slot = pool_->acquire(&cancel_);
+        if (!slot) break;
+        const Chunk& c = plan_.chunks[ci];
+        if (c.has_gaps)
+          std::memset(slot, 0, c.write_len);
+        else if (c.write_len > c.data_len)
+          std::memset(slot + c.data_len, 0, c.write_len - c.data_len);
+        copies.clear();
+        for (uint32_t i = 0; i < c.piece_count; ++i) {
+          const Piece& p = plan_.pieces[c.first_piece + i];
+          const Segment& sg = segments_[p.segment];
+          if (sg.device < 0)  // a header or a CPU tensor sharing the chunk
+            hashes_[p.hash_index] = copy_and_checksum(slot + p.chunk_offset, sg.src + p.src_offset, p.len);
+          else
+            copies.push_back(DeviceCopy{sg.device, slot + p.chunk_offset, sg.src + p.src_offset, p.len});
+        }
+        requests_[ci].buf = slot;
+        pipe->issue(copies, [this, ci](bool ok) { landed(ci, ok); });
+      }
+    } catch (...) {
+      fail(std::current_exception());
+    }
+    try {
+      pipe->finish();  // every issued copy has landed (or failed) after this
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    d2h_done_ = true;
+  }
+  work_cv_.notify_all();
+}
+
+// On the copy pipeline's thread: the chunk's GPU bytes are in its slot.
+void SaveJob::landed(size_t ci, bool ok) {
+  if (!ok || cancel_.load()) {
+    pool_->release(requests_[ci].buf);
+    return;
+  }
+  chunk_staged();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    landed_.push_back(ci);
+  }
+  work_cv_.notify_one();
+}
+
+void SaveJob::chunk_staged() {
+  // A CPU-only save counts as staged when its copy threads are done (run()).
+  if (unstaged_.fetch_sub(1) == 1 && !device_chunks_.empty()) mark_staged();
+}
+
+void SaveJob::mark_staged() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (staged_) return;
+    staged_s_ = since_start();
+    staged_ = true;
+  }
+  cv_.notify_all();
+}
+
+void SaveJob::submit_write(size_t ci) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    write_queue_.push_back(ci);
+  }
+  write_cv_.notify_one();
+}
+
+void SaveJob::submitter() {
+  for (;;) {
+    size_t ci;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      write_cv_.wait(lk, [&] { return !write_queue_.empty() || copies_done_; });
+      if (write_queue_.empty()) return;
+      ci = write_queue_.front();
+      write_queue_.pop_front();
+    }
+    if (cancel_.load()) {
+      pool_->release(requests_[ci].buf);
+      continue;
+    }
+    write_chunk(ci);
+  }
+}
+
+void SaveJob::write_chunk(size_t ci) {
+  IoRequest& r = requests_[ci];
+  const Chunk& c = plan_.chunks[ci];
+  r.fd = files_[c.file]->fd.load();
+  r.len = c.write_len;
+  r.offset = c.file_offset;
+  r.write = true;
+  r.done = 0;
+  r.tag = ci;
+  backend_->submit(&r);
 }
 
 void SaveJob::on_io(IoRequest* r, int64_t res) {
@@ -154,15 +335,25 @@ void SaveJob::finish_files() {
 }
 
 void SaveJob::run() {
+  std::thread submit_thread, d2h;
+  if (!device_chunks_.empty()) {
+    submit_thread = std::thread([this] { submitter(); });
+    d2h = std::thread([this] { stage_device_chunks(); });
+  }
   std::vector<std::thread> workers;
   for (unsigned i = 0; i < opt_.copy_threads; ++i) workers.emplace_back([this] { copy_worker(); });
+  if (d2h.joinable()) d2h.join();  // every GPU copy has landed or failed
   for (auto& t : workers) t.join();
   {
+    // Chunks that landed after a failure stopped the workers give their slots back.
     std::lock_guard<std::mutex> lk(mu_);
-    staged_s_ = since_start();
-    staged_ = true;
+    for (size_t ci : landed_) pool_->release(requests_[ci].buf);
+    landed_.clear();
+    copies_done_ = true;
   }
-  cv_.notify_all();
+  write_cv_.notify_all();
+  if (submit_thread.joinable()) submit_thread.join();
+  mark_staged();  // also when the save failed: nothing reads the sources any more
 
   backend_->drain();
   backend_.reset();
@@ -231,6 +422,7 @@ SaveStats SaveJob::stats() const {
   SaveStats s;
   s.bytes_total = bytes_total_;
   s.bytes_written = bytes_written_.load();
+  s.device_bytes = device_bytes_;
   {
     std::lock_guard<std::mutex> lk(mu_);
     s.staged_s = staged_s_;

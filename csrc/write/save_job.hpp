@@ -2,6 +2,11 @@
 // (O_DIRECT requests on the I/O backend as soon as each chunk is staged), then
 // truncate and fsync every stripe. Commit (manifest, rename) is Python's.
 //
+// Segments whose source is on a GPU (device >= 0) are copied into their slots
+// by the CUDA copy engine (stage/device_copy.hpp) on the engine's streams,
+// ordered after the callers' streams, and checksummed on the host once landed;
+// start() returns only after that ordering is in place.
+//
 // Lifetime: the segment sources must stay valid until wait_staged() returns
 // true; the binding keeps the owning Python objects alive until then. Worker
 // threads never touch Python objects.
@@ -10,6 +15,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -18,6 +24,7 @@
 #include <vector>
 
 #include "io/backend.hpp"
+#include "stage/device_copy.hpp"
 #include "stage/staging_pool.hpp"
 #include "write/chunk_plan.hpp"
 
@@ -34,10 +41,15 @@ struct SaveOptions {
   unsigned queue_depth = 16;
   unsigned copy_threads = 2;
   bool direct = true;
+  // Needed when a segment is on a GPU: the engine's copy streams, and the
+  // callers' current streams (one per device) the copies are ordered after.
+  std::shared_ptr<CopyStreams> copy_streams;
+  std::vector<StreamRef> wait_streams;
 };
 
 struct SaveStats {
   uint64_t bytes_total = 0, bytes_written = 0;
+  uint64_t device_bytes = 0;  // copied from GPUs
   double staged_s = -1, done_s = -1;
   std::string backend;
   unsigned files_direct = 0, files_buffered = 0;
@@ -76,6 +88,14 @@ class SaveJob {
 
   void run();
   void copy_worker();
+  void copy_host_chunk(size_t ci, char* slot);
+  void stage_device_chunks();  // D2H issuer thread
+  void landed(size_t ci, bool ok);
+  void submit_write(size_t ci);
+  void submitter();
+  void write_chunk(size_t ci);
+  void chunk_staged();
+  void mark_staged();
   void on_io(IoRequest* req, int64_t res);
   void fail(std::exception_ptr e);
   void finish_files();
@@ -95,7 +115,16 @@ class SaveJob {
 
   uint64_t bytes_total_ = 0;
   std::atomic<uint64_t> bytes_written_{0};
-  std::atomic<size_t> next_chunk_{0};
+  std::atomic<size_t> next_chunk_{0};  // into host_chunks_
+  std::vector<size_t> host_chunks_, device_chunks_;  // chunks with no / some GPU bytes
+  uint64_t device_bytes_ = 0;
+  std::atomic<size_t> unstaged_{0};  // chunks whose bytes are not yet all in their slot
+  // Landed device chunks wait here for their checksums; with GPU sources,
+  // staged chunks wait in write_queue_ for the submitter, so staging never
+  // blocks on a full I/O queue.
+  std::deque<size_t> landed_, write_queue_;
+  bool d2h_done_ = false, copies_done_ = false, fenced_ = false;
+  std::condition_variable work_cv_, write_cv_;
   std::atomic<bool> cancel_{false}, staged_{false}, done_{false};
   double staged_s_ = -1, done_s_ = -1;
   std::chrono::steady_clock::time_point t0_;

@@ -1,0 +1,263 @@
+#include "stage/device_copy.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace fw {
+
+using namespace cuda;
+
+// ---------------------------------------------------------------- CopyStreams
+
+CopyStreams::~CopyStreams() {
+  const Runtime& rt = runtime();
+  if (!rt.available) return;
+  // Errors are ignored: at interpreter exit the runtime may already be unloading.
+  for (auto& [dev, d] : devices_) {
+    for (cudaEvent_t ev : d.events) rt.EventDestroy(ev);
+    if (d.stream) {
+      rt.StreamSynchronize(d.stream);
+      rt.StreamDestroy(d.stream);
+    }
+  }
+  rt.GetLastError();
+}
+
+cudaStream_t CopyStreams::stream(int device) {
+  const Runtime& rt = require("a GPU copy");
+  use_device(device);
+  std::lock_guard<std::mutex> lk(mu_);
+  Device& d = devices_[device];
+  if (!d.stream) check(rt.StreamCreateWithFlags(&d.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags",
+                       "cuda:" + std::to_string(device));
+  return d.stream;
+}
+
+cudaEvent_t CopyStreams::take_event(int device) {
+  const Runtime& rt = require("a GPU copy");
+  use_device(device);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& evs = devices_[device].events;
+    if (!evs.empty()) {
+      cudaEvent_t ev = evs.back();
+      evs.pop_back();
+      return ev;
+    }
+  }
+  cudaEvent_t ev = nullptr;
+  check(rt.EventCreateWithFlags(&ev, cudaEventBlockingSync | cudaEventDisableTiming), "cudaEventCreateWithFlags",
+        "cuda:" + std::to_string(device));
+  return ev;
+}
+
+void CopyStreams::give_event(int device, cudaEvent_t ev) {
+  std::lock_guard<std::mutex> lk(mu_);
+  devices_[device].events.push_back(ev);
+}
+
+// --------------------------------------------------------------- CopyPipeline
+
+CopyPipeline::CopyPipeline(std::shared_ptr<CopyStreams> streams, CopyDirection dir, size_t max_pending)
+    : streams_(std::move(streams)),
+      kind_(dir == CopyDirection::DeviceToHost ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
+      max_pending_(std::max<size_t>(1, max_pending)) {
+  thread_ = std::thread([this] { land(); });
+}
+
+CopyPipeline::~CopyPipeline() {
+  try {
+    finish();
+  } catch (...) {
+  }
+}
+
+void CopyPipeline::fail(std::exception_ptr e) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!error_) error_ = e;
+}
+
+bool CopyPipeline::failed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<bool>(error_);
+}
+
+void CopyPipeline::order_after(const std::vector<StreamRef>& callers) {
+  const Runtime& rt = require("ordering GPU copies");
+  for (const StreamRef& c : callers) {
+    std::string where = "cuda:" + std::to_string(c.device);
+    cudaStream_t ours = streams_->stream(c.device);
+    cudaEvent_t ev = streams_->take_event(c.device);
+    auto* theirs = reinterpret_cast<cudaStream_t>(c.handle);
+    cudaError_t e = rt.EventRecord(ev, theirs);
+    if (e == cudaSuccess) e = rt.StreamWaitEvent(ours, ev, 0);
+    // The wait captured the event's state: the event can be reused right away.
+    streams_->give_event(c.device, ev);
+    check(e, "ordering the copy stream after the caller's stream", where);
+  }
+}
+
+bool CopyPipeline::issue(const std::vector<DeviceCopy>& copies, Landed landed) {
+  std::lock_guard<std::mutex> issue_lk(issue_mu_);
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return queue_.size() < max_pending_; });
+  }
+  Batch b;
+  b.landed = std::move(landed);
+  std::vector<int> devices;
+  try {
+    const Runtime& rt = require("a GPU copy");
+    for (const DeviceCopy& c : copies) {
+      if (std::find(devices.begin(), devices.end(), c.device) == devices.end()) devices.push_back(c.device);
+      cudaStream_t s = streams_->stream(c.device);
+      cudaError_t e = rt.MemcpyAsync(c.dst, c.src, c.len, kind_, s);
+      if (e != cudaSuccess)
+        throw CudaError(e, std::string("cudaMemcpyAsync ") + (kind_ == cudaMemcpyDeviceToHost ? "device-to-host" : "host-to-device") +
+                               " of " + std::to_string(c.len) + " bytes on cuda:" + std::to_string(c.device));
+    }
+  } catch (...) {
+    fail(std::current_exception());
+    b.ok = false;
+  }
+  // Whatever was issued must be waited for before the host memory is reused.
+  for (int dev : devices) {
+    cudaEvent_t ev = nullptr;
+    try {
+      ev = streams_->take_event(dev);
+      check(runtime().EventRecord(ev, streams_->stream(dev)), "cudaEventRecord", "cuda:" + std::to_string(dev));
+    } catch (...) {
+      if (ev) streams_->give_event(dev, ev);
+      ev = nullptr;  // the landing thread synchronizes the whole stream instead
+      fail(std::current_exception());
+      b.ok = false;
+    }
+    b.events.emplace_back(dev, ev);
+  }
+  bool ok = b.ok;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    queue_.push_back(std::move(b));
+  }
+  cv_.notify_all();
+  return ok;
+}
+
+void CopyPipeline::land() {
+  for (;;) {
+    Batch b;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return closed_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      b = std::move(queue_.front());
+    }
+    const Runtime& rt = runtime();
+    for (auto& [dev, ev] : b.events) {
+      cudaError_t e;
+      std::string what;
+      if (ev) {
+        e = rt.EventSynchronize(ev);
+        what = "cudaEventSynchronize";
+        streams_->give_event(dev, ev);
+      } else {
+        e = rt.StreamSynchronize(streams_->stream(dev));
+        what = "cudaStreamSynchronize";
+      }
+      if (e != cudaSuccess) {
+        fail(std::make_exception_ptr(CudaError(e, what + " after copies on cuda:" + std::to_string(dev))));
+        b.ok = false;
+      }
+    }
+    b.landed(b.ok);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      queue_.pop_front();  // only now: finish() must not return before the callback ran
+    }
+    cv_.notify_all();
+  }
+}
+
+void CopyPipeline::finish() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> lk(mu_);
+  if (error_) std::rethrow_exception(error_);
+}
+
+// ------------------------------------------------------------------- pinning
+
+PinHooks cuda_pin_hooks(int device, std::shared_ptr<std::string> error) {
+  PinHooks h;
+  h.pin = [device, error](void* p, size_t n) {
+    std::string e = pin(p, n, device);
+    if (!e.empty() && error && error->empty()) *error = e;  // called under the pool's lock
+    return e.empty();
+  };
+  h.unpin = [](void* p) { unpin(p); };
+  return h;
+}
+
+// -------------------------------------------------------------- DevicePlacer
+
+DevicePlacer::DevicePlacer(std::vector<Placement> placements, std::vector<StreamRef> callers,
+                           std::shared_ptr<StagingPool> bounce, std::shared_ptr<CopyStreams> streams,
+                           size_t max_pending)
+    : callers_(std::move(callers)),
+      bounce_(std::move(bounce)),
+      pipe_(std::move(streams), CopyDirection::HostToDevice, max_pending) {
+  for (auto& p : placements) {
+    if (!p.len) continue;
+    if (p.file >= by_file_.size()) by_file_.resize(p.file + 1);
+    by_file_[p.file].push_back(p);
+  }
+  for (auto& v : by_file_) {
+    std::sort(v.begin(), v.end(), [](const Placement& a, const Placement& b) { return a.offset < b.offset; });
+    for (size_t i = 1; i < v.size(); ++i)
+      if (v[i - 1].offset + v[i - 1].len > v[i].offset) throw std::invalid_argument("device placements overlap");
+  }
+}
+
+void DevicePlacer::begin() { pipe_.order_after(callers_); }
+
+bool DevicePlacer::wants(uint32_t file, uint64_t offset, uint64_t len) const {
+  if (file >= by_file_.size()) return false;
+  const auto& v = by_file_[file];
+  // First placement that ends after `offset`.
+  auto it = std::upper_bound(v.begin(), v.end(), offset,
+                             [](uint64_t off, const Placement& p) { return off < p.offset + p.len; });
+  return it != v.end() && it->offset < offset + len;
+}
+
+char* DevicePlacer::acquire(const std::atomic<bool>* cancel) { return bounce_->acquire(cancel); }
+
+void DevicePlacer::discard(char* slot) { bounce_->release(slot); }
+
+void DevicePlacer::place(uint32_t file, uint64_t offset, uint64_t len, char* slot, char* host_dst, bool ok) {
+  if (!ok || pipe_.failed() || file >= by_file_.size()) {
+    bounce_->release(slot);
+    return;
+  }
+  const auto& v = by_file_[file];
+  auto it = std::upper_bound(v.begin(), v.end(), offset,
+                             [](uint64_t off, const Placement& p) { return off < p.offset + p.len; });
+  std::vector<DeviceCopy> copies;
+  uint64_t pos = offset, end = offset + len;
+  for (; it != v.end() && it->offset < end; ++it) {
+    uint64_t a = std::max(pos, it->offset), b = std::min(end, it->offset + it->len);
+    if (a > pos) std::memcpy(host_dst + (pos - offset), slot + (pos - offset), a - pos);  // bytes that stay on the host
+    copies.push_back(DeviceCopy{it->device, it->dst + (a - it->offset), slot + (a - offset), b - a});
+    pos = b;
+  }
+  if (pos < end) std::memcpy(host_dst + (pos - offset), slot + (pos - offset), end - pos);
+  auto pool = bounce_;
+  pipe_.issue(copies, [pool, slot](bool) { pool->release(slot); });
+}
+
+void DevicePlacer::finish() { pipe_.finish(); }
+
+}  // namespace fw

@@ -1,0 +1,159 @@
+// The CUDA copy engine: moves bytes between GPUs and pinned host slots on
+// flashwrite's own streams, ordered after the caller's work, and tells the
+// host side when each batch of copies has landed.
+//
+//   save (D2H): caller's stream ──event──▶ copy stream waits ──▶ chunk copies ──event──▶ landing thread
+//               ──▶ checksum + write of that chunk, while later chunks are still copying
+//   load (H2D): read chunk into a pinned slot ──▶ verify ──▶ copies to the destination tensors
+//               ──event──▶ landing thread returns the slot for the next read
+//
+// Nothing here sees Python objects; device pointers and stream handles come in
+// as integers. All CUDA calls go through shim/cuda.hpp.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "read/load_job.hpp"
+#include "shim/cuda.hpp"
+#include "stage/staging_pool.hpp"
+
+namespace fw {
+
+// A stream of the caller's (PyTorch's current stream of a device); handle 0 is
+// the legacy default stream.
+struct StreamRef {
+  int device;
+  uintptr_t handle;
+};
+
+// One copy; `device` is its GPU end.
+struct DeviceCopy {
+  int device;
+  void* dst;
+  const void* src;
+  size_t len;
+};
+
+enum class CopyDirection { DeviceToHost, HostToDevice };
+
+// An engine's CUDA resources: per device, one non-blocking copy stream and a
+// pool of events, created on first use and reused by every job. Thread-safe.
+// stream() and take_event() make the device current on the calling thread, so
+// they are called on flashwrite's threads only.
+class CopyStreams {
+ public:
+  CopyStreams() = default;
+  ~CopyStreams();
+  CopyStreams(const CopyStreams&) = delete;
+  CopyStreams& operator=(const CopyStreams&) = delete;
+
+  cuda::cudaStream_t stream(int device);
+  cuda::cudaEvent_t take_event(int device);
+  void give_event(int device, cuda::cudaEvent_t ev);
+
+ private:
+  struct Device {
+    cuda::cudaStream_t stream = nullptr;
+    std::vector<cuda::cudaEvent_t> events;
+  };
+  std::mutex mu_;
+  std::map<int, Device> devices_;
+};
+
+// Issues batches of copies on CopyStreams and runs each batch's `landed`
+// callback, in issue order, on the pipeline's own thread once all of its
+// copies completed. Every issued batch gets exactly one callback, also when
+// CUDA failed (ok=false: the bytes are undefined), so the owner of the host
+// slot can always take it back. issue() is thread-safe.
+class CopyPipeline {
+ public:
+  using Landed = std::function<void(bool ok)>;  // must not throw
+
+  CopyPipeline(std::shared_ptr<CopyStreams> streams, CopyDirection dir, size_t max_pending);
+  ~CopyPipeline();  // finish(), errors dropped
+  CopyPipeline(const CopyPipeline&) = delete;
+  CopyPipeline& operator=(const CopyPipeline&) = delete;
+
+  // Makes the copy stream of each device wait for the work queued so far on
+  // the caller's stream of that device (cudaEventRecord on the caller's
+  // stream, cudaStreamWaitEvent on ours). Every later copy on that device is
+  // ordered after it. Throws CudaError.
+  void order_after(const std::vector<StreamRef>& callers);
+  // Enqueues the copies (asynchronous) and returns; blocks while max_pending
+  // batches have not landed. Returns false when CUDA refused a copy: the
+  // pipeline then holds the error and `landed(false)` still comes.
+  bool issue(const std::vector<DeviceCopy>& copies, Landed landed);
+  // No more batches: waits until every batch landed and its callback ran,
+  // then rethrows the first CUDA error, if any.
+  void finish();
+  bool failed() const;
+
+ private:
+  struct Batch {
+    std::vector<std::pair<int, cuda::cudaEvent_t>> events;  // nullptr event: synchronize the stream
+    Landed landed;
+    bool ok = true;
+  };
+  void land();
+  void fail(std::exception_ptr e);
+
+  std::shared_ptr<CopyStreams> streams_;
+  const int kind_;
+  const size_t max_pending_;
+  std::mutex issue_mu_;  // one batch at a time, so the queue is in stream order
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Batch> queue_;
+  bool closed_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+// Page-locking hooks for a StagingPool: cudaHostRegister(Portable) with
+// `device` current on a helper thread. The first failure's text is kept in
+// *error (if given) and the pool stays pageable (copies still work, slower).
+PinHooks cuda_pin_hooks(int device, std::shared_ptr<std::string> error = nullptr);
+
+// Places the chunks of a load that hold bytes of GPU-resident tensors: such a
+// chunk is read into a pinned bounce slot, verified, then copied host-to-device
+// to every destination it overlaps; the rest of its bytes (header, CPU
+// tensors) go to the file's host buffer. The slot returns to the pool when the
+// copies have landed, so reading chunk k+1 overlaps copying chunk k and no
+// full-size host copy of the checkpoint is made.
+class DevicePlacer final : public ChunkPlacer {
+ public:
+  struct Placement {
+    uint32_t file;
+    uint64_t offset, len;  // in the stripe file
+    int device;
+    char* dst;  // device pointer, len bytes, owned by the caller until finish()
+  };
+
+  DevicePlacer(std::vector<Placement> placements, std::vector<StreamRef> callers, std::shared_ptr<StagingPool> bounce,
+               std::shared_ptr<CopyStreams> streams, size_t max_pending);
+
+  void begin() override;
+  bool wants(uint32_t file, uint64_t offset, uint64_t len) const override;
+  char* acquire(const std::atomic<bool>* cancel) override;
+  void place(uint32_t file, uint64_t offset, uint64_t len, char* slot, char* host_dst, bool ok) override;
+  void discard(char* slot) override;
+  void finish() override;
+
+ private:
+  std::vector<std::vector<Placement>> by_file_;  // sorted by offset
+  std::vector<StreamRef> callers_;
+  std::shared_ptr<StagingPool> bounce_;
+  CopyPipeline pipe_;
+};
+
+}  // namespace fw
