@@ -1,7 +1,10 @@
 """Load: read (native, parallel, O_DIRECT) -> verify (native, overlapped) -> place.
 
 CPU tensors come back as views of the page-aligned read buffers (no second
-copy); ``into=`` copies into existing tensors; other devices get a copy.
+copy); ``into=`` copies into existing tensors. Tensors bound for CUDA devices
+are read into pinned bounce buffers and copied host-to-device by the native
+engine chunk by chunk, each chunk verified first (see ``cuda.py``); other
+devices get a copy.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ import os
 import stat
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from . import _core, dtypes
+from . import cuda as _cuda
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from .flatten import flatten, unflatten
 from .format import Manifest, check_stripe_header, piece_ranges, read_manifest
@@ -49,8 +53,15 @@ class LoadResult:
 
 
 def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str = "auto", direct: bool = True,
-                 queue_depth: int = 16, keys: set[str] | None = None) -> LoadResult:
-    """Read and verify every stripe; return CPU tensors that view the read buffers."""
+                 queue_depth: int = 16, keys: set[str] | None = None,
+                 device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None) -> LoadResult:
+    """Read and verify every stripe; return CPU tensors that view the read buffers.
+
+    device_targets(manifest) may name, per key, a contiguous CUDA tensor of the stored
+    dtype and size to receive that tensor's bytes: they are then copied there by the
+    native engine through pinned bounce buffers (verified chunk by chunk before the
+    copy) and never held in host memory as a whole.
+    """
     path = os.fspath(path)
     m = read_manifest(path)
     wanted = set(m.tensors) if keys is None else keys
@@ -80,9 +91,20 @@ def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str =
             for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums):
                 pieces.append((slot[e.file], off, n, int(h, 16)))
                 owners.append(k)
+    targets = {k: t for k, t in (device_targets(m) if device_targets else {}).items() if k in wanted}
+    placements: list[tuple[int, int, int, int, int]] = []
+    for k, t in targets.items():
+        e = m.tensors[k]
+        if t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() != e.nbytes:
+            raise ValueError(f"device target for {k!r} must be a contiguous CUDA tensor of {e.nbytes} bytes")
+        if e.nbytes:
+            placements.append((slot[e.file], e.offset, e.nbytes, t.device.index, t.data_ptr()))
+    streams = _cuda.current_streams(p[3] for p in placements) if placements else []
     t0 = time.perf_counter()
+    # `targets` keeps the destinations alive until the job is done.
     job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
-                           max(1, min(4, len(os.sched_getaffinity(0)))), direct)
+                           max(1, min(4, len(os.sched_getaffinity(0)))), direct, placements=placements,
+                           streams=streams)
     job.wait()
     job.rethrow()
     bad = job.mismatches()
@@ -105,9 +127,14 @@ def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str =
         check_stripe_header(memoryview(buf)[: fe.header_bytes], fe, [e for e in m.tensors.values() if e.file == fi])
         bases[fi] = torch.frombuffer(buf, dtype=torch.uint8)
     tensors = {}
+    for k, t in targets.items():
+        _cuda.mark_written(t)
+        tensors[k] = t
     for k in wanted:
         e = m.tensors[k]
         dt = dtypes.dtype_from_name(e.dtype)
+        if k in targets:
+            continue
         if e.nbytes == 0:
             tensors[k] = torch.empty(0, dtype=torch.uint8).view(dt).reshape(e.shape)
         else:
@@ -124,6 +151,9 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     a {saved_device: device} dict, or None for the devices they were saved from.
     into: an existing (nested) state dict; its tensors are filled in place and it is
     returned. strict: with into, every saved tensor must have a destination.
+    CUDA destinations are filled chunk by chunk, each chunk verified before it is
+    copied: if the load fails part way (a damaged chunk, an I/O error), some GPU
+    destinations may already hold the new values while others keep the old ones.
     verify: check every byte against the save-time checksums.
     allow_pickle: unpickle objects saved with allow_pickle=True (executes code:
     only for trusted checkpoints).
@@ -136,7 +166,8 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
         return distributed.load(path, process_group=process_group, map_location=map_location, into=into,
                                 verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend,
                                 direct=direct, queue_depth=queue_depth)
-    res = read_tensors(path, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth)
+    res = read_tensors(path, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
+                       device_targets=_into_targets(into) if into is not None else _map_targets(map_location))
     m = res.manifest
     if into is not None:
         return _load_into(res, into, strict, allow_pickle)
@@ -154,6 +185,54 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
         return placed[key]
 
     return unflatten(m.tree, tensor_for, allow_pickle=allow_pickle)
+
+
+def _device_empty(e: Any, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor for stored entry ``e`` on ``device``, allocated as bytes and
+    viewed as its dtype, so dtypes with no CUDA kernels (bits8, uint3, ...) work too."""
+    raw = torch.empty(e.nbytes, dtype=torch.uint8, device=device)
+    return raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
+
+
+def _map_targets(map_location: Any) -> Callable[[Manifest], dict[str, torch.Tensor]]:
+    """New tensors for every stored tensor that map_location sends to a CUDA device."""
+
+    def targets(m: Manifest) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, e in m.tensors.items():
+            if not e.nbytes:
+                continue
+            dev = _device_for(e.device, map_location)
+            if _cuda.uses_native(dev):
+                out[k] = _device_empty(e, dev)
+        return out
+
+    return targets
+
+
+def _into_targets(into: Any) -> Callable[[Manifest], dict[str, torch.Tensor]]:
+    """The CUDA tensors of ``into`` that the native engine fills in place: the destination
+    itself where it is contiguous with the stored dtype, else a new tensor of the stored
+    dtype on its device that ``_load_into`` copies (and converts) from on the GPU."""
+
+    def targets(m: Manifest) -> dict[str, torch.Tensor]:
+        _, dst_flat, _ = flatten(into, allow_pickle=True)
+        out = {}
+        for ft in dst_flat:
+            e, d = m.tensors.get(ft.key), ft.tensor
+            if e is None or not e.nbytes or not _cuda.uses_native(d):
+                continue
+            if tuple(d.shape) != tuple(e.shape):  # before any byte moves
+                raise ValueError(f"load(into=...): {ft.key} has shape {tuple(e.shape)} in the checkpoint, "
+                                 f"{tuple(d.shape)} in the destination")
+            dt = dtypes.dtype_from_name(e.dtype)
+            if d.dtype == dt and d.is_contiguous() and not d.is_conj() and not d.is_neg():
+                out[ft.key] = d
+            else:
+                out[ft.key] = _device_empty(e, d.device)
+        return out
+
+    return targets
 
 
 def _load_into(res: LoadResult, into: Any, strict: bool, allow_pickle: bool) -> Any:
@@ -177,6 +256,8 @@ def _load_into(res: LoadResult, into: Any, strict: bool, allow_pickle: bool) -> 
         d = dst.get(k)
         if d is None:
             continue
+        if s is d:
+            continue  # filled in place by the native engine (a GPU destination)
         if d.shape != s.shape:
             raise ValueError(f"load(into=...): {k} has shape {tuple(s.shape)} in the checkpoint, "
                              f"{tuple(d.shape)} in the destination")

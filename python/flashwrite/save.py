@@ -7,6 +7,7 @@ by every save; ``SaveFuture`` tracks one save from staging to commit.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from . import _core, commit
+from . import cuda as _cuda
 from .flatten import flatten
 from .format import build_index, build_manifest
 from .plan import PlannedFile, plan_files
@@ -182,10 +184,12 @@ class Writer:
         multi-rank saves, where every rank writes its own stripes into one directory."""
         tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle)
         files = plan_files(tensors, self.stripes, prefix=prefix, metadata=metadata)
-        keepalive, segments = _stage_sources(files)
+        keepalive, segments, streams = _stage_sources(files)
         job = self._engine.start_save(
             [(os.path.join(directory, f.name), f.header, f.size) for f in files], segments, keepalive,
-            self.backend, self.queue_depth, self.copy_threads, self.direct)
+            self.backend, self.queue_depth, self.copy_threads, self.direct, streams=streams)
+        if streams and self._engine.pin_error:
+            _warn_unpinned(self._engine.pin_error)
         stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files))
         return StripeWrite(self, job, files, tree, aliases, metadata, stats, t0)
 
@@ -287,25 +291,37 @@ class Writer:
                 f"backend={self.backend!r}, direct={self.direct}, max_staging_bytes={self.max_staging_bytes})")
 
 
-def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int, int, int]]]:
-    """(objects that own the bytes, [(address, nbytes, file, offset)]) for the native stager.
+def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int, int, int, int]], list[tuple[int, int]]]:
+    """(objects that own the bytes, [(address, nbytes, file, offset, device)], [(device, stream)])
+    for the native stager. device is -1 for host memory; CUDA tensors are copied by the
+    native engine on its own streams, ordered after the returned current streams.
 
     The keepalive list is held by the native job until staging ends, so callers may
     drop their references right after save_async returns.
     """
     keepalive: list = []
     segments = []
+    devices: set[int] = set()
     for fi, f in enumerate(files):
         for p in f.tensors:
             src = p.source
-            if src.device.type != "cpu":
-                # Until the native CUDA copy engine takes over, device tensors are
-                # brought to host memory here (synchronously, so the snapshot is exact).
+            dev = -1
+            if _cuda.uses_native(src):
+                dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
+                devices.add(dev)
+            elif src.device.type != "cpu":
+                # No native path to this device: PyTorch copies it to host memory
+                # (synchronously, so the snapshot is exact).
                 src = src.to("cpu")
             keepalive.append(src)
             if p.nbytes:
-                segments.append((src.data_ptr(), p.nbytes, fi, p.offset))
-    return keepalive, segments
+                segments.append((src.data_ptr(), p.nbytes, fi, p.offset, dev))
+    return keepalive, segments, _cuda.current_streams(devices) if devices else []
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unpinned(reason: str) -> None:
+    log.warning("flashwrite: the staging pool could not be page-locked, GPU copies will be slower: %s", reason)
 
 
 class StripeWrite:
