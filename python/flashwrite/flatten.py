@@ -110,6 +110,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict, list[FlatT
         return leaf(v, where)
 
     tree = walk(state, [], 0)
+    del walk  # it reaches itself through its closure: break the cycle so the caller's tensors go with the caller
     return tree, tensors, aliases
 
 
@@ -194,4 +195,6 @@ def unflatten(tree: Any, tensor_for: Callable[[str], torch.Tensor], *, allow_pic
         return node(tree, 0)
     except RecursionError:
         raise bad("nested too deeply") from None
+    finally:
+        del node  # a self-referencing closure: left alone it would hold tensor_for (and the read buffers) until gc
 
