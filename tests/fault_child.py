@@ -104,6 +104,7 @@ def victim(req: dict) -> None:
         fut.add_done_callback(lambda f, s=label: emit("committed", s) if f.exception() is None else
                               emit("failed", s, repr(f.exception())))
     mgr.close()
+    writer.close()  # every done-callback (and its "committed" line) has run
     emit("finished")
 
 

@@ -169,10 +169,14 @@ class Zygote:
         except queue.Empty:
             return None
         if line is None:
-            raise RuntimeError(f"the zygote exited; see {self.log_path}: {open(self.log_path).read()[-2000:]}")
+            raise RuntimeError(f"the zygote exited; see {self.log_path}: {self.log_tail()}")
         if line[0] == "exit":
             self.victim = None
         return line
+
+    def log_tail(self, n: int = 3000) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            return fh.read()[-n:]
 
     def close(self) -> None:
         import signal
