@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 
 import pytest
 import torch
@@ -168,20 +170,64 @@ def _save_replicated_and_own(root: str, how: str) -> dict:
     return {"bytes": w.last_stats.bytes if w.last_stats else 0}
 
 
+def _fail_on_one_rank(root: str, bad: int, how: str) -> dict:
+    """Rank ``bad`` gets a real EFBIG (RLIMIT_FSIZE) when its stripes are created:
+    in write_data for dcp.save, in stage() for async_save. Nothing may be committed,
+    and the next save to the same path works and leaves no temporary directory."""
+    rank = dist.get_rank()
+    sd = {f"own{rank}": torch.full((1 << 16,), float(rank)), "rep": torch.arange(10.0)}
+    path = os.path.join(root, f"fail-{how}")
+    out: dict = {}
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if rank == bad:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, old_limit[1]))
+    try:
+        if how == "save":
+            dcp.save(sd, storage_writer=FlashwriteStorageWriter(path))
+        else:
+            dcp.async_save(sd, storage_writer=FlashwriteStorageWriter(path), process_group=dcp_group()).result(60)
+    except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        out["error"] = f"{type(e).__name__}: {e}"[:2000]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    dist.barrier()
+    out["exists"] = os.path.exists(path)
+    dcp.save(sd, storage_writer=FlashwriteStorageWriter(path))
+    return out
+
+
 # -------------------------------------------------------------- tests
 
 
+@pytest.mark.parametrize("how", ["save", "async"])
+def test_failure_on_one_rank_commits_nothing(cluster2, tmp_path, how):
+    res = cluster2.run(_fail_on_one_rank, str(tmp_path), 1, how)
+    for r in res:
+        assert "File too large" in r["error"], r
+        assert not r["exists"]
+    assert sorted(os.listdir(tmp_path)) == [f"fail-{how}"]  # the retry's leftovers cleaned
+    flat = fw.load(tmp_path / f"fail-{how}")
+    assert torch.equal(flat["own0"], torch.zeros(1 << 16)) and torch.equal(flat["own1"], torch.ones(1 << 16))
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """One 2-rank cluster saves every variant; the tests load them."""
-    root = tmp_path_factory.mktemp("dcp")
+def cluster2():
     with Cluster(2) as c:
-        for how in ("save", "async", "async-checkpoint-id"):
-            assert c.run(_save_sharded, str(root), how) == [0, 1]
-        c.run(_save_replicated_and_own, str(root), "plain-save")
-        c.run(_save_replicated_and_own, str(root), "plain-async")
-        # 2 -> 2, same cluster
-        assert c.run(_load_sharded, str(root), "async") == [0, 1]
+        yield c
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, cluster2):
+    """The 2-rank cluster saves every variant; the tests load them."""
+    root = tmp_path_factory.mktemp("dcp")
+    for how in ("save", "async", "async-checkpoint-id"):
+        assert cluster2.run(_save_sharded, str(root), how) == [0, 1]
+    cluster2.run(_save_replicated_and_own, str(root), "plain-save")
+    cluster2.run(_save_replicated_and_own, str(root), "plain-async")
+    # 2 -> 2, same cluster
+    assert cluster2.run(_load_sharded, str(root), "async") == [0, 1]
     return root
 
 

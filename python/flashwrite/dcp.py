@@ -38,6 +38,7 @@ import base64
 import collections
 import dataclasses
 import io
+import json
 import math
 import os
 import threading
@@ -59,7 +60,7 @@ from torch.futures import Future
 from . import commit, dtypes
 from .errors import CheckpointExistsError, CorruptCheckpointError, FlashwriteError
 from .flatten import flatten, unflatten
-from .format import MANIFEST_NAME, build_index, read_manifest
+from .format import MANIFEST_NAME, build_index, parse_manifest, read_manifest
 from .load import read_tensors
 
 __all__ = ["FlashwriteStorageWriter", "FlashwriteStorageReader"]
@@ -180,13 +181,17 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     overwrite: replace an existing checkpoint atomically (DCP's writer overwrites too).
     writer: a ``flashwrite.Writer`` to use; otherwise the shared one for ``writer_options``
     (stripes, queue_depth, chunk_bytes, backend, direct, max_staging_bytes, copy_threads).
-    timeout: seconds a rank waits for its peers in ``stage()``'s exchange.
+    process_group: the group passed to ``dcp.async_save`` (default: the default group);
+    ``stage()`` agrees with its ranks, on flashwrite's own gloo group for them
+    (``coordination_group`` for a subgroup, see ``flashwrite.distributed.coordinator``).
+    timeout: seconds a rank waits for its peers in that exchange.
     """
 
     _synchronize_after_execute = False  # stage() returns only once staged
 
     def __init__(self, path: str | os.PathLike | None = None, *, overwrite: bool = True, writer: Any = None,
-                 timeout: float | None = None, **writer_options: Any):
+                 process_group: Any = None, coordination_group: Any = None, timeout: float | None = None,
+                 **writer_options: Any):
         super().__init__()
         from .save import default_writer
 
@@ -195,6 +200,8 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         self.overwrite = overwrite
         self.writer = writer if writer is not None else default_writer(**writer_options)
         self.timeout = timeout
+        self.process_group = process_group
+        self.coordination_group = coordination_group
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
@@ -214,7 +221,11 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         from .distributed import coordinator, stripe_prefix
 
         t0 = time.perf_counter()
-        rank, size = _rank_and_size()
+        coord = None
+        rank, size = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            coord = coordinator(self.process_group, self.timeout, self.coordination_group)
+            rank, size = coord.rank, coord.size
         final = self._fixed_path
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict, None, rank == 0)
@@ -222,7 +233,6 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         mine_sizes = [(it.index, _chunk_bytes(it)) for it in local.items]
         proposal = commit.temp_dir_for(final)
         refuse = os.path.exists(final) and not self.overwrite
-        coord = coordinator(None, self.timeout) if size > 1 else None
 
         def exchange(obj: Any) -> list:
             if coord is None:
@@ -403,8 +413,9 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         tmp, final = self._tmp, self.path
-        manifest = build_dcp_manifest(metadata, results, self.storage_meta())
         try:
+            manifest = build_dcp_manifest(metadata, results, self.storage_meta())
+            parse_manifest(json.dumps(manifest).encode())  # what a reader will check, before it is visible
             commit.finalize(tmp, final, manifest, build_index(manifest), self.overwrite)
         except BaseException:
             commit.discard(tmp)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import threading
@@ -54,7 +55,7 @@ import torch.distributed as dist
 
 from . import commit
 from .errors import CheckpointExistsError, CorruptCheckpointError, FlashwriteError
-from .format import build_index, read_manifest
+from .format import build_index, parse_manifest, read_manifest
 from .load import _device_for, _load_into, read_tensors
 from .flatten import unflatten
 
@@ -289,6 +290,7 @@ def _agree_and_commit(coord: _Coordinator, final: str, tmp: str, sw: Any, error:
         if coord.rank == 0:
             try:
                 merged = merge_manifests(manifests, tmp)
+                parse_manifest(json.dumps(merged).encode())  # what a reader will check, before it is visible
                 commit.finalize(tmp, final, merged, build_index(merged), overwrite)
                 outcome[0] = ("ok", sum(f["size"] for f in merged["files"]))
             except BaseException as e:  # noqa: BLE001 - broadcast, then raised on every rank
