@@ -227,7 +227,8 @@ def test_one_rank_raises(cluster2, tmp_path):
 def _die_mid_save(root: str, victim: int, how: str, timeout: float) -> dict:
     rank = dist.get_rank()
     fw.save(rank_state(rank, 1), os.path.join(root, "step-1"), process_group=dist.group.WORLD, timeout=timeout)
-    sd = {"big": torch.randn(8 << 20), **rank_state(rank, 2)}  # 32 MiB: still writing when the victim stops
+    # The victim's 128 MiB take tens of ms to write: it stops while writing, long before any commit.
+    sd = {"big": torch.randn((32 if rank == victim else 4) << 20), **rank_state(rank, 2)}
     fut = fw.save_async(sd, os.path.join(root, "step-2"), process_group=dist.group.WORLD, timeout=timeout)
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
