@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -147,25 +148,47 @@ void use_device(int device) {
   current = device;
 }
 
+void on_device_thread(int device, const std::function<void()>& fn) {
+  std::exception_ptr err;
+  std::thread([&] {
+    try {
+      use_device(device);
+      fn();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }).join();
+  if (err) std::rethrow_exception(err);
+}
+
 std::string pin(void* p, size_t n, int device) {
   const Runtime& rt = runtime();
   if (!rt.available) return rt.reason;
   std::string err;
-  std::thread([&] {
-    cudaError_t e = rt.SetDevice(device);
-    if (e == cudaSuccess) e = rt.HostRegister(p, n, cudaHostRegisterPortable);
-    if (e == cudaErrorHostMemoryAlreadyRegistered) e = cudaSuccess;
-    if (e != cudaSuccess) {
-      rt.GetLastError();  // not sticky: clear it so it does not surface in PyTorch's next check
-      err = "cudaHostRegister of " + std::to_string(n) + " bytes: " + describe(e);
-    }
-  }).join();
+  try {
+    on_device_thread(device, [&] {
+      cudaError_t e = rt.HostRegister(p, n, cudaHostRegisterPortable);
+      if (e == cudaErrorHostMemoryAlreadyRegistered) e = cudaSuccess;
+      if (e != cudaSuccess) {
+        rt.GetLastError();  // not sticky: clear it so it does not surface in PyTorch's next check
+        err = "cudaHostRegister of " + std::to_string(n) + " bytes: " + describe(e);
+      }
+    });
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
   return err;
 }
 
-void unpin(void* p) {
+void unpin(void* p, int device) {
   const Runtime& rt = runtime();
-  if (rt.available && rt.HostUnregister(p) != cudaSuccess) rt.GetLastError();
+  if (!rt.available) return;
+  try {
+    on_device_thread(device, [&] {
+      if (rt.HostUnregister(p) != cudaSuccess) rt.GetLastError();
+    });
+  } catch (...) {  // at exit the runtime may be unloading: the pages go with the process anyway
+  }
 }
 
 }  // namespace fw::cuda

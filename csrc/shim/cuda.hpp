@@ -7,6 +7,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -103,11 +104,15 @@ inline void check(cudaError_t err, const char* call, const std::string& context 
 // primary context, so it is never called on a caller's thread.
 void use_device(int device);
 
-// Page-locks [p, p+n) for every context (cudaHostRegisterPortable), making
-// `device` current on a short-lived helper thread first, so neither the
-// caller's current device nor a context on device 0 is touched. Returns ""
-// on success, else the error text.
+// Runs fn on a short-lived helper thread whose current device is `device`:
+// for calls made on behalf of a caller's thread, so neither its current device
+// nor a context on device 0 is touched (a runtime call on a thread with no
+// current device may create device 0's primary context).
+void on_device_thread(int device, const std::function<void()>& fn);
+
+// Page-locks [p, p+n) for every context (cudaHostRegisterPortable), on a
+// helper thread with `device` current. Returns "" on success, else the error.
 std::string pin(void* p, size_t n, int device);
-void unpin(void* p);
+void unpin(void* p, int device);
 
 }  // namespace fw::cuda

@@ -14,13 +14,18 @@ CopyStreams::~CopyStreams() {
   if (!rt.available) return;
   // Errors are ignored: at interpreter exit the runtime may already be unloading.
   for (auto& [dev, d] : devices_) {
-    for (cudaEvent_t ev : d.events) rt.EventDestroy(ev);
-    if (d.stream) {
-      rt.StreamSynchronize(d.stream);
-      rt.StreamDestroy(d.stream);
+    try {
+      on_device_thread(dev, [&, &d = d] {
+        for (cudaEvent_t ev : d.events) rt.EventDestroy(ev);
+        if (d.stream) {
+          rt.StreamSynchronize(d.stream);
+          rt.StreamDestroy(d.stream);
+        }
+        rt.GetLastError();
+      });
+    } catch (...) {
     }
   }
-  rt.GetLastError();
 }
 
 cudaStream_t CopyStreams::stream(int device) {
@@ -156,6 +161,10 @@ void CopyPipeline::land() {
     for (auto& [dev, ev] : b.events) {
       cudaError_t e;
       std::string what;
+      try {
+        use_device(dev);  // never let this thread fall back to device 0's context
+      } catch (...) {
+      }
       if (ev) {
         e = rt.EventSynchronize(ev);
         what = "cudaEventSynchronize";
@@ -198,7 +207,7 @@ PinHooks cuda_pin_hooks(int device, std::shared_ptr<std::string> error) {
     if (!e.empty() && error && error->empty()) *error = e;  // called under the pool's lock
     return e.empty();
   };
-  h.unpin = [](void* p) { unpin(p); };
+  h.unpin = [device](void* p) { unpin(p, device); };
   return h;
 }
 
