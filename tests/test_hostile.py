@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import os
 import pickle
 import signal
