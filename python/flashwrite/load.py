@@ -199,9 +199,7 @@ def _map_targets(map_location: Any) -> Callable[[Manifest], dict[str, torch.Tens
 
     def targets(m: Manifest) -> dict[str, torch.Tensor]:
         out = {}
-        for k, e in m.tensors.items():
-            if not e.nbytes:
-                continue
+        for k, e in m.tensors.items():  # empty ones too: no dtype kernel is needed to make them
             dev = _device_for(e.device, map_location)
             if _cuda.uses_native(dev):
                 out[k] = _device_empty(e, dev)
