@@ -39,9 +39,13 @@ def prepare(final: str, overwrite: bool) -> str:
     parent = os.path.dirname(final)
     if os.path.lexists(parent) and not os.path.isdir(parent):
         raise NotADirectoryError(20, "parent of the checkpoint path is not a directory", parent)
-    os.makedirs(parent, exist_ok=True)
     tmp = temp_dir_for(final)
-    os.mkdir(tmp)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+    except PermissionError as e:
+        # Name what the user asked for, not our temporary sibling.
+        raise PermissionError(e.errno, f"cannot create checkpoint {final}: {e.strerror}", e.filename) from None
     return tmp
 
 

@@ -27,7 +27,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "flashwrite.json"
 INDEX_NAME = "model.safetensors.index.json"
 MAX_MANIFEST_BYTES = 1 << 30
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # used with fullmatch: no trailing newline
 _HEX_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -118,7 +118,7 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
 
 def check_member_name(name: Any) -> str:
     """A file name inside the checkpoint: no separators, no '..', not absolute."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", "..") or name == MANIFEST_NAME:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", "..") or name == MANIFEST_NAME:
         raise UnsafeCheckpointError(f"manifest names file {str(name)[:80]!r}, which is not a plain file name "
                                     "inside the checkpoint directory", file=MANIFEST_NAME)
     return name
