@@ -31,11 +31,13 @@ enum class BackendKind { Auto, IoUring, Threads };
 class IoBackend {
  public:
   virtual ~IoBackend() = default;
-  // Blocks while queue_depth requests are in flight. Thread-safe.
+  // Queues a request and returns at once; the backend keeps at most
+  // queue_depth of them in flight. Never blocking here matters: the copy
+  // threads that stage a save must not wait for the disk. Thread-safe.
   virtual void submit(IoRequest* req) = 0;
-  // Submits again from the completion callback, without waiting for room.
+  // Queues a request again from the completion callback, ahead of the rest.
   virtual void resubmit(IoRequest* req) = 0;
-  // Blocks until nothing is in flight.
+  // Blocks until every queued request is done and its callback has returned.
   virtual void drain() = 0;
   virtual const char* name() const = 0;
 };

@@ -17,8 +17,9 @@ namespace {
 
 class ThreadBackend final : public IoBackend {
  public:
-  ThreadBackend(unsigned qd, IoCallback cb) : qd_(qd), cb_(std::move(cb)) {
-    unsigned n = std::min(qd, 16u);
+  // queue_depth threads, each with one blocking request in flight.
+  ThreadBackend(unsigned qd, IoCallback cb) : cb_(std::move(cb)) {
+    unsigned n = std::min(qd, 32u);
     for (unsigned i = 0; i < n; ++i) workers_.emplace_back([this] { run(); });
   }
   ~ThreadBackend() override {
@@ -31,23 +32,22 @@ class ThreadBackend final : public IoBackend {
   }
 
   void submit(IoRequest* req) override {
-    std::unique_lock<std::mutex> lk(mu_);
-    room_cv_.wait(lk, [&] { return inflight_ < qd_; });
-    ++inflight_;
+    std::lock_guard<std::mutex> lk(mu_);
+    ++outstanding_;
     queue_.push_back(req);
     work_cv_.notify_one();
   }
 
   void resubmit(IoRequest* req) override {
     std::lock_guard<std::mutex> lk(mu_);
-    ++inflight_;
+    ++outstanding_;
     queue_.push_front(req);
     work_cv_.notify_one();
   }
 
   void drain() override {
     std::unique_lock<std::mutex> lk(mu_);
-    room_cv_.wait(lk, [&] { return inflight_ == 0; });
+    idle_cv_.wait(lk, [&] { return outstanding_ == 0; });
   }
 
   const char* name() const override { return "threads"; }
@@ -81,22 +81,18 @@ class ThreadBackend final : public IoBackend {
         queue_.pop_front();
       }
       int64_t res = transfer(req);
-      // Count the request out before the callback, so a resubmit from it has room.
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        --inflight_;
-      }
       cb_(req, res);
-      room_cv_.notify_all();
+      // Counted out after the callback: a resubmit from it keeps drain() waiting.
+      std::lock_guard<std::mutex> lk(mu_);
+      if (--outstanding_ == 0) idle_cv_.notify_all();
     }
   }
 
-  const unsigned qd_;
   IoCallback cb_;
   std::mutex mu_;
-  std::condition_variable work_cv_, room_cv_;
+  std::condition_variable work_cv_, idle_cv_;
   std::deque<IoRequest*> queue_;
-  unsigned inflight_ = 0;
+  size_t outstanding_ = 0;  // queued + being transferred + in their callback
   bool stop_ = false;
   std::vector<std::thread> workers_;
 };

@@ -51,27 +51,24 @@ class UringBackend final : public IoBackend {
 
   void submit(IoRequest* req) override {
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      room_cv_.wait(lk, [&] { return inflight_ < qd_; });
-      ++inflight_;
+      std::lock_guard<std::mutex> lk(mu_);
+      ++outstanding_;
       pending_.push_back(req);
     }
     kick();
   }
 
-  // Only called from the completion callback, i.e. on the ring thread.
+  // Only called from the completion callback, i.e. on the ring thread, which
+  // refills the ring right after the callback returns.
   void resubmit(IoRequest* req) override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      ++inflight_;
-    }
-    push(req);
-    flush();
+    std::lock_guard<std::mutex> lk(mu_);
+    ++outstanding_;
+    pending_.push_front(req);
   }
 
   void drain() override {
     std::unique_lock<std::mutex> lk(mu_);
-    room_cv_.wait(lk, [&] { return inflight_ == 0; });
+    idle_cv_.wait(lk, [&] { return outstanding_ == 0; });
   }
 
   const char* name() const override { return "io_uring"; }
@@ -112,24 +109,30 @@ class UringBackend final : public IoBackend {
   }
 
   void finish(IoRequest* r, int64_t res) {
+    --in_ring_;
+    cb_(r, res);
     {
       std::lock_guard<std::mutex> lk(mu_);
-      --inflight_;
+      if (--outstanding_ == 0) idle_cv_.notify_all();
     }
-    cb_(r, res);
-    room_cv_.notify_all();
+    fill();
   }
 
+  // Moves queued requests into the ring, up to queue_depth in flight.
   // Returns false when asked to stop.
-  bool take_pending() {
-    std::deque<IoRequest*> batch;
-    bool stop;
+  bool fill() {
+    bool stop, pushed = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      batch.swap(pending_);
+      while (in_ring_ < qd_ && !pending_.empty()) {
+        push(pending_.front());
+        pending_.pop_front();
+        ++in_ring_;
+        pushed = true;
+      }
       stop = stop_;
     }
-    for (IoRequest* r : batch) push(r);
+    if (pushed) flush();
     return !stop;
   }
 
@@ -144,7 +147,7 @@ class UringBackend final : public IoBackend {
       int res = cqe->res;
       io_uring_cqe_seen(&ring_, cqe);
       if (data == kKickTag) {
-        if (!take_pending()) return;
+        if (!fill()) return;
         arm_kick();
         flush();
         continue;
@@ -179,9 +182,10 @@ class UringBackend final : public IoBackend {
   int efd_ = -1;
   uint64_t kick_buf_ = 0;
   std::mutex mu_;
-  std::condition_variable room_cv_;
-  std::deque<IoRequest*> pending_;
-  unsigned inflight_ = 0;
+  std::condition_variable idle_cv_;
+  std::deque<IoRequest*> pending_;  // queued, not yet in the ring
+  size_t outstanding_ = 0;          // queued + in the ring + in their callback
+  unsigned in_ring_ = 0;            // ring thread only
   bool stop_ = false;
   std::thread thread_;
 };

@@ -104,7 +104,6 @@ void SaveJob::fail(std::exception_ptr e) {
     cancel_ = true;
   }
   work_cv_.notify_all();
-  write_cv_.notify_all();
 }
 
 void SaveJob::cancel() {
@@ -125,9 +124,8 @@ void SaveJob::copy_host_chunk(size_t ci, char* slot) {
 }
 
 // Copy threads stage the chunks that live in host memory and checksum the
-// device chunks once their bytes have landed. In a save with GPU sources a
-// staged chunk goes to the submitter, so a full I/O queue never holds up the
-// staging that the caller waits for; a CPU-only save submits directly.
+// device chunks once their bytes have landed, then queue each chunk's write
+// (the backend never blocks a submit, so the disk never holds up staging).
 void SaveJob::copy_worker() {
   const bool gpu = !device_chunks_.empty();
   try {
@@ -149,7 +147,7 @@ void SaveJob::copy_worker() {
             const Piece& p = plan_.pieces[c.first_piece + i];
             if (segments_[p.segment].device >= 0) hashes_[p.hash_index] = checksum(slot + p.chunk_offset, p.len);
           }
-          submit_write(ci);
+          write_chunk(ci);
           continue;
         }
       }
@@ -159,10 +157,7 @@ void SaveJob::copy_worker() {
         if (!slot) return;
         copy_host_chunk(host_chunks_[hi], slot);
         chunk_staged();
-        if (gpu)
-          submit_write(host_chunks_[hi]);
-        else
-          write_chunk(host_chunks_[hi]);
+        write_chunk(host_chunks_[hi]);
         continue;
       }
       if (!gpu) return;
@@ -260,32 +255,6 @@ void SaveJob::mark_staged() {
   cv_.notify_all();
 }
 
-void SaveJob::submit_write(size_t ci) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    write_queue_.push_back(ci);
-  }
-  write_cv_.notify_one();
-}
-
-void SaveJob::submitter() {
-  for (;;) {
-    size_t ci;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      write_cv_.wait(lk, [&] { return !write_queue_.empty() || copies_done_; });
-      if (write_queue_.empty()) return;
-      ci = write_queue_.front();
-      write_queue_.pop_front();
-    }
-    if (cancel_.load()) {
-      pool_->release(requests_[ci].buf);
-      continue;
-    }
-    write_chunk(ci);
-  }
-}
-
 void SaveJob::write_chunk(size_t ci) {
   IoRequest& r = requests_[ci];
   const Chunk& c = plan_.chunks[ci];
@@ -335,11 +304,8 @@ void SaveJob::finish_files() {
 }
 
 void SaveJob::run() {
-  std::thread submit_thread, d2h;
-  if (!device_chunks_.empty()) {
-    submit_thread = std::thread([this] { submitter(); });
-    d2h = std::thread([this] { stage_device_chunks(); });
-  }
+  std::thread d2h;
+  if (!device_chunks_.empty()) d2h = std::thread([this] { stage_device_chunks(); });
   std::vector<std::thread> workers;
   for (unsigned i = 0; i < opt_.copy_threads; ++i) workers.emplace_back([this] { copy_worker(); });
   if (d2h.joinable()) d2h.join();  // every GPU copy has landed or failed
@@ -349,10 +315,7 @@ void SaveJob::run() {
     std::lock_guard<std::mutex> lk(mu_);
     for (size_t ci : landed_) pool_->release(requests_[ci].buf);
     landed_.clear();
-    copies_done_ = true;
   }
-  write_cv_.notify_all();
-  if (submit_thread.joinable()) submit_thread.join();
   mark_staged();  // also when the save failed: nothing reads the sources any more
 
   backend_->drain();

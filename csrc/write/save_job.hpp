@@ -91,8 +91,6 @@ class SaveJob {
   void copy_host_chunk(size_t ci, char* slot);
   void stage_device_chunks();  // D2H issuer thread
   void landed(size_t ci, bool ok);
-  void submit_write(size_t ci);
-  void submitter();
   void write_chunk(size_t ci);
   void chunk_staged();
   void mark_staged();
@@ -119,12 +117,10 @@ class SaveJob {
   std::vector<size_t> host_chunks_, device_chunks_;  // chunks with no / some GPU bytes
   uint64_t device_bytes_ = 0;
   std::atomic<size_t> unstaged_{0};  // chunks whose bytes are not yet all in their slot
-  // Landed device chunks wait here for their checksums; with GPU sources,
-  // staged chunks wait in write_queue_ for the submitter, so staging never
-  // blocks on a full I/O queue.
-  std::deque<size_t> landed_, write_queue_;
-  bool d2h_done_ = false, copies_done_ = false, fenced_ = false;
-  std::condition_variable work_cv_, write_cv_;
+  // Landed device chunks wait here for their checksums.
+  std::deque<size_t> landed_;
+  bool d2h_done_ = false, fenced_ = false;
+  std::condition_variable work_cv_;
   std::atomic<bool> cancel_{false}, staged_{false}, done_{false};
   double staged_s_ = -1, done_s_ = -1;
   std::chrono::steady_clock::time_point t0_;
