@@ -239,3 +239,31 @@ except KeyboardInterrupt:
     assert "INTERRUPTED" in out.stdout, out.stdout + out.stderr
     leftovers = [n for n in os.listdir(tmp_path) if ".flashwrite-tmp-" in n]
     assert leftovers == [], "an interrupted save must clean its temporary directory"
+
+
+def test_sources_are_freed_once_staged(tmp_path, monkeypatch):
+    """After save_async returns, flashwrite holds no reference to the caller's tensors
+    (or to contiguous copies it made), so dropping them frees the memory at once, not
+    when the checkpoint commits. The commit is held back to make that observable."""
+    from flashwrite import commit
+
+    release = threading.Event()
+    real_finalize = commit.finalize
+
+    def held_finalize(*args, **kwargs):
+        assert release.wait(60)
+        return real_finalize(*args, **kwargs)
+
+    n = 64 << 20  # float32 elements: 256 MiB each
+    with fw.Writer() as w:
+        w.save({"a": torch.empty(n), "b": torch.empty(n)}, tmp_path / "warm")  # the pool exists now
+        monkeypatch.setattr(commit, "finalize", held_finalize)
+        big = torch.ones(n)
+        strided = torch.ones(n // 1024, 1024).t()  # non-contiguous: flashwrite stages a contiguous copy
+        rss_with = _resources()[0]
+        fut = w.save_async({"big": big, "strided": strided}, tmp_path / "ck")
+        del big, strided
+        rss_after = _resources()[0]
+        release.set()
+        fut.result(timeout=60)
+    assert rss_with - rss_after > 400 << 20, f"only {(rss_with - rss_after) >> 20} MiB freed"

@@ -81,7 +81,7 @@ def build_manifest(files: list[PlannedFile], checksums: dict[str, list[int]], al
         for p in f.tensors:
             tensors[p.key] = {
                 "file": i, "offset": p.offset, "nbytes": p.nbytes, "dtype": dtypes.dtype_name(p.dtype),
-                "shape": p.shape, "device": str(p.source.device),
+                "shape": p.shape, "device": p.device,
                 "checksums": [f"{h:016x}" for h in checksums[p.key]],
             }
     m = {

@@ -26,10 +26,14 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 @dataclass
 class PlannedTensor:
     key: str
-    source: torch.Tensor  # contiguous, on its original device
+    # Contiguous, on its original device. Handed to the native job (which keeps it
+    # alive only until staged) and then dropped here, so the caller's memory is
+    # not held until the checkpoint commits.
+    source: torch.Tensor | None
     dtype: torch.dtype
     shape: list[int]
     nbytes: int
+    device: str = "cpu"
     file: int = 0
     offset: int = 0  # absolute offset in the stripe file
 
@@ -69,7 +73,8 @@ def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
     for ft in tensors:
         src = _contiguous(ft.tensor)
         dtypes.dtype_name(src.dtype)  # raises for dtypes we cannot store
-        planned.append(PlannedTensor(ft.key, src, src.dtype, list(src.shape), src.numel() * src.element_size()))
+        planned.append(PlannedTensor(ft.key, src, src.dtype, list(src.shape), src.numel() * src.element_size(),
+                                     str(src.device)))
 
     n = max(1, min(stripes, sum(1 for p in planned if p.nbytes) or 1))
     files = [PlannedFile(stripe_name(prefix, i, n)) for i in range(n)]
@@ -80,7 +85,7 @@ def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
         heapq.heappush(heap, (load + p.nbytes, i))
 
     for f in files:
-        f.tensors.sort(key=lambda p: (-p.source.element_size(), p.key))
+        f.tensors.sort(key=lambda p: (-p.dtype.itemsize, p.key))
         header: dict = {"__metadata__": {"format": "pt", "writer": "flashwrite", **(metadata or {})}}
         rel = 0
         for p in f.tensors:

@@ -314,6 +314,7 @@ def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int,
                 # (synchronously, so the snapshot is exact).
                 src = src.to("cpu")
             keepalive.append(src)
+            p.source = None  # from here on only the job's keepalive holds it
             if p.nbytes:
                 segments.append((src.data_ptr(), p.nbytes, fi, p.offset, dev))
     return keepalive, segments, _cuda.current_streams(devices) if devices else []
