@@ -213,6 +213,9 @@ def summarize(per: dict[str, list[dict]], meta: dict) -> dict:
         stalls = [s for r in ok for s in r["stalls"]]
         row["stall_median_s"] = statistics.median(stalls) if stalls else None
         row["stall_total_s"] = statistics.median(sum(r["stalls"]) for r in ok) if stalls else None
+        if base_s and stalls:
+            # The blocking part alone: less noisy than the wall-clock difference below.
+            row["stall_pct"] = row["stall_total_s"] / base_s * 100
         if base_s:
             # Per round against that round's baseline, then the median: rounds see different noise.
             pairs = [(r["train_s"], b["train_s"]) for r, b in zip(ok, base)]
@@ -225,6 +228,7 @@ def summarize(per: dict[str, list[dict]], meta: dict) -> dict:
         if torch_overhead and row.get("overhead_s") is not None and row["key"] != "none":
             row["overhead_vs_torch_save"] = row["overhead_s"] / torch_overhead
     notes = ["slowdown %: (training time with checkpoints - baseline) / baseline, per round, median; "
+             "blocked %: the checkpoint calls' total stall / baseline (the part that does not depend on noise); "
              "x torch.save: this mode's added seconds / torch.save's added seconds (target for flashwrite: <= 0.1).",
              "stall/ckpt: seconds each checkpoint call blocked the loop (for async modes: until snapshotted, plus any "
              "wait for the previous checkpoint); the timed run ends when the last checkpoint is durable."]

@@ -152,7 +152,7 @@ def plot(res: dict, path: str) -> str | None:
         if ttl.startswith("save") and res.get("memcpy"):
             ax.axvline(res["memcpy"]["stall_s"], color="#756bb1", linestyle=":", label="memcpy")
         ax.set_title(ttl, fontsize=10)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="best")
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(y)
     axes[0].set_yticklabels(names, fontsize=9)
@@ -164,9 +164,13 @@ def plot(res: dict, path: str) -> str | None:
     return None
 
 
+OVERHEAD_COLUMNS = ["mode", "train s", "slowdown %", "blocked %", "checkpoints", "stall/ckpt s (median)",
+                    "total stall s", "x torch.save"]
+
+
 def print_overhead(res: dict, file: TextIO | None = None, plain: bool = False) -> None:
     file = file or sys.stdout
-    header = ["mode", "train s", "slowdown %", "checkpoints", "stall/ckpt s (median)", "total stall s", "x torch.save"]
+    header = OVERHEAD_COLUMNS
     rows = overhead_rows(res)
     head = (f"training overhead: {res['meta']['model']}, {res['meta']['steps']} steps, checkpoint every "
             f"{res['meta']['every']} steps ({fmt_bytes(res['meta']['checkpoint_bytes'])} each), "
@@ -197,16 +201,17 @@ def overhead_rows(res: dict) -> list[list[str]]:
     out = []
     for r in res["rows"]:
         if r.get("train_s") is None:
-            out.append([f"{r['name']}: {r.get('status', '-')}", "", "", "", "", "", ""])
+            out.append([f"{r['name']}: {r.get('status', '-')}"] + [""] * (len(OVERHEAD_COLUMNS) - 1))
             continue
-        out.append([r["name"], _f(r["train_s"], ".2f"), _f(r.get("slowdown_pct"), ".1f"), str(r.get("checkpoints", 0)),
+        out.append([r["name"], _f(r["train_s"], ".2f"), _f(r.get("slowdown_pct"), ".1f"), _f(r.get("stall_pct"), ".1f"),
+                    str(r.get("checkpoints", 0)),
                     _f(r.get("stall_median_s"), ".3f"), _f(r.get("stall_total_s"), ".2f"),
                     _f(r.get("overhead_vs_torch_save"), ".3f")])
     return out
 
 
 def overhead_markdown(res: dict) -> str:
-    header = ["mode", "train s", "slowdown %", "checkpoints", "stall/ckpt s (median)", "total stall s", "x torch.save"]
+    header = OVERHEAD_COLUMNS
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(r) + " |" for r in overhead_rows(res)]
     return "\n".join(out)
