@@ -90,7 +90,7 @@ def run_worker(spec: dict, state: Any = None) -> dict:
             # Stateless: a tiny save pays the lazy imports and first-call set-up only.
             c.save(make_state(1 << 20, seed=7), warm)
         peers.remove(warm)
-        why_not = devicelimit.drop_caches() if drop else "page cache not dropped (--no-drop-caches)"
+        why_not = devicelimit.drop_caches() if drop else spec.get("cache_note", "page cache not dropped")
         with Meter() as m:
             r = c.save(state, path)
         out.update(r)
@@ -196,7 +196,8 @@ def compare(size: int, contenders: list[str], directory: str | None = None, roun
         for rnd in range(rounds):
             for key in ["device", "memcpy", *contenders]:
                 spec = {"contender": key, "size": size, "seed": seed, "dir": workdir, "load": load,
-                        "drop_caches": drop_caches and can_drop is None, "dcp_threads": dcp_threads,
+                        "drop_caches": drop_caches and can_drop is None, "cache_note": can_drop,
+                        "dcp_threads": dcp_threads,
                         "flashwrite_options": flashwrite_options or {}}
                 t0 = time.perf_counter()
                 if key == "device":
