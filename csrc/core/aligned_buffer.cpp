@@ -14,21 +14,12 @@ namespace fw {
 #define MADV_POPULATE_WRITE 23
 #endif
 
-namespace {
-constexpr size_t kHuge = 2 << 20;
-}
-
 AlignedBuffer::AlignedBuffer(size_t bytes, bool populate) : size_(bytes), cap_(round_up(bytes ? bytes : 1, kAlign)) {
-  bool huge = cap_ >= 2 * kHuge;
-  map_len_ = huge ? cap_ + kHuge : cap_;
+  map_len_ = cap_;
   void* p = mmap(nullptr, map_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw_errno(errno, "mmap host buffer", "", -1, static_cast<int64_t>(map_len_));
   map_ = p;
   ptr_ = static_cast<char*>(p);
-  if (huge) {
-    ptr_ = reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(p), kHuge));
-    madvise(ptr_, cap_, MADV_HUGEPAGE);  // advisory: ignored where THP is off
-  }
   if (populate) prefault(0, cap_);
 }
 

@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <stdexcept>
+#include <thread>
+#include <vector>
 
 namespace fw {
 
@@ -44,8 +46,19 @@ void StagingPool::reserve(size_t slots) {
   if (slots <= total_slots_) return;
   size_t add = slots - total_slots_;
   auto slab = std::make_unique<Slab>();
-  // Not pre-faulted here: the copy threads fault the slots in parallel on first use.
+  // Faulted in now, in parallel: every slot is then resident for good, so
+  // later saves neither pay for page faults nor grow the process (slots are
+  // reused last-in-first-out, and a save may touch only some of them).
   slab->mem = AlignedBuffer(add * slot_bytes_);
+  {
+    const size_t bytes = slab->mem.capacity();
+    const unsigned n = static_cast<unsigned>(std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), 8));
+    const size_t part = round_up((bytes + n - 1) / n, kAlign);
+    std::vector<std::thread> faulters;
+    for (unsigned i = 0; i < n && i * part < bytes; ++i)
+      faulters.emplace_back([&, i] { slab->mem.prefault(i * part, part); });
+    for (auto& t : faulters) t.join();
+  }
   pin_slab(*slab);
   for (size_t i = 0; i < add; ++i) free_.push_back(slab->mem.data() + i * slot_bytes_);
   total_slots_ += add;
