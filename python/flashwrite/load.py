@@ -25,6 +25,7 @@ from .flatten import flatten, unflatten
 from .format import Manifest, check_stripe_header, piece_ranges, read_manifest
 
 DEFAULT_READ_CHUNK = 8 << 20
+DEFAULT_READ_QUEUE_DEPTH = 32  # matched or beat 16 in both load sweeps (benchmarks/README.md)
 
 
 def _read_chunk(block: int) -> int:
@@ -53,7 +54,7 @@ class LoadResult:
 
 
 def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str = "auto", direct: bool = True,
-                 queue_depth: int = 16, keys: set[str] | None = None,
+                 queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, keys: set[str] | None = None,
                  device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None) -> LoadResult:
     """Read and verify every stripe; return CPU tensors that view the read buffers.
 
@@ -144,7 +145,7 @@ def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str =
 
 def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, verify: bool = True, *,
          allow_pickle: bool = False, strict: bool = True, backend: str = "auto", direct: bool = True,
-         queue_depth: int = 16, process_group: Any = None) -> Any:
+         queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, process_group: Any = None) -> Any:
     """Load a checkpoint and return the nested structure that was saved.
 
     map_location: "cpu" (default; tensors are views of the read buffers), a device,
