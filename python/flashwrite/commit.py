@@ -31,11 +31,30 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and (TMP_MARK in name or OLD_MARK in name)
 
 
+def target_problem(final: str, overwrite: bool) -> str | None:
+    """Why a save may not go to ``final``, or None. overwrite=True replaces a flashwrite
+    checkpoint or an empty directory, never anything else (a run directory holding
+    logs, a file): that would delete data that is not ours."""
+    if not os.path.lexists(final):
+        return None
+    if not overwrite:
+        return "checkpoint already exists (pass overwrite=True to replace it)"
+    if os.path.isdir(final) and not os.path.islink(final):
+        if os.path.isfile(os.path.join(final, MANIFEST_NAME)) or not os.listdir(final):
+            return None
+    return "exists and is not a flashwrite checkpoint; refusing to replace it (overwrite=True replaces only checkpoints)"
+
+
+def check_target(final: str, overwrite: bool) -> None:
+    problem = target_problem(final, overwrite)
+    if problem:
+        raise CheckpointExistsError(17, problem, final)
+
+
 def prepare(final: str, overwrite: bool) -> str:
     """Create the temp dir (and missing parents). Raises now for a bad target, not later."""
     final = os.path.abspath(final)
-    if os.path.exists(final) and not overwrite:
-        raise CheckpointExistsError(17, "checkpoint already exists (pass overwrite=True to replace it)", final)
+    check_target(final, overwrite)
     parent = os.path.dirname(final)
     if os.path.lexists(parent) and not os.path.isdir(parent):
         raise NotADirectoryError(20, "parent of the checkpoint path is not a directory", parent)
@@ -70,8 +89,7 @@ def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite
     _write_durable(os.path.join(tmp, MANIFEST_NAME), json.dumps(manifest, separators=(",", ":")).encode())
     _core.fsync_dir(tmp)
     if os.path.lexists(final):
-        if not overwrite:
-            raise CheckpointExistsError(17, "checkpoint appeared while saving (pass overwrite=True to replace it)", final)
+        check_target(final, overwrite)  # it may have appeared or changed while we wrote
         # Atomic swap where the file system supports it; the old checkpoint is
         # then at `tmp` and is removed only after the parent is durable.
         if _core.rename_exchange(tmp, final):
@@ -80,7 +98,11 @@ def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite
             return
         old = os.path.join(parent, f".{os.path.basename(final)}{OLD_MARK}{uuid.uuid4().hex[:12]}")
         os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)  # put the previous checkpoint back where it was
+            raise
         _core.fsync_dir(parent)
         shutil.rmtree(old, ignore_errors=True)
         return

@@ -61,7 +61,7 @@ from . import commit, dtypes
 from .errors import CheckpointExistsError, CorruptCheckpointError, FlashwriteError
 from .flatten import flatten, unflatten
 from .format import MANIFEST_NAME, build_index, parse_manifest, read_manifest
-from .load import read_tensors
+from .load import DEFAULT_READ_QUEUE_DEPTH, read_tensors
 
 __all__ = ["FlashwriteStorageWriter", "FlashwriteStorageReader"]
 
@@ -232,7 +232,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         local = planner.create_local_plan()
         mine_sizes = [(it.index, _chunk_bytes(it)) for it in local.items]
         proposal = commit.temp_dir_for(final)
-        refuse = os.path.exists(final) and not self.overwrite
+        refuse = commit.target_problem(final, self.overwrite)
 
         def exchange(obj: Any) -> list:
             if coord is None:
@@ -245,7 +245,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         if len({g[1] for g in gathered}) != 1:
             raise ValueError(f"ranks stage into different paths: {sorted({g[1] for g in gathered})}")
         if gathered[0][3]:
-            raise CheckpointExistsError(17, "checkpoint already exists (pass overwrite=True to replace it)", final)
+            raise CheckpointExistsError(17, gathered[0][3], final)
         owner = _assign_owners([g[0] for g in gathered])
         tmp = gathered[0][2]
         sw, tensors, inline, error = None, {}, {}, None
@@ -337,8 +337,8 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                 commit.discard(old)
         if tmp is None:
             tmp = commit.prepare(final, self.overwrite)
-        elif os.path.exists(final) and not self.overwrite:
-            raise CheckpointExistsError(17, "checkpoint already exists (pass overwrite=True to replace it)", final)
+        else:
+            commit.check_target(final, self.overwrite)
         with _unfinished_lock:
             _unfinished[final].add(tmp)
         if self._current is not None:
@@ -637,7 +637,7 @@ class FlashwriteStorageReader(StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, verify: bool = True, backend: str = "auto",
-                 direct: bool = True, queue_depth: int = 16, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+                 direct: bool = True, queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
         super().__init__()
         self.path = None if path is None else os.fspath(path)
         self.verify = verify

@@ -54,9 +54,9 @@ import torch
 import torch.distributed as dist
 
 from . import commit
-from .errors import CheckpointExistsError, CorruptCheckpointError, FlashwriteError
+from .errors import CorruptCheckpointError, FlashwriteError
 from .format import build_index, parse_manifest, read_manifest
-from .load import _device_for, _load_into, read_tensors
+from .load import DEFAULT_READ_QUEUE_DEPTH, _device_for, _load_into, read_tensors
 from .flatten import unflatten
 
 log = logging.getLogger("flashwrite")
@@ -185,8 +185,7 @@ def save_async(writer: Any, state_dict: Any, path: str | os.PathLike, *, process
     tmp = temp_dir(final, coord, seq)
     rank = coord.rank
     try:
-        if os.path.exists(final) and not overwrite:
-            raise CheckpointExistsError(17, "checkpoint already exists (pass overwrite=True to replace it)", final)
+        commit.check_target(final, overwrite)
         os.makedirs(tmp, exist_ok=True)  # every rank: the name is agreed, so whoever comes first creates it
         sw = writer.write_stripes({rank: state_dict}, tmp, t0, prefix=stripe_prefix(rank), allow_pickle=allow_pickle,
                                   metadata=metadata)
@@ -394,7 +393,7 @@ def _tensor_keys(node: Any, out: set[str], depth: int = 0) -> set[str]:
 
 def load(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cpu", into: Any = None,
          verify: bool = True, allow_pickle: bool = False, strict: bool = True, backend: str = "auto",
-         direct: bool = True, queue_depth: int = 16) -> Any:
+         direct: bool = True, queue_depth: int = DEFAULT_READ_QUEUE_DEPTH) -> Any:
     """This rank's state of a multi-rank checkpoint, reading only its own stripes.
 
     The group must have the world size the checkpoint was saved with (to
