@@ -3,6 +3,7 @@
 import collections
 import math
 import os
+import threading
 import warnings
 
 import pytest
@@ -184,3 +185,50 @@ def test_random_nested_states(tmp_path_factory, state):
     with fw.Writer(stripes=3, chunk_bytes=8192) as w:
         w.save({"s": state}, d / "ck")
     assert_same(fw.load(d / "ck"), {"s": state})
+
+
+def test_overwrite_replaces_only_checkpoints(writer, ckdir):
+    """overwrite=True must never delete a directory that is not a flashwrite checkpoint."""
+    run = ckdir / "run1"
+    run.mkdir()
+    (run / "train.log").write_text("precious")
+    with pytest.raises(fw.CheckpointExistsError, match="not a flashwrite checkpoint"):
+        writer.save({"a": torch.ones(2)}, run, overwrite=True)
+    assert (run / "train.log").read_text() == "precious"
+    (ckdir / "file").write_text("x")
+    with pytest.raises(fw.CheckpointExistsError):
+        writer.save({"a": torch.ones(2)}, ckdir / "file", overwrite=True)
+    (ckdir / "empty").mkdir()
+    writer.save({"a": torch.ones(2)}, ckdir / "empty", overwrite=True)  # an empty directory is fine
+    assert torch.equal(fw.load(ckdir / "empty")["a"], torch.ones(2))
+    assert sorted(os.listdir(ckdir)) == ["empty", "file", "run1"]
+
+
+def test_cancel_before_commit(ckdir):
+    import concurrent.futures
+
+    gate = threading.Event()
+    with fw.Writer() as w:
+        w._committer().submit(gate.wait, 30)  # keep the commit thread busy: the save cannot commit yet
+        fut = w.save_async({"a": torch.ones(1 << 16)}, ckdir / "ck")
+        assert fut.cancel()
+        gate.set()
+        with pytest.raises(concurrent.futures.CancelledError):
+            fut.result(timeout=30)
+        late = w.save_async({"a": torch.ones(4)}, ckdir / "ck2")
+        late.result(timeout=30)
+        assert not late.cancel()  # finished: nothing to cancel
+    assert sorted(os.listdir(ckdir)) == ["ck2"]
+
+
+def test_closed_writer_refuses_without_leaving_files(ckdir):
+    w = fw.Writer()
+    w.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        w.save_async({"a": torch.ones(2)}, ckdir / "ck")
+    assert os.listdir(ckdir) == []
+
+
+def test_module_instead_of_state_dict_is_a_clear_error(writer, ckdir):
+    with pytest.raises(TypeError, match="state_dict"):
+        writer.save({"model": torch.nn.Linear(2, 2)}, ckdir / "ck")

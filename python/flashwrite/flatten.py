@@ -66,6 +66,8 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict, list[FlatT
             return {"t": "dtype", "v": str(v).removeprefix("torch.")}
         if isinstance(v, torch.device):
             return {"t": "device", "v": str(v)}
+        if isinstance(v, torch.nn.Module):
+            raise TypeError(f"{where}: got a {type(v).__qualname__} module; save its state_dict() instead")
         if allow_pickle:
             return {"t": "pickle", "v": base64.b64encode(pickle.dumps(v)).decode()}
         raise TypeError(

@@ -71,6 +71,16 @@ class SaveFuture:
         self._t0 = t0
         self._future: concurrent.futures.Future = concurrent.futures.Future()
         self._released = False
+        self._state_lock = threading.Lock()
+        self._cancelled = False
+        self._committing = False
+
+    def _begin_commit(self) -> bool:
+        """Called by the commit thread: False if the save was cancelled, else from
+        now on cancel() can no longer stop it."""
+        with self._state_lock:
+            self._committing = not self._cancelled
+            return self._committing
 
     def _release_sources(self) -> None:
         if not self._released and self._job.staged:
@@ -113,9 +123,13 @@ class SaveFuture:
         return self._stats
 
     def cancel(self) -> bool:
-        """Abandon the save: nothing is committed. Returns False if it already finished."""
-        if self._future.done():
-            return False
+        """Abandon the save: nothing is committed and ``result()`` raises
+        ``concurrent.futures.CancelledError``. Returns False (and changes nothing)
+        once the commit has begun or the save has finished."""
+        with self._state_lock:
+            if self._committing or self._future.done():
+                return False
+            self._cancelled = True
         self._job.cancel()
         return True
 
@@ -143,8 +157,9 @@ class Writer:
             raise ValueError("stripes must be >= 1")
         if queue_depth < 1:
             raise ValueError("queue_depth must be >= 1")
-        if chunk_bytes < 4096 or chunk_bytes % 4096:
-            raise ValueError("chunk_bytes must be a positive multiple of 4096")
+        if chunk_bytes < 4096 or chunk_bytes % 4096 or chunk_bytes > 1 << 30:
+            # 1 GiB: the largest checksum block a reader accepts, and below io_uring's 32-bit lengths.
+            raise ValueError("chunk_bytes must be a multiple of 4096 between 4 KiB and 1 GiB")
         if backend not in ("auto", "io_uring", "threads"):
             raise ValueError(f"backend must be 'auto', 'io_uring' or 'threads', not {backend!r}")
         if backend == "io_uring" and not _core.io_uring_compiled():
@@ -218,6 +233,8 @@ class Writer:
         if timeout is not None:
             raise ValueError("timeout= applies to multi-rank saves (process_group=)")
         t0 = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("Writer is closed")
         path = os.path.abspath(os.fspath(path))
         tmp = commit.prepare(path, overwrite)
         try:
@@ -242,19 +259,12 @@ class Writer:
                 block: bool) -> SaveFuture:
         """Wait for staging if asked, then run ``finish`` on the commit thread; its
         result (or exception, after ``cleanup``) completes the future."""
-        try:
-            if block:
-                fut.wait_staged()
-        except BaseException:
-            sw.job.cancel()
-            sw.job.wait()
-            cleanup()
-            raise
-
         def run() -> None:
             try:
                 sw.job.wait()
                 fut._release_sources()
+                if not fut._begin_commit():
+                    raise concurrent.futures.CancelledError(f"save to {fut.path} was cancelled")
                 result = finish()
             except BaseException as e:
                 cleanup()
@@ -262,8 +272,16 @@ class Writer:
                 return
             fut._future.set_result(result)
 
-        fut._future.set_running_or_notify_cancel()
-        self._committer().submit(run)
+        try:
+            if block:
+                fut.wait_staged()
+            fut._future.set_running_or_notify_cancel()
+            self._committer().submit(run)  # raises if the writer was closed meanwhile
+        except BaseException:
+            sw.job.cancel()
+            sw.job.wait()
+            cleanup()
+            raise
         sw.stats.stall_s = time.perf_counter() - fut._t0
         return fut
 
