@@ -231,6 +231,13 @@ def parse_manifest(data: bytes) -> Manifest:
             if o1 + n1 > o2:
                 raise CorruptCheckpointError(f"tensors {k1!r} and {k2!r} overlap in {files[fi].name}",
                                              file=files[fi].name, tensor=k2)
+    # Stripes are packed: with no overlaps, equal sums mean every data byte belongs to a
+    # tensor, so no unchecked bytes exist and no file is larger (to read) than its tensors.
+    for fi, fe in enumerate(files):
+        covered = sum(n for _, n, _ in per_file.get(fi, ()))
+        if covered != fe.size - fe.header_bytes:
+            raise CorruptCheckpointError(f"{fe.name}: its tensors cover {covered} of {fe.size - fe.header_bytes} "
+                                         "data bytes (stripes hold nothing but tensors)", file=fe.name)
 
     aliases = raw.get("aliases", {})
     if not isinstance(aliases, dict) or not all(isinstance(v, str) and v in tensors for v in aliases.values()):
