@@ -270,9 +270,11 @@ void SaveJob::write_chunk(size_t ci) {
 void SaveJob::on_io(IoRequest* r, int64_t res) {
   const Chunk& c = plan_.chunks[r->tag];
   File& f = *files_[c.file];
-  if (res == -EINVAL && f.direct.load()) {
+  if (res == -EINVAL && (f.direct.load() || r->fd != f.fd.load())) {
     // The file system took O_DIRECT at open but refuses the write: switch this
-    // stripe to buffered I/O (fsync'd at the end) and retry the request.
+    // stripe to buffered I/O (fsync'd at the end) and retry the request. Other
+    // writes already in flight on the direct fd fail the same way after the
+    // switch (r->fd is then the old fd): they are retried too.
     try {
       std::lock_guard<std::mutex> lk(fallback_mu_);
       if (f.direct.load()) {
