@@ -10,8 +10,12 @@ shared-memory staging pool is resident in both the trainer and its writer).
 from __future__ import annotations
 
 import gc
+import json
 import os
 import resource
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -116,3 +120,23 @@ class Meter:
         # A child alive at both ends counts its growth; one that appeared counts whole.
         # (A child that exited and was reaped in between is in own1's children_* fields.)
         self.cpu_s = (own1 - self._own0) + sum(c - self._live0.get(p, 0.0) for p, c in live1.items())
+
+
+def run_in_subprocess(module: str, spec: dict, timeout_s: float, ident: dict) -> dict:
+    """Run ``python -m module --worker spec.json out.json`` in a fresh process (clean RSS
+    and CPU accounting) and return its JSON result, or ``ident`` plus a failed status."""
+    with tempfile.TemporaryDirectory(prefix="fwbench-worker-") as d:
+        sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
+        with open(sp, "w") as f:
+            json.dump(spec, f)
+        try:
+            p = subprocess.run([sys.executable, "-m", module, "--worker", sp, op],
+                               capture_output=True, text=True, timeout=timeout_s, cwd=spec["dir"])
+        except subprocess.TimeoutExpired:
+            return {**ident, "status": f"failed: timed out after {timeout_s:.0f} s"}
+        if p.returncode != 0 or not os.path.exists(op):
+            tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {**ident, "status": f"failed: worker exited {p.returncode}: {tail[0][:200]}",
+                    "stderr": p.stderr[-4000:]}
+        with open(op) as f:
+            return json.load(f)

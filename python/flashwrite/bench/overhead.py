@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,8 @@ import warnings
 from typing import Any, Callable
 
 import torch
+
+from .measure import run_in_subprocess
 
 MODES = {"none": "no checkpoints (baseline)", "torch_save": "torch.save + fsync", "dcp_async": "dcp.async_save",
          "flashwrite": "flashwrite.save_async", "torch_checkpointing": "torch_checkpointing"}
@@ -142,26 +143,6 @@ def train(spec: dict) -> dict:
             "checkpoints": len(stalls), "checkpoint_bytes": nbytes, "final_loss": loss}
 
 
-def _run_subprocess(spec: dict, timeout_s: float = 1800) -> dict:
-    with tempfile.TemporaryDirectory(prefix="fwbench-ovh-") as d:
-        sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
-        with open(sp, "w") as f:
-            json.dump(spec, f)
-        try:
-            p = subprocess.run([sys.executable, "-m", "flashwrite.bench.overhead", "--worker", sp, op],
-                               capture_output=True, text=True, timeout=timeout_s, cwd=spec["dir"])
-        except subprocess.TimeoutExpired:
-            return {"mode": spec["mode"], "status": f"failed: timed out after {timeout_s:.0f} s"}
-        if p.returncode != 0 or not os.path.exists(op):
-            tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {"mode": spec["mode"], "status": f"failed: exited {p.returncode}: {tail[0][:200]}",
-                    "stderr": p.stderr[-4000:]}
-        with open(op) as f:
-            r = json.load(f)
-        r["status"] = "ok"
-        return r
-
-
 def run(steps: int = 60, every: int = 10, rounds: int = 1, directory: str | None = None,
         modes: list[str] | None = None, width: int = 2048, depth: int = 6, batch: int = 64, threads: int = 1,
         log: Callable[[str], None] = print) -> dict:
@@ -179,7 +160,9 @@ def run(steps: int = 60, every: int = 10, rounds: int = 1, directory: str | None
             try:
                 spec = {"mode": m, "steps": steps, "every": every, "width": width, "depth": depth, "batch": batch,
                         "threads": threads, "dir": workdir, "seed": 0}
-                r = _run_subprocess(spec)
+                r = run_in_subprocess("flashwrite.bench.overhead", spec, 1800, {"mode": spec["mode"]})
+                if "status" not in r:
+                    r["status"] = "ok"
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
             per[m].append(r)

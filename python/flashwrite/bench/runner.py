@@ -20,7 +20,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from . import devicelimit, peers
-from .measure import Meter, resident_bytes
+from .measure import Meter, resident_bytes, run_in_subprocess
 from .state import make_state, planned_bytes, state_bytes, tensors_of
 
 GiB = 1 << 30
@@ -124,24 +123,6 @@ def run_worker(spec: dict, state: Any = None) -> dict:
     return out
 
 
-def _run_subprocess(spec: dict, timeout_s: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="fwbench-spec-") as d:
-        sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
-        with open(sp, "w") as f:
-            json.dump(spec, f)
-        try:
-            p = subprocess.run([sys.executable, "-m", "flashwrite.bench.runner", "--worker", sp, op],
-                               capture_output=True, text=True, timeout=timeout_s, cwd=spec["dir"])
-        except subprocess.TimeoutExpired:
-            return {"key": spec["contender"], "status": f"failed: timed out after {timeout_s:.0f} s"}
-        if p.returncode != 0 or not os.path.exists(op):
-            tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {"key": spec["contender"], "status": f"failed: worker exited {p.returncode}: {tail[0][:200]}",
-                    "stderr": p.stderr[-4000:]}
-        with open(op) as f:
-            return json.load(f)
-
-
 def _median(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -213,7 +194,7 @@ def compare(size: int, contenders: list[str], directory: str | None = None, roun
                     c = known[key]
                     r = {"key": key, "name": c.name, "label": c.label, "status": f"skipped: {why}"}
                 elif isolation == "subprocess":
-                    r = _run_subprocess(spec, timeout_s)
+                    r = run_in_subprocess("flashwrite.bench.runner", spec, timeout_s, {"key": spec["contender"]})
                 else:
                     r = run_worker(spec, shared_state)
                 per[key].append(r)
