@@ -267,3 +267,26 @@ def test_sources_are_freed_once_staged(tmp_path, monkeypatch):
         release.set()
         fut.result(timeout=60)
     assert rss_with - rss_after > 400 << 20, f"only {(rss_with - rss_after) >> 20} MiB freed"
+
+
+def test_einval_on_write_falls_back_with_many_writes_in_flight(tmp_path):
+    """A file system that takes O_DIRECT at open but refuses the writes (simulated by an
+    LD_PRELOAD shim on pwrite): every write in flight on the direct fd is retried
+    buffered, the stripes are fsync'd, and the checkpoint is byte-exact."""
+    src = os.path.join(os.path.dirname(__file__), "fault_einval_pwrite.c")
+    lib = tmp_path / "einval.so"
+    cc = subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(lib), src, "-ldl"], capture_output=True, text=True)
+    if cc.returncode:
+        pytest.skip(f"no C compiler for the shim: {cc.stderr[:200]}")
+    code = f"""
+import torch, flashwrite as fw
+sd = {{f"p{{i}}": torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)) for i in range(6)}}
+with fw.Writer(backend="threads", queue_depth=8, stripes=2, chunk_bytes=1 << 20) as w:
+    st = w.save(sd, "{tmp_path}/ck")
+out = fw.load("{tmp_path}/ck", direct=False)
+assert all(torch.equal(out[k], v) for k, v in sd.items())
+print("RESULT", st.direct, st.files_buffered)
+"""
+    env = dict(os.environ, LD_PRELOAD=str(lib))
+    out = subprocess.run(["python", "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "RESULT False 2" in out.stdout, out.stdout + out.stderr
