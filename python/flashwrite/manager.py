@@ -39,6 +39,7 @@ Policies, stated once:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -163,6 +164,7 @@ class CheckpointManager:
         self._writer = writer if writer is not None else Writer()
         self._lock = threading.Lock()
         self._inflight: _Pending | None = None
+        self._last_failed: _Pending | None = None  # reported by the next wait()/close(), even if another save started
         self._restoring: dict[int, int] = {}
         self._last_start = time.monotonic()
         self._closed = False
@@ -266,6 +268,7 @@ class CheckpointManager:
             exc = p.future.exception()
             if exc is not None:
                 p.error = exc
+                self._last_failed = p
                 log.error("checkpoint step %d failed, nothing was committed (%s: %s)", p.step, type(exc).__name__, exc)
                 return
             st = p.future.result()
@@ -286,10 +289,11 @@ class CheckpointManager:
             if p is None:
                 return None
             p.done.wait()
+            failed = p if p.error is not None else self._last_failed
+            if failed is not None and not failed.error_seen:
+                failed.error_seen = True
+                raise failed.error
             if p.error is not None:
-                if not p.error_seen:
-                    p.error_seen = True
-                    raise p.error
                 return None
             return p.future.result()
 
@@ -387,8 +391,9 @@ class CheckpointManager:
                 try:
                     state = load(self.path_for(s), into=into, allow_pickle=self.allow_pickle, **load_options)
                     return s, state
-                except (CorruptCheckpointError, FileNotFoundError) as e:
-                    if step is not None or not fallback:
+                except (CorruptCheckpointError, OSError) as e:
+                    unreadable = not isinstance(e, OSError) or isinstance(e, FileNotFoundError) or e.errno == errno.EIO
+                    if step is not None or not fallback or not unreadable:
                         raise
                     log.error("checkpoint step %d cannot be restored (%s); trying an older one", s, e)
                     first_error = first_error or e
