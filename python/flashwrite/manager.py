@@ -22,7 +22,8 @@ Policies, stated once:
   so the loop never waits for the disk. ``save()`` always waits.
 * A failed save (no space, I/O error) is logged at ERROR when it happens and the
   loop keeps training; its future raises the error, and so does the next
-  ``wait()`` or ``close()`` (once), so a run cannot end on a lost checkpoint unawares.
+  ``wait()`` or ``close()`` (once) while it is the latest save, so a run cannot end
+  on a lost last checkpoint unawares. A later save that succeeds supersedes it.
 * Retention runs only after a new checkpoint has committed, deletes only
   committed checkpoints outside the policy (``keep_last`` newest, plus every
   multiple of ``keep_every_n_steps``) and never the newest one. A deletion first
@@ -164,7 +165,6 @@ class CheckpointManager:
         self._writer = writer if writer is not None else Writer()
         self._lock = threading.Lock()
         self._inflight: _Pending | None = None
-        self._last_failed: _Pending | None = None  # reported by the next wait()/close(), even if another save started
         self._restoring: dict[int, int] = {}
         self._last_start = time.monotonic()
         self._closed = False
@@ -268,7 +268,6 @@ class CheckpointManager:
             exc = p.future.exception()
             if exc is not None:
                 p.error = exc
-                self._last_failed = p
                 log.error("checkpoint step %d failed, nothing was committed (%s: %s)", p.step, type(exc).__name__, exc)
                 return
             st = p.future.result()
@@ -289,11 +288,10 @@ class CheckpointManager:
             if p is None:
                 return None
             p.done.wait()
-            failed = p if p.error is not None else self._last_failed
-            if failed is not None and not failed.error_seen:
-                failed.error_seen = True
-                raise failed.error
             if p.error is not None:
+                if not p.error_seen:
+                    p.error_seen = True
+                    raise p.error
                 return None
             return p.future.result()
 
