@@ -232,3 +232,34 @@ def test_closed_writer_refuses_without_leaving_files(ckdir):
 def test_module_instead_of_state_dict_is_a_clear_error(writer, ckdir):
     with pytest.raises(TypeError, match="state_dict"):
         writer.save({"model": torch.nn.Linear(2, 2)}, ckdir / "ck")
+
+
+def test_load_never_mixes_two_checkpoints_when_the_path_is_swapped(ckdir, monkeypatch):
+    """An overwrite that lands between reading the manifest and reading the stripes must
+    not give the old tree with the new weights: the load pins the directory it started
+    with, so it returns the old checkpoint whole or says that its files are gone."""
+    import sys
+
+    from flashwrite import format as fmt
+
+    with fw.Writer() as w:
+        w.save({"step": 1, "w": torch.full((1000,), 1.0)}, ckdir / "ck")
+        real = fmt.read_manifest
+        swapped = []
+
+        def read_then_swap(*args, **kwargs):
+            m = real(*args, **kwargs)
+            if not swapped:
+                swapped.append(True)
+                w.save({"step": 2, "w": torch.full((1000,), 2.0)}, ckdir / "ck", overwrite=True)
+            return m
+
+        monkeypatch.setattr(sys.modules["flashwrite.load"], "read_manifest", read_then_swap)
+        try:
+            out = fw.load(ckdir / "ck", verify=False)
+        except fw.CorruptCheckpointError as e:
+            assert "missing" in str(e)  # the old checkpoint was deleted under us: said plainly
+        else:
+            assert out["step"] == 1 and torch.equal(out["w"], torch.full((1000,), 1.0))
+    monkeypatch.undo()
+    assert fw.load(ckdir / "ck")["step"] == 2

@@ -124,13 +124,15 @@ def check_member_name(name: Any) -> str:
     return name
 
 
-def read_manifest(path: str | os.PathLike) -> Manifest:
-    mpath = os.path.join(os.fspath(path), MANIFEST_NAME)
+def read_manifest(path: str | os.PathLike, *, shown: str | None = None) -> Manifest:
+    """Read and check ``path``/flashwrite.json; messages name ``shown`` (default: path)."""
+    fpath = os.path.join(os.fspath(path), MANIFEST_NAME)
+    mpath = os.path.join(shown, MANIFEST_NAME) if shown is not None else fpath
     if not os.path.isdir(path):
-        raise FileNotFoundError(2, "checkpoint directory not found", os.fspath(path))
+        raise FileNotFoundError(2, "checkpoint directory not found", os.fspath(shown or path))
     try:
         # O_NONBLOCK: a FIFO planted as the manifest must not hang the open.
-        fd = os.open(mpath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(fpath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{mpath} is missing: the checkpoint is incomplete or not a flashwrite "
                                      "checkpoint", file=MANIFEST_NAME) from None

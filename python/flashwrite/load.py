@@ -53,25 +53,47 @@ class LoadResult:
         self.direct = direct
 
 
-def read_tensors(path: str | os.PathLike, *, verify: bool = True, backend: str = "auto", direct: bool = True,
-                 queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, keys: set[str] | None = None,
-                 device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None) -> LoadResult:
+def read_tensors(path: str | os.PathLike, **options: Any) -> LoadResult:
     """Read and verify every stripe; return CPU tensors that view the read buffers.
 
-    device_targets(manifest) may name, per key, a contiguous CUDA tensor of the stored
-    dtype and size to receive that tensor's bytes: they are then copied there by the
-    native engine through pinned bounce buffers (verified chunk by chunk before the
+    Options: verify, backend, direct, queue_depth, keys (a subset to read), and
+    device_targets(manifest), which may name, per key, a contiguous CUDA tensor of the
+    stored dtype and size to receive that tensor's bytes: they are then copied there by
+    the native engine through pinned bounce buffers (verified chunk by chunk before the
     copy) and never held in host memory as a whole.
+
+    The directory is opened once and everything is read through that handle, so the
+    manifest and the stripes come from the same checkpoint even if the path is swapped
+    by an overwrite (or renamed) while the load runs.
     """
     path = os.fspath(path)
-    m = read_manifest(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(2, "checkpoint directory not found", path)
+    dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    base = f"/proc/self/fd/{dirfd}"
+    try:
+        if not os.path.isdir(base):  # no /proc: fall back to the path itself
+            base = path
+        return _read_tensors(path, base, **options)
+    except OSError as e:
+        if base != path and isinstance(e.filename, str) and e.filename.startswith(base + "/"):
+            e.filename = path + e.filename[len(base):]  # name the user's path, not the handle
+        raise
+    finally:
+        os.close(dirfd)
+
+
+def _read_tensors(path: str, base: str, *, verify: bool = True, backend: str = "auto", direct: bool = True,
+                  queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, keys: set[str] | None = None,
+                  device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None) -> LoadResult:
+    m = read_manifest(base, shown=path)
     wanted = set(m.tensors) if keys is None else keys
     file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
     slot = {fi: i for i, fi in enumerate(file_ids)}
     specs = []
     for fi in file_ids:
         fe = m.files[fi]
-        full = os.path.join(path, fe.name)
+        full = os.path.join(base, fe.name)
         try:
             st = os.lstat(full)
         except FileNotFoundError:
