@@ -290,3 +290,10 @@ print("RESULT", st.direct, st.files_buffered)
     env = dict(os.environ, LD_PRELOAD=str(lib))
     out = subprocess.run(["python", "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert "RESULT False 2" in out.stdout, out.stdout + out.stderr
+
+
+def test_default_writer_options_at_default_values_share_one_pool():
+    from flashwrite.save import DEFAULT_STRIPES, default_writer
+
+    assert default_writer() is default_writer(stripes=DEFAULT_STRIPES, backend="auto")
+    assert default_writer() is not default_writer(stripes=DEFAULT_STRIPES + 1)

@@ -7,6 +7,7 @@ by every save; ``SaveFuture`` tracks one save from staging to commit.
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import functools
 import logging
 import os
@@ -376,8 +377,15 @@ _WRITER_OPTIONS = ("stripes", "queue_depth", "chunk_bytes", "backend", "direct",
 
 
 def default_writer(**options: Any) -> Writer:
-    """The shared Writer for these options (one staging pool per distinct configuration)."""
-    key = tuple(sorted(options.items()))
+    """The shared Writer for these options (one staging pool per distinct configuration;
+    options spelled out at their default values name the same writer as no options)."""
+    defaults = inspect.signature(Writer.__init__).parameters
+    effective = {k: p.default for k, p in defaults.items() if k != "self"}
+    unknown = set(options) - set(effective)
+    if unknown:
+        raise TypeError(f"unknown Writer options: {sorted(unknown)}")
+    effective.update(options)
+    key = tuple(sorted(effective.items()))
     with _default_lock:
         w = _default_writers.get(key)
         if w is None or w._closed:
