@@ -5,6 +5,7 @@
 
 #include "core/checksum.hpp"
 #include "core/error.hpp"
+#include "core/wait.hpp"
 #include "io/files.hpp"
 
 namespace fw {
@@ -201,11 +202,8 @@ void LoadJob::run() {
 
 bool LoadJob::wait(double timeout_s) {
   if (!control_.joinable() && !done_) return true;
-  std::unique_lock<std::mutex> lk(mu_);
-  bool ok = timeout_s < 0 ? (cv_.wait(lk, [&] { return done_.load(); }), true)
-                          : cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_.load(); });
-  lk.unlock();
-  if (ok && control_.joinable()) control_.join();
+  bool ok = wait_for_flag(mu_, cv_, done_, timeout_s);
+  if (ok) join_once(control_, join_once_);
   return ok;
 }
 

@@ -106,6 +106,7 @@ class LoadJob {
   std::vector<Mismatch> mismatches_;
   std::exception_ptr error_;
   std::thread control_;
+  std::once_flag join_once_;
 };
 
 }  // namespace fw

@@ -7,6 +7,7 @@
 
 #include "core/checksum.hpp"
 #include "core/error.hpp"
+#include "core/wait.hpp"
 #include "io/files.hpp"
 
 namespace fw {
@@ -110,12 +111,18 @@ void SaveJob::cancel() {
   if (!done_.load()) fail(std::make_exception_ptr(std::runtime_error("save cancelled")));
 }
 
-void SaveJob::copy_host_chunk(size_t ci, char* slot) {
-  const Chunk& c = plan_.chunks[ci];
+// Zeroes the bytes of a slot that no piece fills: the aligned tail, or all of it
+// when the chunk has gaps.
+static void zero_unfilled(const Chunk& c, char* slot) {
   if (c.has_gaps)
     std::memset(slot, 0, c.write_len);
   else if (c.write_len > c.data_len)
     std::memset(slot + c.data_len, 0, c.write_len - c.data_len);
+}
+
+void SaveJob::copy_host_chunk(size_t ci, char* slot) {
+  const Chunk& c = plan_.chunks[ci];
+  zero_unfilled(c, slot);
   for (uint32_t i = 0; i < c.piece_count; ++i) {
     const Piece& p = plan_.pieces[c.first_piece + i];
     hashes_[p.hash_index] = copy_and_checksum(slot + p.chunk_offset, segments_[p.segment].src + p.src_offset, p.len);
@@ -194,10 +201,7 @@ void SaveJob::stage_device_chunks() {
         char* slot = pool_->acquire(&cancel_);
         if (!slot) break;
         const Chunk& c = plan_.chunks[ci];
-        if (c.has_gaps)
-          std::memset(slot, 0, c.write_len);
-        else if (c.write_len > c.data_len)
-          std::memset(slot + c.data_len, 0, c.write_len - c.data_len);
+        zero_unfilled(c, slot);
         copies.clear();
         for (uint32_t i = 0; i < c.piece_count; ++i) {
           const Piece& p = plan_.pieces[c.first_piece + i];
@@ -341,24 +345,15 @@ void SaveJob::run() {
   cv_.notify_all();
 }
 
-static bool wait_flag(std::mutex& mu, std::condition_variable& cv, const std::atomic<bool>& flag, double timeout_s) {
-  std::unique_lock<std::mutex> lk(mu);
-  if (timeout_s < 0) {
-    cv.wait(lk, [&] { return flag.load(); });
-    return true;
-  }
-  return cv.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return flag.load(); });
-}
-
 bool SaveJob::wait_staged(double timeout_s) {
   if (!control_.joinable() && !done_) return true;  // never started
-  return wait_flag(mu_, cv_, staged_, timeout_s);
+  return wait_for_flag(mu_, cv_, staged_, timeout_s);
 }
 
 bool SaveJob::wait_done(double timeout_s) {
   if (!control_.joinable() && !done_) return true;
-  bool ok = wait_flag(mu_, cv_, done_, timeout_s);
-  if (ok && control_.joinable()) control_.join();
+  bool ok = wait_for_flag(mu_, cv_, done_, timeout_s);
+  if (ok) join_once(control_, join_once_);
   return ok;
 }
 

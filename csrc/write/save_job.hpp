@@ -130,6 +130,7 @@ class SaveJob {
   std::mutex fallback_mu_;
   std::exception_ptr error_;
   std::thread control_;
+  std::once_flag join_once_;
 };
 
 }  // namespace fw
