@@ -56,18 +56,26 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-def tmpfs(mountpoint: str, size: str):
-    """A fresh tmpfs of ``size`` (e.g. "8m") mounted at ``mountpoint``."""
+def mounted(mountpoint: str, *mount_args: str, what: str):
+    """``mount *mount_args mountpoint`` for the duration (root; skips the test if the
+    mount is refused), unmounted afterwards."""
     need_root()
     os.makedirs(mountpoint, exist_ok=True)
-    r = _run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", mountpoint)
+    r = _run("mount", *mount_args, mountpoint)
     if r.returncode:
-        pytest.skip(f"cannot mount tmpfs: {r.stderr.strip()}")
+        pytest.skip(f"cannot mount {what}: {r.stderr.strip()}")
     try:
         yield mountpoint
     finally:
         if _run("umount", mountpoint).returncode:
             _run("umount", "-l", mountpoint)
+
+
+@contextlib.contextmanager
+def tmpfs(mountpoint: str, size: str):
+    """A fresh tmpfs of ``size`` (e.g. "8m") mounted at ``mountpoint``."""
+    with mounted(mountpoint, "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", what="tmpfs") as m:
+        yield m
 
 
 @contextlib.contextmanager
@@ -84,14 +92,8 @@ def loop_ext4(mountpoint: str, size_mb: int, *, extents: bool = True):
         r = _run("mkfs.ext4", "-q", "-F", "-m", "0", *opts, image)
         if r.returncode:
             pytest.skip(f"mkfs.ext4 failed: {r.stderr.strip()}")
-        r = _run("mount", "-o", "loop", image, mountpoint)
-        if r.returncode:
-            pytest.skip(f"cannot loop-mount ext4: {r.stderr.strip()}")
-        try:
-            yield mountpoint
-        finally:
-            if _run("umount", mountpoint).returncode:
-                _run("umount", "-l", mountpoint)
+        with mounted(mountpoint, "-o", "loop", image, what="a loop ext4") as m:
+            yield m
     finally:
         os.unlink(image)
 

@@ -3,7 +3,9 @@ semantics, bounded staging, errors with errno/path/offset, the GIL, no leaks."""
 
 import errno
 import os
+import pathlib
 import subprocess
+import sys
 import threading
 import time
 
@@ -11,8 +13,8 @@ import pytest
 import torch
 
 import flashwrite as fw
+from fault_util import mounted
 from flashwrite import _core
-import sys
 
 load_module = sys.modules["flashwrite.load"]  # the module; flashwrite.load is the function
 
@@ -66,14 +68,8 @@ def test_buffered_mode_when_direct_disabled(tmp_path):
 @pytest.fixture
 def ramfs(tmp_path):
     """ramfs refuses O_DIRECT with EINVAL: the real case for the buffered fallback."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting ramfs needs root")
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount ramfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with mounted(str(tmp_path / "ramfs"), "-t", "ramfs", "ramfs", what="ramfs") as mnt:
+        yield pathlib.Path(mnt)
 
 
 @pytest.mark.root
