@@ -14,7 +14,7 @@ import pytest
 from _params import BACKENDS, ROUNDS, SIZES, SWEEP_SIZE, size_id
 
 import flashwrite as fw
-from flashwrite import save as fw_save
+from flashwrite.save import DEFAULT_CHUNK_BYTES, DEFAULT_STRIPES
 from flashwrite.bench import devicelimit
 from flashwrite.bench.state import state_bytes
 
@@ -97,4 +97,4 @@ def test_sweep_copy_threads(benchmark, state_of, paths, cold, copy_threads):
 
 def test_defaults_are_what_the_sweeps_vary_around():
     # The sweeps hold every other setting at the defaults; say which ones ran.
-    assert fw_save.DEFAULT_CHUNK_BYTES % 4096 == 0 and fw_save.DEFAULT_STRIPES >= 1
+    assert DEFAULT_CHUNK_BYTES % 4096 == 0 and DEFAULT_STRIPES >= 1
