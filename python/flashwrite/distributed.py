@@ -56,7 +56,7 @@ import torch.distributed as dist
 from . import commit
 from .errors import CorruptCheckpointError, FlashwriteError
 from .format import build_index, parse_manifest, read_manifest
-from .load import DEFAULT_READ_QUEUE_DEPTH, _device_for, _load_into, read_tensors
+from .load import DEFAULT_READ_QUEUE_DEPTH, _load_into, read_tensors, tensor_placer
 from .flatten import unflatten
 
 log = logging.getLogger("flashwrite")
@@ -425,13 +425,4 @@ def load(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cp
     res.manifest = dataclasses.replace(res.manifest, tree=subtree)
     if into is not None:
         return _load_into(res, into, strict, allow_pickle)
-    placed: dict[str, torch.Tensor] = {}
-
-    def tensor_for(key: str) -> torch.Tensor:
-        if key not in placed:
-            t = res.tensors[key]
-            dev = _device_for(res.manifest.tensors[key].device, map_location)
-            placed[key] = t if dev.type == "cpu" else t.to(dev)
-        return placed[key]
-
-    return unflatten(subtree, tensor_for, allow_pickle=allow_pickle)
+    return unflatten(subtree, tensor_placer(res, map_location), allow_pickle=allow_pickle)

@@ -191,10 +191,14 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
                                 direct=direct, queue_depth=queue_depth)
     res = read_tensors(path, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
                        device_targets=_into_targets(into) if into is not None else _map_targets(map_location))
-    m = res.manifest
     if into is not None:
         return _load_into(res, into, strict, allow_pickle)
+    return unflatten(res.manifest.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
 
+
+def tensor_placer(res: LoadResult, map_location: Any = "cpu") -> Callable[[str], torch.Tensor]:
+    """The tree's tensor lookup: each stored tensor on the device map_location picks for
+    it (moved once, so tied weights stay one tensor); unknown keys are corruption."""
     placed: dict[str, torch.Tensor] = {}
 
     def tensor_for(key: str) -> torch.Tensor:
@@ -203,11 +207,11 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
                                          tensor=key)
         if key not in placed:
             t = res.tensors[key]
-            dev = _device_for(m.tensors[key].device, map_location)
+            dev = _device_for(res.manifest.tensors[key].device, map_location)
             placed[key] = t if dev.type == "cpu" else t.to(dev)
         return placed[key]
 
-    return unflatten(m.tree, tensor_for, allow_pickle=allow_pickle)
+    return tensor_for
 
 
 def _device_empty(e: Any, device: torch.device) -> torch.Tensor:
@@ -258,14 +262,8 @@ def _into_targets(into: Any) -> Callable[[Manifest], dict[str, torch.Tensor]]:
 
 def _load_into(res: LoadResult, into: Any, strict: bool, allow_pickle: bool) -> Any:
     m = res.manifest
-
-    def tensor_for(key: str) -> torch.Tensor:
-        if key not in res.tensors:
-            raise CorruptCheckpointError(f"manifest tree refers to unknown tensor {key!r}", file="flashwrite.json",
-                                         tensor=key)
-        return res.tensors[key]
-
-    saved = unflatten(m.tree, tensor_for, allow_pickle=allow_pickle)
+    # As read (CPU views, or GPU destinations filled in place): the copies below place them.
+    saved = unflatten(m.tree, tensor_placer(res, "cpu"), allow_pickle=allow_pickle)
     _, dst_flat, dst_alias = flatten(into, allow_pickle=True)
     _, src_flat, src_alias = flatten(saved, allow_pickle=True)
     dst = {ft.key: ft.tensor for ft in dst_flat}
