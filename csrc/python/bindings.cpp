@@ -169,7 +169,6 @@ class Engine {
   uint64_t max_staging_bytes() const { return pool_->max_slots() * pool_->slot_bytes(); }
   bool pool_pinned() const { return pool_->pinned(); }
   uint64_t trim() { return pool_->trim(); }
-  std::shared_ptr<StagingPool> pool() const { return pool_; }
 
  private:
   std::shared_ptr<StagingPool> pool_;

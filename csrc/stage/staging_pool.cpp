@@ -23,11 +23,6 @@ size_t StagingPool::capacity_bytes() const {
   return total_slots_ * slot_bytes_;
 }
 
-size_t StagingPool::slot_count() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return total_slots_;
-}
-
 bool StagingPool::pinned() const {
   std::lock_guard<std::mutex> lk(mu_);
   if (slabs_.empty()) return false;

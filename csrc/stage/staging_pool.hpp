@@ -34,7 +34,6 @@ class StagingPool {
   size_t slot_bytes() const noexcept { return slot_bytes_; }
   size_t max_slots() const noexcept { return max_slots_; }  // 0 = unbounded
   size_t capacity_bytes() const;
-  size_t slot_count() const;
   bool pinned() const;
 
   // Make sure up to `slots` slots exist (capped by the bound). Allocates one slab.
