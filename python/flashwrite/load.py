@@ -18,14 +18,14 @@ from typing import Any, Callable
 
 import torch
 
-from . import _core, dtypes
+from . import _core, defaults, dtypes
 from . import cuda as _cuda
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from .flatten import flatten, unflatten
 from .format import Manifest, check_stripe_header, piece_ranges, read_manifest
 
-DEFAULT_READ_CHUNK = 8 << 20
-DEFAULT_READ_QUEUE_DEPTH = 32  # matched or beat 16 in both load sweeps (benchmarks/README.md)
+DEFAULT_READ_CHUNK = defaults.READ_CHUNK_BYTES
+DEFAULT_READ_QUEUE_DEPTH = defaults.READ_QUEUE_DEPTH
 
 
 def _read_chunk(block: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _core, commit
+from . import _core, commit, defaults
 from . import cuda as _cuda
 from .flatten import flatten
 from .format import build_index, build_manifest
@@ -26,10 +26,9 @@ from .plan import PlannedFile, plan_files
 
 log = logging.getLogger("flashwrite")
 
-# Defaults chosen by the sweeps in benchmarks/README.md.
-DEFAULT_STRIPES = 4
-DEFAULT_CHUNK_BYTES = 16 << 20  # 16 MiB beat 1-8 and 32 MiB in both sweeps (to durable and stall)
-DEFAULT_QUEUE_DEPTH = 32  # 32-64 beat 2-16; 32 keeps in-flight memory at half of 64's
+DEFAULT_STRIPES = defaults.STRIPES
+DEFAULT_CHUNK_BYTES = defaults.CHUNK_BYTES
+DEFAULT_QUEUE_DEPTH = defaults.WRITE_QUEUE_DEPTH
 
 
 def _default_copy_threads() -> int:
