@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
+from dataclasses import dataclass
 
 from . import _core
 from .errors import CheckpointExistsError
@@ -22,13 +24,60 @@ TMP_MARK = ".flashwrite-tmp-"
 OLD_MARK = ".flashwrite-old-"
 
 
-def temp_dir_for(final: str) -> str:
+# Temporary names are made and read here only. Three kinds, all ".<name><mark>...":
+#   .<name>.flashwrite-tmp-<pid>-<random>    a save by one process (the pid tells whether it may be alive)
+#   .<name>.flashwrite-tmp-<nonce>-s<seq>    a multi-rank save (the name every rank derives alike)
+#   .<name>.flashwrite-old-<random>          a checkpoint moved aside to be replaced or deleted
+_SHARED_RE = re.compile(r"[0-9a-f]{12}-s\d+")
+_PID_RE = re.compile(r"(\d+)-")
+
+
+def _sibling(final: str, mark: str, tail: str) -> str:
     parent, name = os.path.split(os.path.abspath(final))
-    return os.path.join(parent, f".{name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    return os.path.join(parent, f".{name}{mark}{tail}")
+
+
+def temp_dir_for(final: str) -> str:
+    """A fresh temporary sibling of ``final`` for a save by this process."""
+    return _sibling(final, TMP_MARK, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def shared_temp_dir_for(final: str, nonce: str, seq: int) -> str:
+    """The temporary sibling of ``final`` that every rank of a multi-rank save derives
+    alike from its group's ``nonce`` (12 hex digits) and the save's sequence number."""
+    return _sibling(final, TMP_MARK, f"{nonce}-s{seq}")
+
+
+def old_dir_for(final: str) -> str:
+    """A fresh name to move the checkpoint ``final`` aside to before it is replaced or deleted."""
+    return _sibling(final, OLD_MARK, uuid.uuid4().hex[:12])
+
+
+@dataclass(frozen=True)
+class TempName:
+    kind: str          # "tmp" (a save's directory) or "old" (a checkpoint moved aside)
+    original: str      # the name of the checkpoint it belongs to
+    pid: int | None    # the process that made a "tmp" directory, where the name says
+
+
+def parse_temp_name(name: str) -> TempName | None:
+    """What a directory entry named ``name`` is, or None if it is not one of ours."""
+    if not name.startswith("."):
+        return None
+    for kind, mark in (("tmp", TMP_MARK), ("old", OLD_MARK)):
+        at = name.find(mark)
+        if at >= 0:
+            rest = name[at + len(mark):]
+            pid = None
+            if kind == "tmp" and not _SHARED_RE.fullmatch(rest):
+                m = _PID_RE.match(rest)
+                pid = int(m.group(1)) if m else None
+            return TempName(kind, name[1:at], pid)
+    return None
 
 
 def is_temp_name(name: str) -> bool:
-    return name.startswith(".") and (TMP_MARK in name or OLD_MARK in name)
+    return parse_temp_name(name) is not None
 
 
 def target_problem(final: str, overwrite: bool) -> str | None:
@@ -96,7 +145,7 @@ def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite
             _core.fsync_dir(parent)
             shutil.rmtree(tmp, ignore_errors=True)
             return
-        old = os.path.join(parent, f".{os.path.basename(final)}{OLD_MARK}{uuid.uuid4().hex[:12]}")
+        old = old_dir_for(final)
         os.rename(final, old)
         try:
             os.rename(tmp, final)

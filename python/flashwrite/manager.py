@@ -48,7 +48,6 @@ import shutil
 import signal
 import threading
 import time
-import uuid
 from typing import Any, Callable
 
 from . import _core, commit
@@ -60,7 +59,6 @@ from .save import SaveFuture, SaveStats, Writer
 log = logging.getLogger("flashwrite")
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_TMP_PID_RE = re.compile(re.escape(commit.TMP_MARK) + r"(\d+)-")
 
 StateSource = Any  # a (nested) state dict, or a callable returning one (called only when a save is due)
 
@@ -89,10 +87,10 @@ def _owner_alive(name: str, path: str) -> bool:
     The pid is in the name; a live process with that pid that started after the
     directory was last modified is a recycled pid, not the owner.
     """
-    m = _TMP_PID_RE.search(name)
-    if not m:
+    parsed = commit.parse_temp_name(name)
+    pid = parsed.pid if parsed is not None else None
+    if pid is None:
         return False
-    pid = int(m.group(1))
     try:
         with open(f"/proc/{pid}/stat") as fh:
             stat = fh.read()
@@ -315,7 +313,7 @@ class CheckpointManager:
 
     def _delete(self, step: int) -> None:
         path = self.path_for(step)
-        doomed = os.path.join(self.root, f".{os.path.basename(path)}{commit.OLD_MARK}{uuid.uuid4().hex[:12]}")
+        doomed = commit.old_dir_for(path)
         os.rename(path, doomed)
         _core.fsync_dir(self.root)
         # Without its manifest the moved directory can never be taken for (or
@@ -335,18 +333,19 @@ class CheckpointManager:
             log.warning("cannot list %s to clean up stale temporary directories: %s", self.root, e)
             return touched
         for e in entries:
-            if not commit.is_temp_name(e.name):
+            temp = commit.parse_temp_name(e.name)
+            if temp is None:
                 continue
             try:
                 if not e.is_dir(follow_symlinks=False):
                     os.unlink(e.path)
-                elif commit.TMP_MARK in e.name:
+                elif temp.kind == "tmp":
                     if _owner_alive(e.name, e.path):
                         log.debug("leaving %s: its process is still alive", e.path)
                         continue
                     shutil.rmtree(e.path)
                 else:
-                    original = os.path.join(self.root, e.name[1:e.name.index(commit.OLD_MARK)])
+                    original = os.path.join(self.root, temp.original)
                     if not os.path.lexists(original) and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
                         os.rename(e.path, original)
                         log.warning("restored %s: it was being replaced when its process died", original)
