@@ -6,13 +6,13 @@ checkpoint is a directory of valid safetensors files plus a manifest.
 """
 
 from ._core import __version__
-from .errors import (CheckpointExistsError, ChecksumMismatchError, CorruptCheckpointError, FlashwriteError,
-                     UnsafeCheckpointError)
+from .errors import (CheckpointExistsError, ChecksumMismatchError, CorruptCheckpointError, DistributedSaveError,
+                     FlashwriteError, UnsafeCheckpointError)
+from .future import SaveFuture, SaveStats
 from .info import backend_info
-from .distributed import DistributedSaveError
 from .load import load, load_async, verify
 from .manager import CheckpointManager
-from .save import SaveFuture, SaveStats, Writer, save, save_async
+from .save import Writer, save, save_async
 
 __all__ = [
     "__version__",

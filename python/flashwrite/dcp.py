@@ -57,11 +57,15 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import commit, dtypes
+from . import commit, defaults, dtypes
+from ._core import CHECKSUM_ALGORITHM
+from .coord import coordinator
 from .errors import CheckpointExistsError, CorruptCheckpointError, FlashwriteError
 from .flatten import flatten, unflatten
-from .format import MANIFEST_NAME, build_index, parse_manifest, read_manifest
-from .load import DEFAULT_READ_QUEUE_DEPTH, read_tensors
+from .format import FORMAT_VERSION, MANIFEST_NAME, build_index, parse_manifest, read_manifest
+from .plan import rank_prefix as stripe_prefix
+from .read import CheckpointDir
+from .save import default_writer
 
 __all__ = ["FlashwriteStorageWriter", "FlashwriteStorageReader"]
 
@@ -193,8 +197,6 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                  process_group: Any = None, coordination_group: Any = None, timeout: float | None = None,
                  **writer_options: Any):
         super().__init__()
-        from .save import default_writer
-
         self._fixed_path = os.path.abspath(os.fspath(path)) if path is not None else None
         self.path: str | None = self._fixed_path
         self.overwrite = overwrite
@@ -217,8 +219,6 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         if self._fixed_path is None:
             return self._copy_stage(state_dict)
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-        from .distributed import coordinator, stripe_prefix
 
         t0 = time.perf_counter()
         coord = None
@@ -343,7 +343,6 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
             _unfinished[final].add(tmp)
         if self._current is not None:
             plans = self._move_to_owners(plans, self._current.owner)
-        from .distributed import stripe_prefix
         return [dataclasses.replace(p, storage_data=_GlobalData(tmp, stripe_prefix(i))) for i, p in enumerate(plans)]
 
     @staticmethod
@@ -491,9 +490,6 @@ def _encode_metadata(md: Metadata, storage_meta: StorageMeta | None, index: list
 
 def build_dcp_manifest(metadata: Metadata, results: list[list[WriteResult]], storage_meta: StorageMeta | None) -> dict:
     """The global flashwrite manifest of a DCP checkpoint, from every rank's WriteResults."""
-    from ._core import CHECKSUM_ALGORITHM
-    from .format import FORMAT_VERSION
-
     stored: dict[str, _Stored] = {}
     inline: dict[str, bytes] = {}
     index = []
@@ -637,7 +633,7 @@ class FlashwriteStorageReader(StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, verify: bool = True, backend: str = "auto",
-                 direct: bool = True, queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+                 direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
         super().__init__()
         self.path = None if path is None else os.fspath(path)
         self.verify = verify
@@ -688,24 +684,28 @@ class FlashwriteStorageReader(StorageReader):
                 continue
             by_file.setdefault(sd.file, []).append((req, sd))
             sizes[sd.file] = sd.file_size
-        batch: list[str] = []
-        held = 0
-        for name in sorted(by_file):
-            if batch and held + sizes[name] > self.max_read_bytes:
-                self._read_batch(batch, by_file, planner, narrow_tensor_by_index)
-                batch, held = [], 0
-            batch.append(name)
-            held += sizes[name]
-        if batch:
-            self._read_batch(batch, by_file, planner, narrow_tensor_by_index)
+        if by_file:
+            # One manifest read per call, and every batch read through the same directory handle.
+            with CheckpointDir(self.path) as ck:
+                batch: list[str] = []
+                held = 0
+                for name in sorted(by_file):
+                    if batch and held + sizes[name] > self.max_read_bytes:
+                        self._read_batch(ck, batch, by_file, planner, narrow_tensor_by_index)
+                        batch, held = [], 0
+                    batch.append(name)
+                    held += sizes[name]
+                if batch:
+                    self._read_batch(ck, batch, by_file, planner, narrow_tensor_by_index)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_batch(self, names: list[str], by_file: dict, planner: LoadPlanner, narrow: Any) -> None:
+    def _read_batch(self, ck: CheckpointDir, names: list[str], by_file: dict, planner: LoadPlanner,
+                    narrow: Any) -> None:
         keys = {sd.alias_of or sd.key for n in names for _, sd in by_file[n]}
-        res = read_tensors(self.path, verify=self.verify, backend=self.backend, direct=self.direct,
-                           queue_depth=self.queue_depth, keys=keys)
+        res = ck.read(keys=keys, verify=self.verify, backend=self.backend, direct=self.direct,
+                      queue_depth=self.queue_depth)
         for n in names:
             for req, sd in by_file[n]:
                 src = narrow(res.tensors[sd.alias_of or sd.key], req.storage_offsets, req.lengths)

@@ -41,3 +41,14 @@ class UnsafeCheckpointError(CorruptCheckpointError):
 
 class CheckpointExistsError(FlashwriteError, FileExistsError):
     """The target path already holds a checkpoint and ``overwrite=True`` was not given."""
+
+
+class DistributedSaveError(FlashwriteError):
+    """A multi-rank save failed on another rank (or contact with a peer was lost).
+
+    ``failures`` maps each failed rank of the group to its error text; it is empty
+    when a peer was lost without a word (killed, or silent past the timeout)."""
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures = failures or {}

@@ -14,13 +14,14 @@ import os
 import re
 import stat
 import struct
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from . import dtypes
 from ._core import CHECKSUM_ALGORITHM
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .errors import CorruptCheckpointError, FlashwriteError, UnsafeCheckpointError
 from .plan import MAX_HEADER_BYTES, PlannedFile
 
 FORMAT_VERSION = 1
@@ -249,6 +250,95 @@ def parse_manifest(data: bytes) -> Manifest:
         raise bad("metadata must be an object")
     wv = raw.get("writer_version", "")
     return Manifest(files, tensors, aliases, raw.get("tree"), block, wv if isinstance(wv, str) else "", meta, raw)
+
+
+def merge_manifests(manifests: list[dict]) -> dict:
+    """One global manifest from the per-rank manifests (each with tree ``{rank: state}``)."""
+    first = manifests[0]
+    merged = {k: v for k, v in first.items() if k not in ("files", "tensors", "aliases", "tree")}
+    files: list[dict] = []
+    tensors: dict[str, dict] = {}
+    aliases: dict[str, str] = {}
+    items: list = []
+    spans = []
+    for r, m in enumerate(manifests):
+        for field in ("format_version", "writer_version", "checksum"):
+            if m[field] != first[field]:
+                raise FlashwriteError(f"rank {r} wrote with {field} {m[field]!r}, rank 0 with {first[field]!r}: "
+                                      "every rank must use the same flashwrite version and chunk_bytes")
+        tree = m["tree"]
+        if tree.get("t") != "dict" or len(tree["items"]) != 1 or tree["items"][0][0] != {"t": "int", "v": r}:
+            raise FlashwriteError(f"rank {r}'s manifest is not a rank-{r} state (saves issued in different orders?)")
+        base = len(files)
+        spans.append([base, len(m["files"])])
+        files.extend(m["files"])
+        for k, t in m["tensors"].items():
+            if k in tensors:
+                raise FlashwriteError(f"tensor {k!r} written by two ranks")
+            tensors[k] = dict(t, file=t["file"] + base)
+        aliases.update(m["aliases"])
+        items.extend(tree["items"])
+    merged.update(files=files, tensors=tensors, aliases=aliases, tree={"t": "dict", "items": items},
+                  ranks={"world_size": len(manifests), "files": spans})
+    return merged
+
+
+def rank_section(raw: dict) -> dict | None:
+    """The validated ``ranks`` section of a manifest, or None for a single-process checkpoint."""
+    ranks = raw.get("ranks")
+    if ranks is None:
+        return None
+    bad = lambda msg: CorruptCheckpointError(f"manifest: ranks: {msg}", file=MANIFEST_NAME)  # noqa: E731
+    if not isinstance(ranks, dict):
+        raise bad("not an object")
+    n = ranks.get("world_size")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1 << 20:
+        raise bad("world_size must be a positive integer")
+    return ranks
+
+
+def _rank_subtree(tree: Any, rank: int) -> Any:
+    if not isinstance(tree, dict) or tree.get("t") != "dict" or not isinstance(tree.get("items"), list):
+        raise CorruptCheckpointError("manifest: a multi-rank tree must be a dict of ranks", file=MANIFEST_NAME)
+    for it in tree["items"]:
+        if isinstance(it, list) and len(it) == 2 and it[0] == {"t": "int", "v": rank}:
+            return it[1]
+    raise CorruptCheckpointError(f"manifest: no state for rank {rank}", file=MANIFEST_NAME)
+
+
+def _tensor_keys(node: Any, out: set[str], depth: int = 0) -> set[str]:
+    if depth > 200:
+        raise CorruptCheckpointError("manifest tree: nested too deeply", file=MANIFEST_NAME)
+    if isinstance(node, dict):
+        if node.get("t") == "tensor" and isinstance(node.get("k"), str):
+            out.add(node["k"])
+        for it in node.get("items", ()) if isinstance(node.get("items"), list) else ():
+            if isinstance(it, list):
+                for x in it:
+                    _tensor_keys(x, out, depth + 1)
+            else:
+                _tensor_keys(it, out, depth + 1)
+    return out
+
+
+def select_rank(m: Manifest, rank: int, size: int, *, shown: str) -> tuple[Manifest, set[str] | None]:
+    """The part of ``m`` that rank ``rank`` of a group of ``size`` loads: for a multi-rank
+    checkpoint its own state (the manifest with that subtree as its tree) and the keys of
+    its tensors; a single-process checkpoint whole (keys None: every tensor)."""
+    ranks = rank_section(m.raw)
+    if ranks is None:
+        return m, None
+    if ranks["world_size"] != size:
+        raise ValueError(f"{shown} was saved by {ranks['world_size']} ranks and this group has {size}: "
+                         "load it in one process with flashwrite.load(path), which returns {rank: state}, or save "
+                         "through flashwrite.dcp to reshard on load")
+    subtree = _rank_subtree(m.tree, rank)
+    keys = _tensor_keys(subtree, set())
+    unknown = keys - set(m.tensors)
+    if unknown:
+        raise CorruptCheckpointError(f"manifest tree refers to unknown tensor {sorted(unknown)[0]!r}",
+                                     file=MANIFEST_NAME)
+    return dataclasses.replace(m, tree=subtree), keys
 
 
 def check_stripe_header(buf: memoryview, fe: FileEntry, entries: list[TensorEntry]) -> None:

@@ -1,168 +1,23 @@
-"""Load: read (native, parallel, O_DIRECT) -> verify (native, overlapped) -> place.
+"""Load: the public ``load``, ``load_async`` and ``verify``.
 
-CPU tensors come back as views of the page-aligned read buffers (no second
-copy); ``into=`` copies into existing tensors. Tensors bound for CUDA devices
-are read into pinned bounce buffers and copied host-to-device by the native
-engine chunk by chunk, each chunk verified first (see ``cuda.py``); other
-devices get a copy.
+``load`` reads on one rank, or (``process_group=``) this rank's part of a
+multi-rank checkpoint; both go through ``read.load_state`` (see ``read.py`` for
+the data path).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
-import stat
 import threading
-import time
-from typing import Any, Callable
+from typing import Any
 
-import torch
+from . import defaults, distributed
+from .read import LoadResult, load_state, read_tensors
 
-from . import _core, defaults, dtypes
-from . import cuda as _cuda
-from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
-from .flatten import flatten, unflatten
-from .format import Manifest, check_stripe_header, piece_ranges, read_manifest
+__all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
 
-DEFAULT_READ_CHUNK = defaults.READ_CHUNK_BYTES
 DEFAULT_READ_QUEUE_DEPTH = defaults.READ_QUEUE_DEPTH
-
-
-def _read_chunk(block: int) -> int:
-    # A multiple of the checksum block, so every checksummed piece lies inside one read.
-    return block * max(1, DEFAULT_READ_CHUNK // block)
-
-
-def _device_for(entry_device: str, map_location: Any) -> torch.device:
-    if map_location is None:
-        return torch.device(entry_device)
-    if isinstance(map_location, dict):
-        return torch.device(map_location.get(entry_device, entry_device))
-    return torch.device(map_location)
-
-
-class LoadResult:
-    """Tensors of one checkpoint, keyed by stored name, plus the manifest."""
-
-    def __init__(self, manifest: Manifest, tensors: dict[str, torch.Tensor], elapsed_s: float, backend: str,
-                 direct: bool):
-        self.manifest = manifest
-        self.tensors = tensors
-        self.elapsed_s = elapsed_s
-        self.backend = backend
-        self.direct = direct
-
-
-def read_tensors(path: str | os.PathLike, **options: Any) -> LoadResult:
-    """Read and verify every stripe; return CPU tensors that view the read buffers.
-
-    Options: verify, backend, direct, queue_depth, keys (a subset to read), and
-    device_targets(manifest), which may name, per key, a contiguous CUDA tensor of the
-    stored dtype and size to receive that tensor's bytes: they are then copied there by
-    the native engine through pinned bounce buffers (verified chunk by chunk before the
-    copy) and never held in host memory as a whole.
-
-    The directory is opened once and everything is read through that handle, so the
-    manifest and the stripes come from the same checkpoint even if the path is swapped
-    by an overwrite (or renamed) while the load runs.
-    """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(2, "checkpoint directory not found", path)
-    dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    base = f"/proc/self/fd/{dirfd}"
-    try:
-        if not os.path.isdir(base):  # no /proc: fall back to the path itself
-            base = path
-        return _read_tensors(path, base, **options)
-    except OSError as e:
-        if base != path and isinstance(e.filename, str) and e.filename.startswith(base + "/"):
-            e.filename = path + e.filename[len(base):]  # name the user's path, not the handle
-        raise
-    finally:
-        os.close(dirfd)
-
-
-def _read_tensors(path: str, base: str, *, verify: bool = True, backend: str = "auto", direct: bool = True,
-                  queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, keys: set[str] | None = None,
-                  device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None) -> LoadResult:
-    m = read_manifest(base, shown=path)
-    wanted = set(m.tensors) if keys is None else keys
-    file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
-    slot = {fi: i for i, fi in enumerate(file_ids)}
-    specs = []
-    for fi in file_ids:
-        fe = m.files[fi]
-        full = os.path.join(base, fe.name)
-        try:
-            st = os.lstat(full)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
-        if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
-            raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
-        size = st.st_size
-        if size != fe.size:
-            what = "truncated" if size < fe.size else "longer than recorded"
-            raise CorruptCheckpointError(f"stripe {fe.name} is {size} bytes, the manifest says {fe.size} ({what})",
-                                         file=fe.name)
-        specs.append((full, fe.size))
-    pieces: list[tuple[int, int, int, int]] = []
-    owners: list[str] = []
-    if verify:
-        for k in wanted:
-            e = m.tensors[k]
-            for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums):
-                pieces.append((slot[e.file], off, n, int(h, 16)))
-                owners.append(k)
-    targets = {k: t for k, t in (device_targets(m) if device_targets else {}).items() if k in wanted}
-    placements: list[tuple[int, int, int, int, int]] = []
-    for k, t in targets.items():
-        e = m.tensors[k]
-        if t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() != e.nbytes:
-            raise ValueError(f"device target for {k!r} must be a contiguous CUDA tensor of {e.nbytes} bytes")
-        if e.nbytes:
-            placements.append((slot[e.file], e.offset, e.nbytes, t.device.index, t.data_ptr()))
-    streams = _cuda.current_streams(p[3] for p in placements) if placements else []
-    t0 = time.perf_counter()
-    # `targets` keeps the destinations alive until the job is done.
-    job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
-                           max(1, min(4, len(os.sched_getaffinity(0)))), direct, placements=placements,
-                           streams=streams)
-    job.wait()
-    job.rethrow()
-    bad = job.mismatches()
-    if bad:
-        pi, actual = bad[0]
-        fi, off, n, expected = pieces[pi]
-        key = owners[pi]
-        fe = m.files[file_ids[fi]]
-        e = m.tensors[key]
-        more = f" ({len(bad) - 1} more damaged pieces)" if len(bad) > 1 else ""
-        raise ChecksumMismatchError(
-            f"checksum mismatch in {fe.name}, tensor {key!r}, bytes {off - e.offset}..{off - e.offset + n} of the "
-            f"tensor (file offset {off}): expected {expected:016x}, got {actual:016x}{more}",
-            file=fe.name, tensor=key, offset=off, expected=f"{expected:016x}", actual=f"{actual:016x}")
-    buffers = job.buffers()
-    bases = {}
-    for i, fi in enumerate(file_ids):
-        buf = buffers[i]
-        fe = m.files[fi]
-        check_stripe_header(memoryview(buf)[: fe.header_bytes], fe, [e for e in m.tensors.values() if e.file == fi])
-        bases[fi] = torch.frombuffer(buf, dtype=torch.uint8)
-    tensors = {}
-    for k, t in targets.items():
-        _cuda.mark_written(t)
-        tensors[k] = t
-    for k in wanted:
-        e = m.tensors[k]
-        dt = dtypes.dtype_from_name(e.dtype)
-        if k in targets:
-            continue
-        if e.nbytes == 0:
-            tensors[k] = torch.empty(0, dtype=torch.uint8).view(dt).reshape(e.shape)
-        else:
-            tensors[k] = bases[e.file][e.offset:e.offset + e.nbytes].view(dt).view(e.shape)
-    return LoadResult(m, tensors, time.perf_counter() - t0, job.backend, job.files_direct == len(file_ids))
 
 
 def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, verify: bool = True, *,
@@ -184,122 +39,11 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     a group of the same size (reading only its stripes). Without it, a multi-rank
     checkpoint loads as ``{rank: state}``.
     """
+    options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
+                   backend=backend, direct=direct, queue_depth=queue_depth)
     if process_group is not None:
-        from . import distributed
-        return distributed.load(path, process_group=process_group, map_location=map_location, into=into,
-                                verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend,
-                                direct=direct, queue_depth=queue_depth)
-    res = read_tensors(path, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
-                       device_targets=_into_targets(into) if into is not None else _map_targets(map_location))
-    if into is not None:
-        return _load_into(res, into, strict, allow_pickle)
-    return unflatten(res.manifest.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
-
-
-def tensor_placer(res: LoadResult, map_location: Any = "cpu") -> Callable[[str], torch.Tensor]:
-    """The tree's tensor lookup: each stored tensor on the device map_location picks for
-    it (moved once, so tied weights stay one tensor); unknown keys are corruption."""
-    placed: dict[str, torch.Tensor] = {}
-
-    def tensor_for(key: str) -> torch.Tensor:
-        if key not in res.tensors:
-            raise CorruptCheckpointError(f"manifest tree refers to unknown tensor {key!r}", file="flashwrite.json",
-                                         tensor=key)
-        if key not in placed:
-            t = res.tensors[key]
-            dev = _device_for(res.manifest.tensors[key].device, map_location)
-            placed[key] = t if dev.type == "cpu" else t.to(dev)
-        return placed[key]
-
-    return tensor_for
-
-
-def _device_empty(e: Any, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor for stored entry ``e`` on ``device``, allocated as bytes and
-    viewed as its dtype, so dtypes with no CUDA kernels (bits8, uint3, ...) work too."""
-    raw = torch.empty(e.nbytes, dtype=torch.uint8, device=device)
-    return raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
-
-
-def _map_targets(map_location: Any) -> Callable[[Manifest], dict[str, torch.Tensor]]:
-    """New tensors for every stored tensor that map_location sends to a CUDA device."""
-
-    def targets(m: Manifest) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, e in m.tensors.items():  # empty ones too: no dtype kernel is needed to make them
-            dev = _device_for(e.device, map_location)
-            if _cuda.uses_native(dev):
-                out[k] = _device_empty(e, dev)
-        return out
-
-    return targets
-
-
-def _into_targets(into: Any) -> Callable[[Manifest], dict[str, torch.Tensor]]:
-    """The CUDA tensors of ``into`` that the native engine fills in place: the destination
-    itself where it is contiguous with the stored dtype, else a new tensor of the stored
-    dtype on its device that ``_load_into`` copies (and converts) from on the GPU."""
-
-    def targets(m: Manifest) -> dict[str, torch.Tensor]:
-        _, dst_flat, _ = flatten(into, allow_pickle=True)
-        out = {}
-        for ft in dst_flat:
-            e, d = m.tensors.get(ft.key), ft.tensor
-            if e is None or not e.nbytes or not _cuda.uses_native(d):
-                continue
-            if tuple(d.shape) != tuple(e.shape):  # before any byte moves
-                raise ValueError(f"load(into=...): {ft.key} has shape {tuple(e.shape)} in the checkpoint, "
-                                 f"{tuple(d.shape)} in the destination")
-            dt = dtypes.dtype_from_name(e.dtype)
-            if d.dtype == dt and d.is_contiguous() and not d.is_conj() and not d.is_neg():
-                out[ft.key] = d
-            else:
-                out[ft.key] = _device_empty(e, d.device)
-        return out
-
-    return targets
-
-
-def _load_into(res: LoadResult, into: Any, strict: bool, allow_pickle: bool) -> Any:
-    m = res.manifest
-    # As read (CPU views, or GPU destinations filled in place): the copies below place them.
-    saved = unflatten(m.tree, tensor_placer(res, "cpu"), allow_pickle=allow_pickle)
-    _, dst_flat, dst_alias = flatten(into, allow_pickle=True)
-    _, src_flat, src_alias = flatten(saved, allow_pickle=True)
-    dst = {ft.key: ft.tensor for ft in dst_flat}
-    src = {ft.key: ft.tensor for ft in src_flat}
-    missing = sorted(set(src) - set(dst) - set(dst_alias))
-    if strict and missing:
-        raise KeyError(f"load(into=...): the checkpoint has tensors with no destination: {missing[:10]}")
-    for k, s in src.items():
-        d = dst.get(k)
-        if d is None:
-            continue
-        if s is d:
-            continue  # filled in place by the native engine (a GPU destination)
-        if d.shape != s.shape:
-            raise ValueError(f"load(into=...): {k} has shape {tuple(s.shape)} in the checkpoint, "
-                             f"{tuple(d.shape)} in the destination")
-        with torch.no_grad():
-            d.copy_(s)
-    _copy_leaves(saved, into)
-    return into
-
-
-def _copy_leaves(src: Any, dst: Any) -> None:
-    """Non-tensor leaves (step counters, hyper-parameters) are assigned into mutable containers."""
-    if isinstance(src, dict) and isinstance(dst, dict):
-        for k, v in src.items():
-            if k in dst and isinstance(dst[k], (dict, list)):
-                _copy_leaves(v, dst[k])
-            elif not isinstance(v, (torch.Tensor, dict, list, tuple)):
-                dst[k] = v
-    elif isinstance(src, list) and isinstance(dst, list):
-        for i, v in enumerate(src[: len(dst)]):
-            if isinstance(dst[i], (dict, list)):
-                _copy_leaves(v, dst[i])
-            elif not isinstance(v, (torch.Tensor, dict, list, tuple)):
-                dst[i] = v
+        return distributed.load(path, process_group=process_group, **options)
+    return load_state(path, **options)
 
 
 _load_pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -54,7 +54,8 @@ from . import _core, commit
 from .errors import CorruptCheckpointError
 from .format import MANIFEST_NAME
 from .load import load
-from .save import SaveFuture, SaveStats, Writer
+from .future import SaveFuture, SaveStats
+from .save import Writer
 
 log = logging.getLogger("flashwrite")
 

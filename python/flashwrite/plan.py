@@ -58,6 +58,11 @@ def stripe_name(prefix: str, i: int, n: int) -> str:
     return f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
+def rank_prefix(rank: int) -> str:
+    """The stripe-name prefix of one rank's part of a multi-rank checkpoint."""
+    return f"model-rank{rank:05d}"
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.is_conj():

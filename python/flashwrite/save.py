@@ -1,28 +1,28 @@
 """Save: flatten -> plan -> stage (native) -> write (native) -> commit.
 
 ``Writer`` owns a native engine whose staging pool is allocated once and reused
-by every save; ``SaveFuture`` tracks one save from staging to commit.
+by every save; ``save_async`` saves on one rank, or (``process_group=``) as this
+rank's part of a multi-rank checkpoint (``distributed.py``). Either way the
+returned ``SaveFuture`` (``future.py``) tracks the save from staging to commit.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import inspect
-import functools
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
+from . import _core, commit, defaults, distributed
+from . import write as _write
+from .format import build_index
+from .future import SaveFuture, SaveStats
+from .write import StripeWrite
 
-from . import _core, commit, defaults
-from . import cuda as _cuda
-from .flatten import flatten
-from .format import build_index, build_manifest
-from .plan import PlannedFile, plan_files
+__all__ = ["Writer", "SaveFuture", "SaveStats", "StripeWrite", "default_writer", "save_async", "save"]
 
 log = logging.getLogger("flashwrite")
 
@@ -33,110 +33,6 @@ DEFAULT_QUEUE_DEPTH = defaults.WRITE_QUEUE_DEPTH
 
 def _default_copy_threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
-
-
-@dataclass
-class SaveStats:
-    """Figures of one save. Times are seconds from the save_async call."""
-
-    path: str
-    bytes: int = 0
-    tensors: int = 0
-    stripes: int = 0
-    stall_s: float | None = None    # how long save_async blocked the caller
-    staged_s: float | None = None   # every byte in the staging pool
-    durable_s: float | None = None  # every stripe written and fsync'd
-    total_s: float | None = None    # committed (manifest written, renamed, parent fsync'd)
-    backend: str = ""
-    direct: bool = False            # every stripe written with O_DIRECT
-    files_buffered: int = 0         # stripes that fell back to buffered I/O + fsync
-    pool_bytes: int = 0
-    pinned: bool = False
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def gbps(self) -> float | None:
-        return self.bytes / self.total_s / 1e9 if self.total_s else None
-
-
-class SaveFuture:
-    """A save in progress. ``result()`` returns its SaveStats once the checkpoint is
-    durable and committed, or raises what went wrong (the temporary directory is
-    then already removed and no earlier checkpoint was touched)."""
-
-    def __init__(self, path: str, job: Any, stats: SaveStats, t0: float):
-        self.path = path
-        self._job = job
-        self._stats = stats
-        self._t0 = t0
-        self._future: concurrent.futures.Future = concurrent.futures.Future()
-        self._released = False
-        self._state_lock = threading.Lock()
-        self._cancelled = False
-        self._committing = False
-
-    def _begin_commit(self) -> bool:
-        """Called by the commit thread: False if the save was cancelled, else from
-        now on cancel() can no longer stop it."""
-        with self._state_lock:
-            self._committing = not self._cancelled
-            return self._committing
-
-    def _release_sources(self) -> None:
-        if not self._released and self._job.staged:
-            self._job.release_sources()
-            self._released = True
-            if self._stats.staged_s is None:
-                self._stats.staged_s = time.perf_counter() - self._t0
-
-    def wait_staged(self, timeout: float | None = None) -> bool:
-        """Block (GIL released) until the snapshot is in host memory; after that the
-        caller may change or free its tensors. True when staged."""
-        ok = self._job.wait_staged(timeout)
-        if ok:
-            self._release_sources()
-        return ok
-
-    @property
-    def staged(self) -> bool:
-        return self._job.staged
-
-    def result(self, timeout: float | None = None) -> SaveStats:
-        return self._future.result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def add_done_callback(self, fn: Callable[[SaveFuture], Any]) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
-
-    def progress(self) -> float:
-        """Fraction of the bytes written so far (1.0 once durable)."""
-        written, total = self._job.progress()
-        return written / total if total else 1.0
-
-    @property
-    def stats(self) -> SaveStats:
-        return self._stats
-
-    def cancel(self) -> bool:
-        """Abandon the save: nothing is committed and ``result()`` raises
-        ``concurrent.futures.CancelledError``. Returns False (and changes nothing)
-        once the commit has begun or the save has finished."""
-        with self._state_lock:
-            if self._committing or self._future.done():
-                return False
-            self._cancelled = True
-        self._job.cancel()
-        return True
-
-    def __repr__(self) -> str:
-        state = "committed" if self.done() and not self._future.exception() else \
-            "failed" if self.done() else "staged" if self.staged else "staging"
-        return f"<SaveFuture {self.path!r} {state} {self.progress():.0%}>"
 
 
 class Writer:
@@ -197,16 +93,9 @@ class Writer:
         """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
         must exist; nothing is committed). The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
-        tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle)
-        files = plan_files(tensors, self.stripes, prefix=prefix, metadata=metadata)
-        keepalive, segments, streams = _stage_sources(files)
-        job = self._engine.start_save(
-            [(os.path.join(directory, f.name), f.header, f.size) for f in files], segments, keepalive,
-            self.backend, self.queue_depth, self.copy_threads, self.direct, streams=streams)
-        if streams and self._engine.pin_error:
-            _warn_unpinned(self._engine.pin_error)
-        stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files))
-        return StripeWrite(self, job, files, tree, aliases, metadata, stats, t0)
+        return _write.start(self._engine, state_dict, directory, t0, stripes=self.stripes, backend=self.backend,
+                            queue_depth=self.queue_depth, copy_threads=self.copy_threads, direct=self.direct,
+                            prefix=prefix, allow_pickle=allow_pickle, metadata=metadata)
 
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, overwrite: bool = False, block: bool = True,
                    allow_pickle: bool = False, metadata: dict[str, str] | None = None, process_group: Any = None,
@@ -225,7 +114,6 @@ class Writer:
         ``coordination_group`` supplies flashwrite's gloo group for subgroups).
         """
         if process_group is not None or coordination_group is not None:
-            from . import distributed
             return distributed.save_async(self, state_dict, path, process_group=process_group,
                                           coordination_group=coordination_group, timeout=timeout,
                                           overwrite=overwrite, block=block, allow_pickle=allow_pickle,
@@ -245,7 +133,9 @@ class Writer:
         sw.stats.path = path
         fut = SaveFuture(path, sw.job, sw.stats, t0)
 
-        def finish() -> SaveStats:
+        def finish(commit_gate: Callable[[], None]) -> SaveStats:
+            sw.job.wait()
+            commit_gate()
             manifest = sw.wait_durable()
             commit.finalize(tmp, path, manifest, build_index(manifest), overwrite)
             sw.stats.total_s = time.perf_counter() - t0
@@ -253,37 +143,8 @@ class Writer:
                       sw.stats.total_s, sw.stats.stall_s or 0, sw.stats.backend, sw.stats.direct)
             return sw.stats
 
-        return self._launch(fut, sw, finish, lambda: commit.discard(tmp), block)
-
-    def _launch(self, fut: SaveFuture, sw: StripeWrite, finish: Callable[[], Any], cleanup: Callable[[], None],
-                block: bool) -> SaveFuture:
-        """Wait for staging if asked, then run ``finish`` on the commit thread; its
-        result (or exception, after ``cleanup``) completes the future."""
-        def run() -> None:
-            try:
-                sw.job.wait()
-                fut._release_sources()
-                if not fut._begin_commit():
-                    raise concurrent.futures.CancelledError(f"save to {fut.path} was cancelled")
-                result = finish()
-            except BaseException as e:
-                cleanup()
-                fut._future.set_exception(e)
-                return
-            fut._future.set_result(result)
-
-        try:
-            if block:
-                fut.wait_staged()
-            fut._future.set_running_or_notify_cancel()
-            self._committer().submit(run)  # raises if the writer was closed meanwhile
-        except BaseException:
-            sw.job.cancel()
-            sw.job.wait()
-            cleanup()
-            raise
-        sw.stats.stall_s = time.perf_counter() - fut._t0
-        return fut
+        return fut._launch(finish, lambda run: self._committer().submit(run), block=block,
+                           cleanup=lambda: commit.discard(tmp))
 
     def save(self, state_dict: Any, path: str | os.PathLike, **kwargs: Any) -> SaveStats:
         """Blocking save: returns once the checkpoint is durable and committed."""
@@ -307,67 +168,6 @@ class Writer:
     def __repr__(self) -> str:
         return (f"Writer(stripes={self.stripes}, queue_depth={self.queue_depth}, chunk_bytes={self.chunk_bytes}, "
                 f"backend={self.backend!r}, direct={self.direct}, max_staging_bytes={self.max_staging_bytes})")
-
-
-def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int, int, int, int]], list[tuple[int, int]]]:
-    """(objects that own the bytes, [(address, nbytes, file, offset, device)], [(device, stream)])
-    for the native stager. device is -1 for host memory; CUDA tensors are copied by the
-    native engine on its own streams, ordered after the returned current streams.
-
-    The keepalive list is held by the native job until staging ends, so callers may
-    drop their references right after save_async returns.
-    """
-    keepalive: list = []
-    segments = []
-    devices: set[int] = set()
-    for fi, f in enumerate(files):
-        for p in f.tensors:
-            src = p.source
-            dev = -1
-            if _cuda.uses_native(src):
-                dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
-                devices.add(dev)
-            elif src.device.type != "cpu":
-                # No native path to this device: PyTorch copies it to host memory
-                # (synchronously, so the snapshot is exact).
-                src = src.to("cpu")
-            keepalive.append(src)
-            p.source = None  # from here on only the job's keepalive holds it
-            if p.nbytes:
-                segments.append((src.data_ptr(), p.nbytes, fi, p.offset, dev))
-    return keepalive, segments, _cuda.current_streams(devices) if devices else []
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_unpinned(reason: str) -> None:
-    log.warning("flashwrite: the staging pool could not be page-locked, GPU copies will be slower: %s", reason)
-
-
-class StripeWrite:
-    """Stripes of one state dict being staged and written (no commit)."""
-
-    def __init__(self, writer: Writer, job: Any, files: list[PlannedFile], tree: Any, aliases: dict,
-                 metadata: dict | None, stats: SaveStats, t0: float):
-        self.writer, self.job, self.files, self.tree = writer, job, files, tree
-        self.aliases, self.metadata, self.stats, self.t0 = aliases, metadata, stats, t0
-
-    def wait_durable(self) -> dict:
-        """Wait until every stripe is written and fsync'd (raising what failed) and
-        return this write's manifest (not yet on disk)."""
-        job, stats = self.job, self.stats
-        job.wait()
-        job.rethrow()
-        native = job.stats()
-        stats.durable_s = time.perf_counter() - self.t0
-        stats.backend = native["backend"]
-        stats.files_buffered = native["files_buffered"]
-        stats.direct = native["files_buffered"] == 0 and self.writer.direct
-        stats.pool_bytes = self.writer.pool_bytes
-        stats.pinned = self.writer._engine.pool_pinned
-        sums = iter(job.checksums())  # one list per non-empty tensor, in plan order
-        by_key = {p.key: (next(sums) if p.nbytes else []) for f in self.files for p in f.tensors}
-        return build_manifest(self.files, by_key, self.aliases, self.tree, self.writer.chunk_bytes,
-                              _core.__version__, self.metadata)
 
 
 _default_writers: dict[tuple, Writer] = {}

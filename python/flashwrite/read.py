@@ -1,0 +1,331 @@
+"""Read (native, parallel, O_DIRECT) -> verify (native, overlapped) -> place.
+
+``CheckpointDir`` opens a checkpoint directory once and reads everything through
+that handle: its manifest is parsed once, and every read of its stripes uses the
+same handle, so manifest and stripes come from the same checkpoint even if the
+path is swapped by an overwrite (or renamed) meanwhile. ``load_state`` is the one
+load behind ``flashwrite.load`` on one rank and many.
+
+CPU tensors come back as views of the page-aligned read buffers (no second
+copy); ``into=`` copies into existing tensors. Tensors bound for CUDA devices
+are read into pinned bounce buffers and copied host-to-device by the native
+engine chunk by chunk, each chunk verified first (see ``cuda.py``); other
+devices get a copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import _core, defaults, dtypes
+from . import cuda as _cuda
+from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
+from .flatten import FlatTensor, flatten, unflatten
+from .format import Manifest, TensorEntry, check_stripe_header, piece_ranges, read_manifest, select_rank
+
+__all__ = ["LoadResult", "CheckpointDir", "read_tensors", "load_state", "tensor_placer"]
+
+
+def _read_chunk(block: int) -> int:
+    # A multiple of the checksum block, so every checksummed piece lies inside one read.
+    return block * max(1, defaults.READ_CHUNK_BYTES // block)
+
+
+def _device_for(entry_device: str, map_location: Any) -> torch.device:
+    if map_location is None:
+        return torch.device(entry_device)
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get(entry_device, entry_device))
+    return torch.device(map_location)
+
+
+class LoadResult:
+    """Tensors of one checkpoint, keyed by stored name, plus the manifest."""
+
+    def __init__(self, manifest: Manifest, tensors: dict[str, torch.Tensor], elapsed_s: float, backend: str,
+                 direct: bool):
+        self.manifest = manifest
+        self.tensors = tensors
+        self.elapsed_s = elapsed_s
+        self.backend = backend
+        self.direct = direct
+
+
+class CheckpointDir:
+    """A checkpoint directory opened once: ``manifest`` is parsed on opening, and
+    ``read`` reads stripes through the same directory handle (any number of times)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(2, "checkpoint directory not found", self.path)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.base = f"/proc/self/fd/{self._fd}"
+        try:
+            if not os.path.isdir(self.base):  # no /proc: fall back to the path itself
+                self.base = self.path
+            with self._user_paths():
+                self.manifest = read_manifest(self.base, shown=self.path)
+        except BaseException:
+            self.close()
+            raise
+
+    @contextlib.contextmanager
+    def _user_paths(self) -> Iterator[None]:
+        """OS errors name the user's path, not the handle."""
+        try:
+            yield
+        except OSError as e:
+            base = self.base
+            if base != self.path and isinstance(e.filename, str) and e.filename.startswith(base + "/"):
+                e.filename = self.path + e.filename[len(base):]
+            raise
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> CheckpointDir:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def read(self, *, manifest: Manifest | None = None, keys: set[str] | None = None, verify: bool = True,
+             backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH,
+             device_targets: dict[str, torch.Tensor] | None = None) -> LoadResult:
+        """Read and verify the stripes holding ``keys`` (default: every tensor); return CPU
+        tensors that view the read buffers.
+
+        manifest: what the result carries as its manifest (default ``self.manifest``; a
+        view of it such as ``select_rank``'s). device_targets may name, per key, a
+        contiguous CUDA tensor of the stored dtype and size to receive that tensor's
+        bytes: they are then copied there by the native engine through pinned bounce
+        buffers (verified chunk by chunk before the copy) and never held in host memory
+        as a whole.
+        """
+        with self._user_paths():
+            return self._read(manifest or self.manifest, keys, verify, backend, direct, queue_depth,
+                              device_targets or {})
+
+    def _read(self, shown_manifest: Manifest, keys: set[str] | None, verify: bool, backend: str, direct: bool,
+              queue_depth: int, device_targets: dict[str, torch.Tensor]) -> LoadResult:
+        m, path, base = self.manifest, self.path, self.base
+        wanted = set(m.tensors) if keys is None else keys
+        file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
+        slot = {fi: i for i, fi in enumerate(file_ids)}
+        specs = []
+        for fi in file_ids:
+            fe = m.files[fi]
+            full = os.path.join(base, fe.name)
+            try:
+                st = os.lstat(full)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
+            if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
+                raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
+            size = st.st_size
+            if size != fe.size:
+                what = "truncated" if size < fe.size else "longer than recorded"
+                raise CorruptCheckpointError(f"stripe {fe.name} is {size} bytes, the manifest says {fe.size} "
+                                             f"({what})", file=fe.name)
+            specs.append((full, fe.size))
+        pieces: list[tuple[int, int, int, int]] = []
+        owners: list[str] = []
+        if verify:
+            for k in wanted:
+                e = m.tensors[k]
+                for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums):
+                    pieces.append((slot[e.file], off, n, int(h, 16)))
+                    owners.append(k)
+        targets = {k: t for k, t in device_targets.items() if k in wanted}
+        placements: list[tuple[int, int, int, int, int]] = []
+        for k, t in targets.items():
+            e = m.tensors[k]
+            if t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() != e.nbytes:
+                raise ValueError(f"device target for {k!r} must be a contiguous CUDA tensor of {e.nbytes} bytes")
+            if e.nbytes:
+                placements.append((slot[e.file], e.offset, e.nbytes, t.device.index, t.data_ptr()))
+        streams = _cuda.current_streams(p[3] for p in placements) if placements else []
+        t0 = time.perf_counter()
+        # `targets` keeps the destinations alive until the job is done.
+        job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
+                               max(1, min(4, len(os.sched_getaffinity(0)))), direct, placements=placements,
+                               streams=streams)
+        job.wait()
+        job.rethrow()
+        bad = job.mismatches()
+        if bad:
+            pi, actual = bad[0]
+            fi, off, n, expected = pieces[pi]
+            key = owners[pi]
+            fe = m.files[file_ids[fi]]
+            e = m.tensors[key]
+            more = f" ({len(bad) - 1} more damaged pieces)" if len(bad) > 1 else ""
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {fe.name}, tensor {key!r}, bytes {off - e.offset}..{off - e.offset + n} of "
+                f"the tensor (file offset {off}): expected {expected:016x}, got {actual:016x}{more}",
+                file=fe.name, tensor=key, offset=off, expected=f"{expected:016x}", actual=f"{actual:016x}")
+        buffers = job.buffers()
+        bases = {}
+        for i, fi in enumerate(file_ids):
+            buf = buffers[i]
+            fe = m.files[fi]
+            check_stripe_header(memoryview(buf)[: fe.header_bytes], fe,
+                                [e for e in m.tensors.values() if e.file == fi])
+            bases[fi] = torch.frombuffer(buf, dtype=torch.uint8)
+        tensors = {}
+        for k, t in targets.items():
+            _cuda.mark_written(t)
+            tensors[k] = t
+        for k in wanted:
+            if k in targets:
+                continue
+            e = m.tensors[k]
+            dt = dtypes.dtype_from_name(e.dtype)
+            if e.nbytes == 0:
+                tensors[k] = torch.empty(0, dtype=torch.uint8).view(dt).reshape(e.shape)
+            else:
+                tensors[k] = bases[e.file][e.offset:e.offset + e.nbytes].view(dt).view(e.shape)
+        return LoadResult(shown_manifest, tensors, time.perf_counter() - t0, job.backend,
+                          job.files_direct == len(file_ids))
+
+
+def read_tensors(path: str | os.PathLike, *, keys: set[str] | None = None, verify: bool = True,
+                 backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH,
+                 device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None) -> LoadResult:
+    """Open ``path`` and read (a subset of) its tensors once: ``CheckpointDir.read``, with
+    device_targets computed from the checkpoint's manifest."""
+    with CheckpointDir(path) as ck:
+        return ck.read(keys=keys, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
+                       device_targets=device_targets(ck.manifest) if device_targets else None)
+
+
+def load_state(path: str | os.PathLike, *, rank: tuple[int, int] | None = None, map_location: Any = "cpu",
+               into: Any = None, verify: bool = True, allow_pickle: bool = False, strict: bool = True,
+               backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH) -> Any:
+    """The nested structure saved at ``path`` (see ``flashwrite.load``); with ``rank`` =
+    (rank, group size), that rank's state of a multi-rank checkpoint, reading only its
+    stripes. One manifest read, through the directory handle the stripes are read by."""
+    with CheckpointDir(path) as ck:
+        m, keys = ck.manifest, None
+        if rank is not None:
+            m, keys = select_rank(m, rank[0], rank[1], shown=ck.path)
+        # A rank's tensors were stored under the keys of {rank: state}: match `into` by those.
+        wrap: Callable[[Any], Any] = (lambda x: x) if keys is None else (lambda x: {rank[0]: x})
+        into_flat = flatten(wrap(into), allow_pickle=True) if into is not None else None
+        if into_flat is not None:
+            targets = _into_targets(into_flat[1], m, keys)
+        else:
+            targets = _map_targets([m.tensors[k] for k in (m.tensors if keys is None else sorted(keys))], map_location)
+        res = ck.read(manifest=m, keys=keys, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
+                      device_targets=targets)
+    if into_flat is not None:
+        return _load_into(res, into, into_flat, wrap, strict, allow_pickle)
+    return unflatten(m.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
+
+
+def tensor_placer(res: LoadResult, map_location: Any = "cpu") -> Callable[[str], torch.Tensor]:
+    """The tree's tensor lookup: each stored tensor on the device map_location picks for
+    it (moved once, so tied weights stay one tensor); unknown keys are corruption."""
+    placed: dict[str, torch.Tensor] = {}
+
+    def tensor_for(key: str) -> torch.Tensor:
+        if key not in res.tensors:
+            raise CorruptCheckpointError(f"manifest tree refers to unknown tensor {key!r}", file="flashwrite.json",
+                                         tensor=key)
+        if key not in placed:
+            t = res.tensors[key]
+            dev = _device_for(res.manifest.tensors[key].device, map_location)
+            placed[key] = t if dev.type == "cpu" else t.to(dev)
+        return placed[key]
+
+    return tensor_for
+
+
+def _device_empty(e: TensorEntry, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor for stored entry ``e`` on ``device``, allocated as bytes and
+    viewed as its dtype, so dtypes with no CUDA kernels (bits8, uint3, ...) work too."""
+    raw = torch.empty(e.nbytes, dtype=torch.uint8, device=device)
+    return raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
+
+
+def _map_targets(entries: list[TensorEntry], map_location: Any) -> dict[str, torch.Tensor]:
+    """New tensors for every stored tensor (of those read) that map_location sends to a CUDA device."""
+    out = {}
+    for e in entries:  # empty ones too: no dtype kernel is needed to make them
+        dev = _device_for(e.device, map_location)
+        if _cuda.uses_native(dev):
+            out[e.key] = _device_empty(e, dev)
+    return out
+
+
+def _into_targets(dst_flat: list[FlatTensor], m: Manifest, keys: set[str] | None) -> dict[str, torch.Tensor]:
+    """The CUDA tensors of ``into`` that the native engine fills in place: the destination
+    itself where it is contiguous with the stored dtype, else a new tensor of the stored
+    dtype on its device that ``_load_into`` copies (and converts) from on the GPU."""
+    out = {}
+    for ft in dst_flat:
+        e, d = m.tensors.get(ft.key), ft.tensor
+        if e is None or (keys is not None and ft.key not in keys) or not e.nbytes or not _cuda.uses_native(d):
+            continue
+        if tuple(d.shape) != tuple(e.shape):  # before any byte moves
+            raise ValueError(f"load(into=...): {ft.key} has shape {tuple(e.shape)} in the checkpoint, "
+                             f"{tuple(d.shape)} in the destination")
+        dt = dtypes.dtype_from_name(e.dtype)
+        if d.dtype == dt and d.is_contiguous() and not d.is_conj() and not d.is_neg():
+            out[ft.key] = d
+        else:
+            out[ft.key] = _device_empty(e, d.device)
+    return out
+
+
+def _load_into(res: LoadResult, into: Any, into_flat: tuple, wrap: Callable[[Any], Any], strict: bool,
+               allow_pickle: bool) -> Any:
+    """Copy what was read into ``into`` (whose flattening, of ``wrap(into)``, is ``into_flat``)."""
+    m = res.manifest
+    # As read (CPU views, or GPU destinations filled in place): the copies below place them.
+    saved = unflatten(m.tree, tensor_placer(res, "cpu"), allow_pickle=allow_pickle)
+    _, dst_flat, dst_alias = into_flat
+    _, src_flat, src_alias = flatten(wrap(saved), allow_pickle=True)
+    dst = {ft.key: ft.tensor for ft in dst_flat}
+    src = {ft.key: ft.tensor for ft in src_flat}
+    missing = sorted(set(src) - set(dst) - set(dst_alias))
+    if strict and missing:
+        raise KeyError(f"load(into=...): the checkpoint has tensors with no destination: {missing[:10]}")
+    for k, s in src.items():
+        d = dst.get(k)
+        if d is None:
+            continue
+        if s is d:
+            continue  # filled in place by the native engine (a GPU destination)
+        if d.shape != s.shape:
+            raise ValueError(f"load(into=...): {k} has shape {tuple(s.shape)} in the checkpoint, "
+                             f"{tuple(d.shape)} in the destination")
+        with torch.no_grad():
+            d.copy_(s)
+    _copy_leaves(saved, into)
+    return into
+
+
+def _copy_leaves(src: Any, dst: Any) -> None:
+    """Non-tensor leaves (step counters, hyper-parameters) are assigned into mutable containers."""
+    if isinstance(src, dict) and isinstance(dst, dict):
+        for k, v in src.items():
+            if k in dst and isinstance(dst[k], (dict, list)):
+                _copy_leaves(v, dst[k])
+            elif not isinstance(v, (torch.Tensor, dict, list, tuple)):
+                dst[k] = v
+    elif isinstance(src, list) and isinstance(dst, list):
+        for i, v in enumerate(src[: len(dst)]):
+            if isinstance(dst[i], (dict, list)):
+                _copy_leaves(v, dst[i])
+            elif not isinstance(v, (torch.Tensor, dict, list, tuple)):
+                dst[i] = v

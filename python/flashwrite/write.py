@@ -1,0 +1,118 @@
+"""Stage and write the stripes of one state dict (no commit).
+
+The building block of every save: a single-process save commits what this
+writes into its own temporary directory, a multi-rank save has every rank write
+its stripes into one shared directory, and the DCP writer writes the chunks DCP
+asks for. ``StripeWriter`` is what those callers need of a ``Writer``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import Any, Protocol
+
+import torch
+
+from . import _core
+from . import cuda as _cuda
+from .flatten import flatten
+from .format import build_manifest
+from .future import SaveStats
+from .plan import PlannedFile, plan_files
+
+log = logging.getLogger("flashwrite")
+
+
+class StripeWriter(Protocol):
+    """What the save paths need of a ``flashwrite.Writer``."""
+
+    direct: bool
+
+    def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
+                      allow_pickle: bool = False, metadata: dict[str, str] | None = None) -> StripeWrite: ...
+
+
+def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: int, backend: str, queue_depth: int,
+          copy_threads: int, direct: bool, prefix: str = "model", allow_pickle: bool = False,
+          metadata: dict[str, str] | None = None) -> StripeWrite:
+    """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
+    must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses)."""
+    tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle)
+    files = plan_files(tensors, stripes, prefix=prefix, metadata=metadata)
+    keepalive, segments, streams = _stage_sources(files)
+    job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in files], segments,
+                            keepalive, backend, queue_depth, copy_threads, direct, streams=streams)
+    if streams and engine.pin_error:
+        _warn_unpinned(engine.pin_error)
+    stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files))
+    return StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
+
+
+def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int, int, int, int]], list[tuple[int, int]]]:
+    """(objects that own the bytes, [(address, nbytes, file, offset, device)], [(device, stream)])
+    for the native stager. device is -1 for host memory; CUDA tensors are copied by the
+    native engine on its own streams, ordered after the returned current streams.
+
+    The keepalive list is held by the native job until staging ends, so callers may
+    drop their references right after save_async returns.
+    """
+    keepalive: list = []
+    segments = []
+    devices: set[int] = set()
+    for fi, f in enumerate(files):
+        for p in f.tensors:
+            src = p.source
+            dev = -1
+            if _cuda.uses_native(src):
+                dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
+                devices.add(dev)
+            elif src.device.type != "cpu":
+                # No native path to this device: PyTorch copies it to host memory
+                # (synchronously, so the snapshot is exact).
+                src = src.to("cpu")
+            keepalive.append(src)
+            p.source = None  # from here on only the job's keepalive holds it
+            if p.nbytes:
+                segments.append((src.data_ptr(), p.nbytes, fi, p.offset, dev))
+    return keepalive, segments, _cuda.current_streams(devices) if devices else []
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unpinned(reason: str) -> None:
+    log.warning("flashwrite: the staging pool could not be page-locked, GPU copies will be slower: %s", reason)
+
+
+class StripeWrite:
+    """Stripes of one state dict being staged and written (no commit)."""
+
+    def __init__(self, engine: Any, job: Any, files: list[PlannedFile], tree: Any, aliases: dict,
+                 metadata: dict | None, stats: SaveStats, t0: float, direct: bool):
+        self.engine, self.job, self.files, self.tree = engine, job, files, tree
+        self.aliases, self.metadata, self.stats, self.t0, self.direct = aliases, metadata, stats, t0, direct
+
+    def wait_durable(self) -> dict:
+        """Wait until every stripe is written and fsync'd (raising what failed) and
+        return this write's manifest (not yet on disk)."""
+        job, stats = self.job, self.stats
+        job.wait()
+        job.rethrow()
+        native = job.stats()
+        stats.durable_s = time.perf_counter() - self.t0
+        stats.backend = native["backend"]
+        stats.files_buffered = native["files_buffered"]
+        stats.direct = native["files_buffered"] == 0 and self.direct
+        stats.pool_bytes = self.engine.pool_bytes
+        stats.pinned = self.engine.pool_pinned
+        sums = iter(job.checksums())  # one list per non-empty tensor, in plan order
+        by_key = {p.key: (next(sums) if p.nbytes else []) for f in self.files for p in f.tensors}
+        return build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
+                              _core.__version__, self.metadata)
+
+    def stop(self) -> None:
+        """Cancel the writes still running and wait for the job to end."""
+        if not self.job.done:
+            self.job.cancel()
+            self.job.wait()
