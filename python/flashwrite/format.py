@@ -74,6 +74,26 @@ def piece_ranges(offset: int, nbytes: int, block: int) -> list[tuple[int, int]]:
     return out
 
 
+def assemble(files: list[dict], tensors: dict[str, dict], aliases: dict[str, str], tree: Any, block_bytes: int,
+             writer_version: str, metadata: dict[str, str] | None = None, **sections: Any) -> dict:
+    """A manifest from its parts: every manifest flashwrite writes is made here.
+    ``sections`` (e.g. ``ranks``, ``dcp``) are added where not None."""
+    m = {
+        "format": "flashwrite",
+        "format_version": FORMAT_VERSION,
+        "writer_version": writer_version,
+        "created_unix": time.time(),
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": block_bytes},
+        "files": files,
+        "tensors": tensors,
+        "aliases": aliases,
+        "tree": tree,
+        "metadata": metadata or {},
+    }
+    m.update((k, v) for k, v in sections.items() if v is not None)
+    return m
+
+
 def build_manifest(files: list[PlannedFile], checksums: dict[str, list[int]], aliases: dict[str, str], tree: Any,
                    block_bytes: int, writer_version: str, metadata: dict[str, str] | None = None,
                    rank_info: dict | None = None) -> dict:
@@ -85,21 +105,8 @@ def build_manifest(files: list[PlannedFile], checksums: dict[str, list[int]], al
                 "shape": p.shape, "device": p.device,
                 "checksums": [f"{h:016x}" for h in checksums[p.key]],
             }
-    m = {
-        "format": "flashwrite",
-        "format_version": FORMAT_VERSION,
-        "writer_version": writer_version,
-        "created_unix": time.time(),
-        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": block_bytes},
-        "files": [{"name": f.name, "size": f.size, "header_bytes": len(f.header)} for f in files],
-        "tensors": tensors,
-        "aliases": aliases,
-        "tree": tree,
-        "metadata": metadata or {},
-    }
-    if rank_info:
-        m["ranks"] = rank_info
-    return m
+    return assemble([{"name": f.name, "size": f.size, "header_bytes": len(f.header)} for f in files], tensors,
+                    aliases, tree, block_bytes, writer_version, metadata, ranks=rank_info or None)
 
 
 def build_index(m: dict) -> dict:
@@ -252,23 +259,19 @@ def parse_manifest(data: bytes) -> Manifest:
     return Manifest(files, tensors, aliases, raw.get("tree"), block, wv if isinstance(wv, str) else "", meta, raw)
 
 
-def merge_manifests(manifests: list[dict]) -> dict:
-    """One global manifest from the per-rank manifests (each with tree ``{rank: state}``)."""
-    first = manifests[0]
-    merged = {k: v for k, v in first.items() if k not in ("files", "tensors", "aliases", "tree")}
+def combine(parts: list[dict]) -> tuple[list[dict], dict[str, dict], dict[str, str], list[list[int]]]:
+    """The files, tensors and aliases of several writes into one directory (each part a
+    manifest, as ``build_manifest`` makes them; part r is rank r's), file indices
+    rebased, and each part's ``[first file, count]``."""
     files: list[dict] = []
     tensors: dict[str, dict] = {}
     aliases: dict[str, str] = {}
-    items: list = []
     spans = []
-    for r, m in enumerate(manifests):
+    for r, m in enumerate(parts):
         for field in ("format_version", "writer_version", "checksum"):
-            if m[field] != first[field]:
-                raise FlashwriteError(f"rank {r} wrote with {field} {m[field]!r}, rank 0 with {first[field]!r}: "
+            if m[field] != parts[0][field]:
+                raise FlashwriteError(f"rank {r} wrote with {field} {m[field]!r}, rank 0 with {parts[0][field]!r}: "
                                       "every rank must use the same flashwrite version and chunk_bytes")
-        tree = m["tree"]
-        if tree.get("t") != "dict" or len(tree["items"]) != 1 or tree["items"][0][0] != {"t": "int", "v": r}:
-            raise FlashwriteError(f"rank {r}'s manifest is not a rank-{r} state (saves issued in different orders?)")
         base = len(files)
         spans.append([base, len(m["files"])])
         files.extend(m["files"])
@@ -277,9 +280,22 @@ def merge_manifests(manifests: list[dict]) -> dict:
                 raise FlashwriteError(f"tensor {k!r} written by two ranks")
             tensors[k] = dict(t, file=t["file"] + base)
         aliases.update(m["aliases"])
+    return files, tensors, aliases, spans
+
+
+def merge_manifests(manifests: list[dict]) -> dict:
+    """One global manifest from the per-rank manifests (each with tree ``{rank: state}``)."""
+    items: list = []
+    for r, m in enumerate(manifests):
+        tree = m["tree"]
+        if tree.get("t") != "dict" or len(tree["items"]) != 1 or tree["items"][0][0] != {"t": "int", "v": r}:
+            raise FlashwriteError(f"rank {r}'s manifest is not a rank-{r} state (saves issued in different orders?)")
         items.extend(tree["items"])
-    merged.update(files=files, tensors=tensors, aliases=aliases, tree={"t": "dict", "items": items},
-                  ranks={"world_size": len(manifests), "files": spans})
+    files, tensors, aliases, spans = combine(manifests)
+    first = manifests[0]
+    merged = assemble(files, tensors, aliases, {"t": "dict", "items": items}, first["checksum"]["block_bytes"],
+                      first["writer_version"], first["metadata"], ranks={"world_size": len(manifests), "files": spans})
+    merged["created_unix"] = first["created_unix"]
     return merged
 
 
