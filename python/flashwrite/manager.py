@@ -53,8 +53,8 @@ from typing import Any, Callable
 from . import _core, commit
 from .errors import CorruptCheckpointError
 from .format import MANIFEST_NAME
-from .load import load
 from .future import SaveFuture, SaveStats
+from .load import load
 from .save import Writer
 
 log = logging.getLogger("flashwrite")
@@ -69,46 +69,6 @@ def _fmt_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
-
-
-def _boot_time() -> float | None:
-    try:
-        with open("/proc/stat") as fh:
-            for line in fh:
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _owner_alive(name: str, path: str) -> bool:
-    """Whether the process that created temp dir ``name`` may still be writing it.
-
-    The pid is in the name; a live process with that pid that started after the
-    directory was last modified is a recycled pid, not the owner.
-    """
-    parsed = commit.parse_temp_name(name)
-    pid = parsed.pid if parsed is not None else None
-    if pid is None:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(")") + 2:].split()
-    if not fields or fields[0] in ("Z", "X"):
-        return False
-    btime = _boot_time()
-    if btime is None or len(fields) < 20:
-        return True  # cannot tell: keep it
-    started = btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    try:
-        mtime = os.lstat(path).st_mtime
-    except OSError:
-        return False
-    return started <= mtime + 2.0  # btime has 1 s resolution
 
 
 class _Pending:
@@ -327,42 +287,7 @@ class CheckpointManager:
         """Remove temporary directories left in root by crashed saves and deletions
         (and put back a checkpoint whose replacement never appeared). Returns the
         names it removed or restored. Called by the constructor."""
-        touched = []
-        try:
-            entries = list(os.scandir(self.root))
-        except OSError as e:
-            log.warning("cannot list %s to clean up stale temporary directories: %s", self.root, e)
-            return touched
-        for e in entries:
-            temp = commit.parse_temp_name(e.name)
-            if temp is None:
-                continue
-            try:
-                if not e.is_dir(follow_symlinks=False):
-                    os.unlink(e.path)
-                elif temp.kind == "tmp":
-                    if _owner_alive(e.name, e.path):
-                        log.debug("leaving %s: its process is still alive", e.path)
-                        continue
-                    shutil.rmtree(e.path)
-                else:
-                    original = os.path.join(self.root, temp.original)
-                    if not os.path.lexists(original) and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
-                        os.rename(e.path, original)
-                        log.warning("restored %s: it was being replaced when its process died", original)
-                        touched.append(e.name)
-                        continue
-                    shutil.rmtree(e.path)
-                log.info("removed stale temporary %s", e.path)
-                touched.append(e.name)
-            except OSError as err:
-                log.warning("cannot remove stale temporary %s: %s", e.path, err)
-        if touched:
-            try:
-                _core.fsync_dir(self.root)
-            except OSError as err:
-                log.warning("fsync of %s failed: %s", self.root, err)
-        return touched
+        return commit.clean_stale(self.root)
 
     # ---------------------------------------------------------------- restore
 
