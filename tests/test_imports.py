@@ -1,6 +1,7 @@
 """The package reads top-down: no module imports, directly or through others, a module
 that imports it back. Every import counts, including those inside functions (a loop
-hidden in a function is still a loop, only a later-failing one)."""
+hidden in a function is still a loop, only a later-failing one); nothing under
+python/flashwrite imports the peers that the benchmarks compare against."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import flashwrite
 
 PKG_DIR = os.path.dirname(flashwrite.__file__)
+PEERS = ("deepspeed", "torch_checkpointing")
 
 
 def _modules(pkg_dir: str = PKG_DIR) -> dict[str, str]:
@@ -110,6 +112,24 @@ def test_the_walker_sees_a_loop_hidden_in_a_function(tmp_path):
     graph = import_graph(str(pkg))
     assert graph["pkg.b"] == {"pkg.sub.c"} and graph["pkg.sub.c"] == {"pkg.a"}
     assert _cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+def test_the_library_imports_no_peer():
+    mods = _modules()
+    offenders = {n: sorted(set(PEERS) & _imports(n, p, set(mods))[1]) for n, p in mods.items()}
+    assert {n: v for n, v in offenders.items() if v} == {}
+
+
+def test_bench_from_a_checkout_finds_the_peer_adapters():
+    from flashwrite.bench import peers
+
+    checkout = os.path.join(os.path.dirname(os.path.dirname(PKG_DIR)), "benchmarks", "peers.py")
+    if not os.path.isfile(checkout):
+        import pytest
+        pytest.skip("not a source checkout")
+    found = peers.contenders()
+    assert {"dcp_async_staged", "torch_checkpointing", "deepspeed"} <= set(found)
+    assert list(found)[-1] == "flashwrite" and peers.default_contenders() == list(found)
 
 
 if __name__ == "__main__":  # print the graph (of the package dir given, or this one), one module a line

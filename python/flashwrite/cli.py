@@ -46,7 +46,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import peers, report, runner
     if a.contenders in ("all", "default"):
-        contenders = list(peers.DEFAULT_CONTENDERS)
+        contenders = peers.default_contenders()
     else:
         contenders = [c.strip() for c in a.contenders.split(",") if c.strip()]
     unknown = [c for c in contenders if c not in peers.contenders()]

@@ -30,11 +30,17 @@ from typing import Any, Callable
 
 import torch
 
+from . import peers
 from .measure import run_in_subprocess
 
 MODES = {"none": "no checkpoints (baseline)", "torch_save": "torch.save + fsync", "dcp_async": "dcp.async_save",
-         "flashwrite": "flashwrite.save_async", "torch_checkpointing": "torch_checkpointing"}
+         "flashwrite": "flashwrite.save_async"}
 DEFAULT_MODES = ["none", "torch_save", "dcp_async", "flashwrite"]
+
+
+def all_modes() -> dict[str, str]:
+    """Every mode: the ones above, and the external peers' (benchmarks/peers.py, e.g. torch_checkpointing)."""
+    return {**MODES, **{m: label for m, (label, _) in peers.overhead_savers().items()}}
 
 
 def _model(width: int, depth: int) -> torch.nn.Module:
@@ -47,15 +53,18 @@ def _model(width: int, depth: int) -> torch.nn.Module:
 class _Saver:
     def __init__(self, mode: str, directory: str, dcp_threads: int = 4):
         self.mode, self.dir, self.pending, self.dcp_threads = mode, directory, None, dcp_threads
-        self.mgr = None
+        external = peers.overhead_savers().get(mode)
+        self.external = external[1]() if external else None
 
     def save(self, state: dict, step: int) -> None:
         path = os.path.join(self.dir, f"step-{step:06d}")
+        if self.external is not None:
+            self.external.save(state, path)
+            return
         if self.mode == "torch_save":
-            from .peers import fsync_file
             with open(path + ".pt", "wb") as f:
                 torch.save(state, f)
-            fsync_file(path + ".pt")
+            peers.fsync_file(path + ".pt")
             return
         self.wait()
         if self.mode == "dcp_async":
@@ -68,34 +77,21 @@ class _Saver:
         elif self.mode == "flashwrite":
             import flashwrite as fw
             self.pending = fw.save_async(state, path)
-        elif self.mode == "torch_checkpointing":
-            from torch_checkpointing import CheckpointManager
-            from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
-            if self.mgr is None:
-                self.mgr = CheckpointManager(CheckpointManager.Config(
-                    storage_config=LocalFileSystemStorageConfig(use_direct_io=False)))
-            fut = self.mgr.save(path, state)
-            if self.mgr._staging_future is not None:
-                self.mgr._staging_future.result()  # before the optimizer may touch the parameters
-            self.pending = (fut, path)
         else:
             raise ValueError(f"unknown mode {self.mode!r}")
 
     def wait(self) -> None:
-        p, self.pending = self.pending, None
-        if p is None:
+        if self.external is not None:
+            self.external.wait()
             return
-        if self.mode == "torch_checkpointing":
-            from .peers import fsync_tree
-            p[0].result()
-            fsync_tree(p[1])
-        else:
+        p, self.pending = self.pending, None
+        if p is not None:
             p.result()
 
     def close(self) -> None:
         self.wait()
-        if self.mgr is not None:
-            self.mgr.close()
+        if self.external is not None:
+            self.external.close()
 
 
 def train(spec: dict) -> dict:
@@ -147,9 +143,10 @@ def run(steps: int = 60, every: int = 10, rounds: int = 1, directory: str | None
         modes: list[str] | None = None, width: int = 2048, depth: int = 6, batch: int = 64, threads: int = 1,
         log: Callable[[str], None] = print) -> dict:
     modes = list(modes or DEFAULT_MODES)
+    known = all_modes()
     for m in modes:
-        if m not in MODES:
-            raise ValueError(f"unknown mode {m!r}; known: {', '.join(MODES)}")
+        if m not in known:
+            raise ValueError(f"unknown mode {m!r}; known: {', '.join(known)}")
     if "none" not in modes:
         modes.insert(0, "none")
     parent = os.path.abspath(directory or os.getcwd())
@@ -169,7 +166,7 @@ def run(steps: int = 60, every: int = 10, rounds: int = 1, directory: str | None
             msg = r["status"] if r["status"] != "ok" else (
                 f"{r['train_s']:.2f} s, {r['checkpoints']} checkpoints, median stall "
                 f"{statistics.median(r['stalls']) if r['stalls'] else 0:.3f} s")
-            log(f"[overhead round {rnd + 1}/{rounds}] {MODES[m]}: {msg}")
+            log(f"[overhead round {rnd + 1}/{rounds}] {known[m]}: {msg}")
     return summarize(per, {"steps": steps, "every": every, "rounds": rounds, "width": width, "depth": depth,
                            "batch": batch, "threads": threads,
                            "model": f"MLP {depth} x Linear({width}, {width}), Adam, batch {batch}, CPU, "
@@ -183,9 +180,10 @@ def summarize(per: dict[str, list[dict]], meta: dict) -> dict:
     meta = {**meta, "checkpoint_bytes": nbytes}
     rows: list[dict[str, Any]] = []
     torch_overhead = None
+    known = all_modes()
     for m, runs in per.items():
         ok = [r for r in runs if r.get("status") == "ok"]
-        row: dict[str, Any] = {"key": m, "name": MODES[m], "runs": runs}
+        row: dict[str, Any] = {"key": m, "name": known[m], "runs": runs}
         if not ok:
             row["status"] = runs[0].get("status", "not run") if runs else "not run"
             rows.append(row)

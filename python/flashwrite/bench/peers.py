@@ -5,17 +5,25 @@ Every save is timed from the call until the caller may mutate its tensors
 has none). Peers are called as PEERS.md describes, with their own best settings
 where one is documented (DCP thread_count, torch_checkpointing without its
 default O_DIRECT, which fails on ext4).
+
+Here: what a user compares on their own storage with nothing extra installed
+(torch.save, safetensors, DCP's public API, flashwrite). Adapters that reach into
+other projects' internals (DCP's async stager, torch_checkpointing, DeepSpeed's
+op builders) live in the repository's ``benchmarks/peers.py`` and join the table
+when it is found (see ``external``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -87,6 +95,11 @@ class Contender:
         """Read the checkpoint back into usable CPU tensors."""
         raise NotImplementedError
 
+    def load_template(self, state: Any, fresh: Callable[[], Any]) -> Any:
+        """What ``load`` gets as its template: None, or ``fresh()`` (a newly allocated state
+        like the saved one) for peers that load in place."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -155,6 +168,9 @@ class DcpSave(Contender):
             ctx.__exit__(None, None, None)
         return {"stall_s": t, "durable_s": t}
 
+    def load_template(self, state, fresh):
+        return fresh()  # DCP loads in place: a resumed trainer has its model allocated already
+
     def load(self, path, template):
         import torch.distributed.checkpoint as dcp
         ctx = _dcp_quiet()
@@ -170,34 +186,25 @@ class DcpAsyncSave(DcpSave):
     key = "dcp_async"
     asynchronous = True
 
-    def __init__(self, threads: int = DCP_THREADS, async_staging: bool = False):
+    def __init__(self, threads: int = DCP_THREADS):
         super().__init__(threads)
-        self.async_staging = async_staging
-        self.stager = None
-        if async_staging:
-            self.key = "dcp_async_staged"
-            self.needs_warmup = True
-            self.name = "dcp.async_save + async stager"
-            self.label = (f"dcp.async_save, DefaultStager(StagingOptions(use_async_staging=True)) reused across saves, "
-                          f"FileSystemWriter(thread_count={threads}, sync_files=True); stall = until staging completes")
-        else:
-            self.name = "dcp.async_save"
-            self.label = (f"dcp.async_save with its default (synchronous, unpinned) staging, "
-                          f"FileSystemWriter(thread_count={threads}, sync_files=True)")
+        self.name = "dcp.async_save"
+        self.label = (f"dcp.async_save with its default (synchronous, unpinned) staging, "
+                      f"FileSystemWriter(thread_count={threads}, sync_files=True)")
+
+    def stager(self) -> Any:
+        """The async_stager to pass (None: DCP's default staging)."""
+        return None
 
     def save(self, state, path):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
-        if self.async_staging and self.stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            cuda = torch.cuda.is_available()
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=cuda))
+        stager = self.stager()
         ctx = _dcp_quiet()
         try:
             t0 = time.perf_counter()
             r = dcp.async_save(state, storage_writer=FileSystemWriter(path, thread_count=self.threads, sync_files=True),
-                               async_stager=self.stager)
+                               async_stager=stager)
             if hasattr(r, "staging_completion"):
                 r.staging_completion.result()
                 upload = r.upload_completion
@@ -209,119 +216,6 @@ class DcpAsyncSave(DcpSave):
         finally:
             ctx.__exit__(None, None, None)
         return {"stall_s": stall, "durable_s": durable}
-
-    def close(self):
-        if self.stager is not None:
-            self.stager.close()
-            self.stager = None
-
-
-class TorchCheckpointing(Contender):
-    key, name = "torch_checkpointing", "torch_checkpointing + fsync"
-    label = "torch_checkpointing CheckpointManager.save (async), stall = until staging completes, fsync added"
-    needs_warmup = True
-    asynchronous = True
-
-    def __init__(self, direct: bool = False):
-        self.direct = direct
-        self.mgr = None
-        if not direct:
-            self.label = self.label.replace("(async)", "(async, use_direct_io=False)")
-
-    def available(self):
-        return None if importlib.util.find_spec("torch_checkpointing") else \
-            "torch_checkpointing not installed (pip install torch-checkpointing)"
-
-    def note(self):
-        return "" if self.direct else ("use_direct_io=False: its default O_DIRECT writer fails with EINVAL on ext4 "
-                                       "(unaligned write through a buffered wrapper); it never fsyncs, so fsync is added")
-
-    def save(self, state, path):
-        from torch_checkpointing import CheckpointManager
-        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
-        if self.mgr is None:
-            self.mgr = CheckpointManager(CheckpointManager.Config(
-                storage_config=LocalFileSystemStorageConfig(use_direct_io=self.direct)))
-        t0 = time.perf_counter()
-        fut = self.mgr.save(path, state)
-        # save() returns at once; the caller may mutate its tensors only once staging is done.
-        if self.mgr._staging_future is not None:
-            self.mgr._staging_future.result()
-        stall = time.perf_counter() - t0
-        fut.result()
-        written = time.perf_counter() - t0
-        fsync_tree(path)
-        durable = time.perf_counter() - t0
-        return {"stall_s": stall, "durable_s": durable, "written_s": written}
-
-    def load(self, path, template):
-        from torch_checkpointing import CheckpointManager, ItemSpec
-        from torch_checkpointing.config import SyncCheckpointSaverConfig
-        mgr = CheckpointManager(CheckpointManager.Config(items={k: ItemSpec() for k in template},
-                                                         save=SyncCheckpointSaverConfig()))
-        try:
-            return mgr.load(path)
-        finally:
-            mgr.close()
-
-    def close(self):
-        if self.mgr is not None:
-            self.mgr.close()
-            self.mgr = None
-
-
-class DeepSpeedFastPersist(Contender):
-    key, name = "deepspeed", "DeepSpeed FastPersist"
-    label = "DeepSpeed FastFileWriter (libaio, 1 MiB blocks, depth 8, 64 MiB double buffer) + torch.save"
-    needs_warmup = True
-
-    def __init__(self):
-        self.handle = None
-        self.pinned = None
-
-    def available(self):
-        if importlib.util.find_spec("deepspeed") is None:
-            return "deepspeed not installed (optional: pip install deepspeed, apt install libaio-dev)"
-        try:
-            from deepspeed.ops.op_builder import AsyncIOBuilder
-            if not AsyncIOBuilder().is_compatible(verbose=False):
-                return "deepspeed's aio op is not buildable here (libaio-dev missing?)"
-        except Exception as e:  # noqa: BLE001 - any import failure means: not runnable here
-            return f"deepspeed aio op unavailable: {type(e).__name__}: {e}"
-        return None
-
-    def _setup(self):
-        import deepspeed.io.fast_file_writer as ffw
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        if not torch.cuda.is_available():
-            # Its UtilsBuilder has no CPU-accelerator build; the generic one works (PEERS.md).
-            from deepspeed.ops.op_builder.utils import UtilsBuilder
-            ffw.UtilsBuilder = UtilsBuilder
-        self.handle = AsyncIOBuilder().load().aio_handle(1 << 20, 8, False, True, 1)
-        # Tensor.pin_memory() needs CUDA; the aio handle's locked allocator does not.
-        self.pinned = self.handle.new_cpu_locked_tensor(64 << 20, torch.empty(0, dtype=torch.uint8))
-
-    def save(self, state, path):
-        from deepspeed.io import FastFileWriter, FastFileWriterConfig
-        if self.handle is None:
-            self._setup()
-        t0 = time.perf_counter()
-        w = FastFileWriter(path, FastFileWriterConfig(dnvme_handle=self.handle, pinned_tensor=self.pinned))
-        torch.save(state, w)
-        w.close()  # flushes the double buffer and fsyncs
-        t = time.perf_counter() - t0
-        return {"stall_s": t, "durable_s": t}
-
-    def load(self, path, template):
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-    def close(self):
-        if self.pinned is not None and self.handle is not None:
-            try:
-                self.handle.free_cpu_locked_tensor(self.pinned)
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
-        self.handle = self.pinned = None
 
 
 class Flashwrite(Contender):
@@ -349,15 +243,49 @@ class Flashwrite(Contender):
         return fw.load(path)
 
 
+def _builtin(dcp_threads: int) -> list[Contender]:
+    return [TorchSave(), SafetensorsSave(), DcpSave(dcp_threads), DcpAsyncSave(dcp_threads)]
+
+
+PEERS_FILE = os.path.join("benchmarks", "peers.py")
+
+
+@functools.lru_cache(maxsize=None)
+def external() -> Any:
+    """The adapters for peers whose use needs their internals (DCP's async stager,
+    torch_checkpointing, DeepSpeed's op builders): ``benchmarks/peers.py`` of a source
+    checkout, found beside the package (an editable install) or in the current
+    directory; None when neither exists (a wheel: those peers are then not offered).
+    The library itself never imports those projects."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for root in (os.path.join(here, os.pardir, os.pardir, os.pardir), os.getcwd()):
+        path = os.path.normpath(os.path.join(root, PEERS_FILE))
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("flashwrite_benchmarks_peers", path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+            return mod
+    return None
+
+
 def contenders(dcp_threads: int = DCP_THREADS) -> dict[str, Contender]:
-    """Every contender, in table order."""
-    cs = [TorchSave(), SafetensorsSave(), DcpSave(dcp_threads), DcpAsyncSave(dcp_threads),
-          DcpAsyncSave(dcp_threads, async_staging=True), TorchCheckpointing(), DeepSpeedFastPersist(), Flashwrite()]
+    """Every contender, in table order: the library's own, the external peers' (see
+    ``external``), flashwrite last."""
+    ext = external()
+    cs = [*_builtin(dcp_threads), *(ext.contenders(dcp_threads) if ext else []), Flashwrite()]
     return {c.key: c for c in cs}
 
 
-DEFAULT_CONTENDERS = ["torch_save", "safetensors", "dcp_save", "dcp_async", "dcp_async_staged", "torch_checkpointing",
-                      "deepspeed", "flashwrite"]
+def default_contenders() -> list[str]:
+    """What ``flashwrite bench`` runs by default (``--contenders all``): every contender known here."""
+    return list(contenders())
+
+
+def overhead_savers() -> dict[str, Any]:
+    """{mode: (label, saver class)} of the external peers for the training-overhead benchmark."""
+    ext = external()
+    return dict(getattr(ext, "OVERHEAD_SAVERS", {})) if ext else {}
 
 
 def file_name(key: str) -> str:

@@ -98,12 +98,7 @@ def run_worker(spec: dict, state: Any = None) -> dict:
         out["rss_growth"] = m.peak_bytes - base
         if spec.get("load", True):
             why_not = (devicelimit.drop_caches() if drop else why_not) or why_not
-            template = None
-            if key.startswith("dcp"):
-                # DCP loads in place: a resumed trainer has its model allocated already.
-                template = make_state(spec["size"], seed=spec.get("seed", 0) + 1)
-            elif key == "torch_checkpointing":
-                template = dict.fromkeys(state)
+            template = c.load_template(state, lambda: make_state(spec["size"], seed=spec.get("seed", 0) + 1))
             with Meter() as m:
                 t0 = time.perf_counter()
                 loaded = c.load(path, template)
