@@ -29,8 +29,6 @@ log = logging.getLogger("flashwrite")
 class StripeWriter(Protocol):
     """What the save paths need of a ``flashwrite.Writer``."""
 
-    direct: bool
-
     def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
                       allow_pickle: bool = False, metadata: dict[str, str] | None = None) -> StripeWrite: ...
 
