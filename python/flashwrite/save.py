@@ -52,6 +52,7 @@ class SaveStats:
     files_buffered: int = 0         # stripes that fell back to buffered I/O + fsync
     pool_bytes: int = 0
     pinned: bool = False
+    settings: dict = field(default_factory=dict)  # stripes/queue_depth/chunk_bytes used, and where each came from
     extra: dict = field(default_factory=dict)
 
     @property
@@ -150,9 +151,16 @@ class Writer:
     caller waits for part of the write. copy_threads: parallel memcpy threads.
     """
 
-    def __init__(self, stripes: int = DEFAULT_STRIPES, queue_depth: int = DEFAULT_QUEUE_DEPTH,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, backend: str = "auto", direct: bool = True,
+    def __init__(self, stripes: int | None = None, queue_depth: int | None = None,
+                 chunk_bytes: int | None = None, backend: str = "auto", direct: bool = True,
                  max_staging_bytes: int | None = None, copy_threads: int | None = None):
+        # Settings not given here come, per save, from a tuning saved for the target's
+        # file system (`flashwrite tune --save`), else from defaults.py.
+        self._explicit = {k for k, v in (("stripes", stripes), ("queue_depth", queue_depth),
+                                         ("chunk_bytes", chunk_bytes)) if v is not None}
+        stripes = DEFAULT_STRIPES if stripes is None else stripes
+        queue_depth = DEFAULT_QUEUE_DEPTH if queue_depth is None else queue_depth
+        chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if stripes < 1:
             raise ValueError("stripes must be >= 1")
         if queue_depth < 1:
@@ -171,6 +179,7 @@ class Writer:
         self.direct = direct
         self.copy_threads = copy_threads or _default_copy_threads()
         self._engine = _core.Engine(chunk_bytes, max_staging_bytes or 0)
+        self._engine_used = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -197,16 +206,33 @@ class Writer:
         """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
         must exist; nothing is committed). The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
+        settings = self._settings_for(directory)
         tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle)
-        files = plan_files(tensors, self.stripes, prefix=prefix, metadata=metadata)
+        files = plan_files(tensors, settings["stripes"], prefix=prefix, metadata=metadata)
         keepalive, segments, streams = _stage_sources(files)
         job = self._engine.start_save(
             [(os.path.join(directory, f.name), f.header, f.size) for f in files], segments, keepalive,
-            self.backend, self.queue_depth, self.copy_threads, self.direct, streams=streams)
+            self.backend, settings["queue_depth"], self.copy_threads, self.direct, streams=streams)
         if streams and self._engine.pin_error:
             _warn_unpinned(self._engine.pin_error)
-        stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files))
+        stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files),
+                          settings=settings)
         return StripeWrite(self, job, files, tree, aliases, metadata, stats, t0)
+
+    def _settings_for(self, directory: str) -> dict:
+        """Explicit settings, else a saved tuning for directory's file system, else defaults.
+        chunk_bytes sizes the staging pool, so a tuned one is taken only before the first save."""
+        from . import tuning
+        s = tuning.resolve(directory, {k: getattr(self, k) for k in self._explicit})
+        with self._lock:
+            if s["chunk_bytes"] != self.chunk_bytes:
+                if self._engine_used:
+                    s["chunk_bytes"], s["source"]["chunk_bytes"] = self.chunk_bytes, "pool (sized by the first save)"
+                else:
+                    self._engine = _core.Engine(s["chunk_bytes"], self._engine.max_staging_bytes)
+                    self.chunk_bytes = s["chunk_bytes"]
+            self._engine_used = True
+        return s
 
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, overwrite: bool = False, block: bool = True,
                    allow_pickle: bool = False, metadata: dict[str, str] | None = None, process_group: Any = None,
@@ -377,7 +403,8 @@ _WRITER_OPTIONS = ("stripes", "queue_depth", "chunk_bytes", "backend", "direct",
 
 def default_writer(**options: Any) -> Writer:
     """The shared Writer for these options (one staging pool per distinct configuration;
-    options spelled out at their default values name the same writer as no options)."""
+    backend/direct/... spelled out at their default values name the same writer as no options;
+    stripes/queue_depth/chunk_bytes given explicitly do not, since they override a saved tuning)."""
     defaults = inspect.signature(Writer.__init__).parameters
     effective = {k: p.default for k, p in defaults.items() if k != "self"}
     unknown = set(options) - set(effective)
