@@ -270,17 +270,18 @@ class TorchSource(Source):
         fd = _open_regular(path)
         os.close(fd)
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle, mmap=True)
-        except RuntimeError:
-            obj = None
-        if obj is None:
-            try:
+            try:  # zip files (torch.save since 1.6) map their storages: nothing is read until converted
+                obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e) and "zip" not in str(e):
+                    raise
                 obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
-            except pickle.UnpicklingError as e:
-                raise UnsafeCheckpointError(f"{path}: refused to unpickle (pass --allow-pickle only for files you "
-                                            f"trust): {str(e).splitlines()[0][:300]}") from None
-            except (RuntimeError, EOFError, ValueError, OSError, AttributeError, ImportError) as e:
-                raise CorruptCheckpointError(f"{path}: not a readable torch.save file: {str(e)[:300]}") from None
+        except pickle.UnpicklingError as e:
+            why = next((ln for ln in str(e).splitlines() if "GLOBAL" in ln), str(e).splitlines()[0] if str(e) else "")
+            raise UnsafeCheckpointError(f"{path}: refused to unpickle (pass --allow-pickle only for files you "
+                                        f"trust): {why.strip()[:300]}") from None
+        except (RuntimeError, EOFError, ValueError, OSError, AttributeError, ImportError, KeyError) as e:
+            raise CorruptCheckpointError(f"{path}: not a readable torch.save file: {str(e)[:300]}") from None
         tree, flat, aliases = flatten(obj, allow_pickle=allow_pickle)
         self._tensors = {ft.key: ft.tensor for ft in flat}
         items = [Item(ft.key, ft.tensor.dtype, tuple(ft.tensor.shape)) for ft in flat]
@@ -325,9 +326,9 @@ def read_dcp_metadata(path: str) -> Any:
 
 class DCPSource(Source):
     """A directory written by torch.distributed.checkpoint's FileSystemWriter. Tensors
-    are read in batches of about BATCH bytes through DCP's own reader (which loads
+    are read in batches of about BATCH bytes (a larger tensor alone) through DCP's own reader (which loads
     them with weights_only=True); non-tensor items are pickles and need allow_pickle."""
-    BATCH = 256 << 20
+    BATCH = 64 << 20
 
     def __init__(self, path: str, allow_pickle: bool):
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -349,6 +350,8 @@ class DCPSource(Source):
         self.allow_pickle = allow_pickle
         self._cache: dict[str, torch.Tensor] = {}
         self._order = [i.key for i in items]
+        self._pos = {k: n for n, k in enumerate(self._order)}
+        self._items = {i.key: i for i in items}
         side = os.path.join(path, SIDECAR)
         if os.path.exists(side):
             from .ls import read_json_small
@@ -385,8 +388,8 @@ class DCPSource(Source):
         if item.key not in self._cache:
             self._cache.clear()
             batch, size = {}, 0
-            for k in self._order[self._order.index(item.key):]:
-                it = next(i for i in self.items if i.key == k) if k != item.key else item
+            for k in self._order[self._pos[item.key]:]:
+                it = self._items[k]
                 if batch and size + it.nbytes > self.BATCH:
                     break
                 batch[k] = torch.empty(it.shape, dtype=it.dtype)
