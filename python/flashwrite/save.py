@@ -401,7 +401,7 @@ _default_lock = threading.Lock()
 _WRITER_OPTIONS = ("stripes", "queue_depth", "chunk_bytes", "backend", "direct", "max_staging_bytes", "copy_threads")
 
 
-def default_writer(**options: Any) -> Writer:
+def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Writer:
     """The shared Writer for these options (one staging pool per distinct configuration;
     backend/direct/... spelled out at their default values name the same writer as no options;
     stripes/queue_depth/chunk_bytes given explicitly do not, since they override a saved tuning)."""
@@ -411,6 +411,11 @@ def default_writer(**options: Any) -> Writer:
     if unknown:
         raise TypeError(f"unknown Writer options: {sorted(unknown)}")
     effective.update(options)
+    if path is not None and options.get("chunk_bytes") is None:
+        # A tuned chunk size sizes the pool: one shared writer per chunk size, so a save to
+        # another file system is not bound to the first one's tuning.
+        from . import tuning
+        effective["tuned_chunk"] = tuning.resolve(os.fspath(path), {})["chunk_bytes"]
     key = tuple(sorted(effective.items()))
     with _default_lock:
         w = _default_writers.get(key)
@@ -433,7 +438,7 @@ def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> Save
     multi-rank save).
     """
     wopts, sopts = _split_options(dict(options))
-    return default_writer(**wopts).save_async(state_dict, path, **sopts)
+    return default_writer(path, **wopts).save_async(state_dict, path, **sopts)
 
 
 def save(state_dict: Any, path: str | os.PathLike, **options: Any) -> SaveStats:
