@@ -261,3 +261,17 @@ def test_streaming_keeps_peak_rss_well_under_the_checkpoint(tmp_path, kind):
     # The import of torch is the baseline; the conversion may add a bounded buffer, not the checkpoint.
     assert peak - base < total / 2, (peak - base, total)
     assert fw.verify(tmp_path / "fw")["bytes"] >= total
+
+
+def test_unwritable_destination_is_a_message(capsys, tmp_path, monkeypatch):
+    src = save(str(tmp_path / "src"))
+    real_mkdir = os.mkdir
+
+    def deny(path, *a, **k):
+        if "flashwrite-tmp" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", deny)
+    rc, _, err = run(capsys, "convert", src, tmp_path / "out", "--to", "flashwrite")
+    assert rc == 1 and "Permission denied" in err and not os.path.exists(tmp_path / "out")

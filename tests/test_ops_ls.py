@@ -94,3 +94,12 @@ def test_ls_empty_and_usage(capsys, tmp_path):
     rc, out, _ = run(capsys, "ls", tmp_path)
     assert rc == 0 and "no checkpoints" in out
     assert run(capsys, "ls")[0] == 2
+
+
+def test_ls_permission_error_is_a_message_even_as_root(capsys, root, monkeypatch):
+    def deny(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "scandir", deny)
+    rc, _, err = run(capsys, "ls", root)
+    assert rc == 1 and "Permission denied" in err

@@ -93,7 +93,7 @@ class Tuner:
                 return r
         first = chunk not in self._writers
         need = (2 if first else 1) * self.est_s
-        if time.monotonic() + need > self.deadline:
+        if self.rows and time.monotonic() + need > self.deadline:  # the first trial always runs: a result needs one
             self.skipped.append(f"stripes={stripes} queue_depth={qd} chunk={chunk >> 20}MiB")
             return None
         if first:
