@@ -3,8 +3,6 @@ running the ``flashwrite`` command in-process with its exit code and output."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 import flashwrite as fw
@@ -36,7 +34,3 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err, out + err
     return rc, out, err
-
-
-def root_or_skip() -> bool:
-    return os.geteuid() == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashwrite as fw
-from ops_helpers import run, save, state
+from ops_helpers import run, save
 
 st = pytest.importorskip("safetensors.torch")
 

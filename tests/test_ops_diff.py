@@ -1,7 +1,6 @@
 import json
 import os
 
-import pytest
 import torch
 
 from ops_helpers import run, save, state

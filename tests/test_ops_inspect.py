@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from ops_helpers import run, save, state
+from ops_helpers import run, save
 
 
 @pytest.fixture

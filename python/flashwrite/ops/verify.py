@@ -24,8 +24,7 @@ def verify(path: str, progress: Any = None) -> dict:
         for fi, fe in enumerate(m.files):
             keys = by_file.get(fi)
             if keys:
-                res = read_tensors(path, verify=True, keys=keys)
-                del res
+                read_tensors(path, verify=True, keys=keys)  # raises on any mismatch; buffers freed at once
             if progress is not None:
                 progress.advance(fe.size)
     finally:
