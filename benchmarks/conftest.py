@@ -80,6 +80,22 @@ def paths(bench_dir):
 
 
 @pytest.fixture(scope="session")
+def device_limit(bench_dir):
+    """device_limit(nbytes): the device's own write and read time for nbytes (fio's clock +
+    fsync, else the in-tree probe), measured once per size per session and *not* timed by
+    pytest-benchmark: fio's start-up is not the device's time. The save and load rows put
+    it in their extra_info (device_write_s / device_read_s), where summarize.py reads it."""
+    from flashwrite.bench.devicelimit import device_limit as measure
+    cache: dict[int, dict] = {}
+
+    def get(n: int) -> dict:
+        if n not in cache:
+            cache[n] = measure(bench_dir, n)
+        return cache[n]
+    return get
+
+
+@pytest.fixture(scope="session")
 def cold():
     """Call before a measured round: write back dirty pages (so nobody's old writes
     land in this round) and drop the page cache where permitted."""

@@ -1,21 +1,19 @@
 """Cold load benchmarks: page cache dropped before every round (where permitted),
 time until every tensor is in memory and verified; several sizes, both I/O
 backends, and sweeps of the read queue depth and of the stripes the checkpoint
-was written with. The device's own read time of the same bytes is benchmarked
-alongside.
+was written with. The device's own read time of the same bytes (fio's clock) is
+measured once per size, untimed, and kept in each row's extra_info as device_read_s.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import statistics
 
 import pytest
 from _params import BACKENDS, ROUNDS, SIZES, SWEEP_SIZE, size_id
 
 import flashwrite as fw
-from flashwrite.bench import devicelimit
 from flashwrite.bench.state import state_bytes
 
 _saved: dict[tuple, str] = {}
@@ -37,7 +35,9 @@ def saved(bench_dir, state_of):
     _saved.clear()
 
 
-def bench_load(benchmark, path, cold, nbytes, **options):
+def bench_load(benchmark, path, cold, nbytes, device_limit, **options):
+    limit = device_limit(nbytes)  # untimed; see conftest.device_limit
+
     def setup():
         cold()
         return (), {}
@@ -46,42 +46,30 @@ def bench_load(benchmark, path, cold, nbytes, **options):
         fw.load(path, **options)
 
     benchmark.pedantic(run, setup=setup, rounds=ROUNDS, warmup_rounds=1)
-    benchmark.extra_info.update(bytes=nbytes)
+    benchmark.extra_info.update(bytes=nbytes, device_read_s=limit["read_s"], device_tool=limit["tool"])
 
 
 @pytest.mark.benchmark(group="load: size x backend (cold)")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("size", SIZES, ids=size_id)
-def test_load(benchmark, state_of, saved, cold, size, backend):
-    bench_load(benchmark, saved(size), cold, state_bytes(state_of(size)), backend=backend)
-
-
-@pytest.mark.benchmark(group="load: device limit (fio or probe, cold read)")
-@pytest.mark.parametrize("size", sorted(set(SIZES + [SWEEP_SIZE])), ids=size_id)
-def test_device_read(benchmark, bench_dir, state_of, size):
-    n = state_bytes(state_of(size))
-    seconds = []
-
-    def run():
-        seconds.append(devicelimit.device_limit(bench_dir, n)["read_s"])
-
-    benchmark.pedantic(run, rounds=ROUNDS)
-    benchmark.extra_info.update(bytes=n, seconds_median=statistics.median(seconds))
+def test_load(benchmark, state_of, saved, cold, device_limit, size, backend):
+    bench_load(benchmark, saved(size), cold, state_bytes(state_of(size)), device_limit, backend=backend)
 
 
 @pytest.mark.benchmark(group="load sweep: queue_depth (cold)")
 @pytest.mark.parametrize("queue_depth", [4, 8, 16, 32, 64])
-def test_sweep_load_queue_depth(benchmark, state_of, saved, cold, queue_depth):
-    bench_load(benchmark, saved(SWEEP_SIZE), cold, state_bytes(state_of(SWEEP_SIZE)), queue_depth=queue_depth)
+def test_sweep_load_queue_depth(benchmark, state_of, saved, cold, device_limit, queue_depth):
+    bench_load(benchmark, saved(SWEEP_SIZE), cold, state_bytes(state_of(SWEEP_SIZE)), device_limit,
+               queue_depth=queue_depth)
 
 
 @pytest.mark.benchmark(group="load sweep: stripes written (cold)")
 @pytest.mark.parametrize("stripes", [1, 2, 4, 8])
-def test_sweep_load_stripes(benchmark, state_of, saved, cold, stripes):
-    bench_load(benchmark, saved(SWEEP_SIZE, stripes), cold, state_bytes(state_of(SWEEP_SIZE)))
+def test_sweep_load_stripes(benchmark, state_of, saved, cold, device_limit, stripes):
+    bench_load(benchmark, saved(SWEEP_SIZE, stripes), cold, state_bytes(state_of(SWEEP_SIZE)), device_limit)
 
 
 @pytest.mark.benchmark(group="load sweep: verify (cold)")
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
-def test_sweep_load_verify(benchmark, state_of, saved, cold, verify):
-    bench_load(benchmark, saved(SWEEP_SIZE), cold, state_bytes(state_of(SWEEP_SIZE)), verify=verify)
+def test_sweep_load_verify(benchmark, state_of, saved, cold, device_limit, verify):
+    bench_load(benchmark, saved(SWEEP_SIZE), cold, state_bytes(state_of(SWEEP_SIZE)), device_limit, verify=verify)

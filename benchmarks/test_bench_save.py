@@ -3,7 +3,9 @@ kept in extra_info), for several sizes and both I/O backends, and sweeps of one
 Writer setting at a time around the defaults in flashwrite/save.py.
 
 Every Writer does one warm-up save first (its staging pool is allocated then);
-the measured rounds are the steady state of a training run.
+the measured rounds are the steady state of a training run. Every timed row is a
+flashwrite save; the device limit for the same bytes (fio's own clock + fsync) is
+measured once per size, untimed, and kept in each row's extra_info as device_write_s.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from _params import BACKENDS, ROUNDS, SIZES, SWEEP_SIZE, size_id
 
 import flashwrite as fw
 from flashwrite.save import DEFAULT_CHUNK_BYTES, DEFAULT_STRIPES
-from flashwrite.bench import devicelimit
 from flashwrite.bench.state import state_bytes
 
 MiB = 1 << 20
 
 
-def bench_save(benchmark, state, paths, cold, **writer_options):
+def bench_save(benchmark, state, paths, cold, device_limit, **writer_options):
+    limit = device_limit(state_bytes(state))  # before, untimed, so fio's I/O does not overlap a round
     w = fw.Writer(**writer_options)
     stalls, backends = [], set()
 
@@ -41,58 +43,45 @@ def bench_save(benchmark, state, paths, cold, **writer_options):
         w.close()
     benchmark.extra_info.update(bytes=state_bytes(state), stall_median_s=statistics.median(stalls[1:]),
                                 first_stall_s=stalls[0], backend=", ".join(sorted(backends)),
-                                writer=repr(w))
+                                writer=repr(w), device_write_s=limit["write_s"], device_tool=limit["tool"])
 
 
 @pytest.mark.benchmark(group="save: size x backend")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("size", SIZES, ids=size_id)
-def test_save(benchmark, state_of, paths, cold, size, backend):
-    bench_save(benchmark, state_of(size), paths, cold, backend=backend)
-
-
-@pytest.mark.benchmark(group="save: device limit (fio or probe, write + fsync)")
-@pytest.mark.parametrize("size", sorted(set(SIZES + [SWEEP_SIZE])), ids=size_id)
-def test_device_write(benchmark, bench_dir, state_of, size):
-    n = state_bytes(state_of(size))
-    seconds = []
-
-    def run():
-        seconds.append(devicelimit.device_limit(bench_dir, n)["write_s"])
-
-    benchmark.pedantic(run, rounds=ROUNDS)
-    # fio's start-up is not the device's time: the summary uses this instead of the wall clock.
-    benchmark.extra_info.update(bytes=n, seconds_median=statistics.median(seconds))
+def test_save(benchmark, state_of, paths, cold, device_limit, size, backend):
+    bench_save(benchmark, state_of(size), paths, cold, device_limit, backend=backend)
 
 
 @pytest.mark.benchmark(group="save sweep: stripes")
 @pytest.mark.parametrize("stripes", [1, 2, 4, 8, 16])
-def test_sweep_stripes(benchmark, state_of, paths, cold, stripes):
-    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, stripes=stripes)
+def test_sweep_stripes(benchmark, state_of, paths, cold, device_limit, stripes):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, device_limit, stripes=stripes)
 
 
 @pytest.mark.benchmark(group="save sweep: chunk_bytes")
 @pytest.mark.parametrize("chunk_mib", [1, 2, 4, 8, 16, 32])
-def test_sweep_chunk_bytes(benchmark, state_of, paths, cold, chunk_mib):
-    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, chunk_bytes=chunk_mib * MiB)
+def test_sweep_chunk_bytes(benchmark, state_of, paths, cold, device_limit, chunk_mib):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, device_limit, chunk_bytes=chunk_mib * MiB)
 
 
 @pytest.mark.benchmark(group="save sweep: queue_depth")
 @pytest.mark.parametrize("queue_depth", [2, 4, 8, 16, 32, 64])
-def test_sweep_queue_depth(benchmark, state_of, paths, cold, queue_depth):
-    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, queue_depth=queue_depth)
+def test_sweep_queue_depth(benchmark, state_of, paths, cold, device_limit, queue_depth):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, device_limit, queue_depth=queue_depth)
 
 
 @pytest.mark.benchmark(group="save sweep: queue_depth, threads backend")
 @pytest.mark.parametrize("queue_depth", [4, 8, 16, 32])
-def test_sweep_queue_depth_threads(benchmark, state_of, paths, cold, queue_depth):
-    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, queue_depth=queue_depth, backend="threads")
+def test_sweep_queue_depth_threads(benchmark, state_of, paths, cold, device_limit, queue_depth):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, device_limit, queue_depth=queue_depth,
+               backend="threads")
 
 
 @pytest.mark.benchmark(group="save sweep: copy_threads")
 @pytest.mark.parametrize("copy_threads", [1, 2, 4, 8])
-def test_sweep_copy_threads(benchmark, state_of, paths, cold, copy_threads):
-    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, copy_threads=copy_threads)
+def test_sweep_copy_threads(benchmark, state_of, paths, cold, device_limit, copy_threads):
+    bench_save(benchmark, state_of(SWEEP_SIZE), paths, cold, device_limit, copy_threads=copy_threads)
 
 
 def test_defaults_are_what_the_sweeps_vary_around():

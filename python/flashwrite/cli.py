@@ -1,4 +1,4 @@
-"""The ``flashwrite`` command: demo, bench, overhead, verify, info."""
+"""The ``flashwrite`` command: demo, bench, overhead, verify, info; ls, inspect, diff, convert, tune (ops/)."""
 
 from __future__ import annotations
 
@@ -55,10 +55,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     fw_opts = json.loads(a.flashwrite_options) if a.flashwrite_options else None
-    res = runner.compare(a.size, contenders, a.dir, rounds=a.rounds,
-                         isolation="inprocess" if a.inprocess else "subprocess", load=not a.no_load,
-                         device_tool=a.device_tool, dcp_threads=a.dcp_threads, drop_caches=not a.no_drop_caches,
-                         flashwrite_options=fw_opts, log=_log(a.quiet))
+    from .ops.progress import Progress, step_logger
+    bar = Progress(quiet=a.quiet, force_plain=a.plain)
+    log = step_logger(bar, a.rounds * (2 + len(contenders)), a.size, "bench") if not a.quiet else _log(True)
+    try:
+        res = runner.compare(a.size, contenders, a.dir, rounds=a.rounds,
+                             isolation="inprocess" if a.inprocess else "subprocess", load=not a.no_load,
+                             device_tool=a.device_tool, dcp_threads=a.dcp_threads, drop_caches=not a.no_drop_caches,
+                             flashwrite_options=fw_opts, log=log)
+    finally:
+        bar.finish()
     out = {"comparison": res}
     report.print_table(res, plain=a.plain)
     if a.markdown:
@@ -95,13 +101,16 @@ def cmd_overhead(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from . import verify
     from .errors import FlashwriteError
+    from .ops.ls import record_verified
+    from .ops.progress import Progress
+    from .ops.verify import verify
     try:
-        summary = verify(a.path)
-    except (FlashwriteError, OSError) as e:
+        summary = verify(a.path, Progress(quiet=a.json or a.quiet))
+    except (FlashwriteError, OSError, ValueError) as e:
         print(f"{a.path}: FAILED: {e}", file=sys.stderr)
         return 1
+    record_verified(a.path)  # for `flashwrite ls`; best effort (read-only checkpoints stay unmarked)
     if a.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -184,12 +193,16 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check a checkpoint offline: manifest, sizes, headers, every checksum")
     v.add_argument("path")
     v.add_argument("--json", action="store_true")
+    v.add_argument("--quiet", "-q", action="store_true", help="no progress")
     v.set_defaults(func=cmd_verify)
 
     i = sub.add_parser("info", help="which I/O backend, O_DIRECT and CUDA flashwrite will use here")
     i.add_argument("dir", nargs="?", default=".", help="directory to probe O_DIRECT in (default: current)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
+
+    from .ops.cli import register
+    register(sub, _size)
     return p
 
 

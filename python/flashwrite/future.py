@@ -33,6 +33,7 @@ class SaveStats:
     files_buffered: int = 0         # stripes that fell back to buffered I/O + fsync
     pool_bytes: int = 0
     pinned: bool = False
+    settings: dict = field(default_factory=dict)  # stripes/queue_depth/chunk_bytes used, and where each came from
     extra: dict = field(default_factory=dict)
 
     @property

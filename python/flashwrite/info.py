@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from . import _core
+from . import tuning as _tuning
 
 
 def backend_info(path: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -27,4 +28,6 @@ def backend_info(path: str | os.PathLike | None = None) -> dict[str, Any]:
         "direct_io": _core.probe_direct(directory),
         "checksum": _core.CHECKSUM_ALGORITHM,
         "cuda": _core.cuda_info(),
+        # What Writer() would use here: a tuning saved for this file system, else the defaults.
+        "settings": _tuning.resolve(directory, {}),
     }

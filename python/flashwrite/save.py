@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import _core, commit, defaults, distributed
+from . import _core, commit, defaults, distributed, tuning
 from . import write as _write
 from .format import build_index
 from .future import SaveFuture, SaveStats
@@ -46,9 +46,16 @@ class Writer:
     caller waits for part of the write. copy_threads: parallel memcpy threads.
     """
 
-    def __init__(self, stripes: int = DEFAULT_STRIPES, queue_depth: int = DEFAULT_QUEUE_DEPTH,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, backend: str = "auto", direct: bool = True,
+    def __init__(self, stripes: int | None = None, queue_depth: int | None = None,
+                 chunk_bytes: int | None = None, backend: str = "auto", direct: bool = True,
                  max_staging_bytes: int | None = None, copy_threads: int | None = None):
+        # Settings not given here come, per save, from a tuning saved for the target's
+        # file system (`flashwrite tune --save`), else from defaults.py.
+        self._explicit = {k for k, v in (("stripes", stripes), ("queue_depth", queue_depth),
+                                         ("chunk_bytes", chunk_bytes)) if v is not None}
+        stripes = DEFAULT_STRIPES if stripes is None else stripes
+        queue_depth = DEFAULT_QUEUE_DEPTH if queue_depth is None else queue_depth
+        chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if stripes < 1:
             raise ValueError("stripes must be >= 1")
         if queue_depth < 1:
@@ -67,6 +74,7 @@ class Writer:
         self.direct = direct
         self.copy_threads = copy_threads or _default_copy_threads()
         self._engine = _core.Engine(chunk_bytes, max_staging_bytes or 0)
+        self._engine_used = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -93,9 +101,26 @@ class Writer:
         """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
         must exist; nothing is committed). The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
-        return _write.start(self._engine, state_dict, directory, t0, stripes=self.stripes, backend=self.backend,
-                            queue_depth=self.queue_depth, copy_threads=self.copy_threads, direct=self.direct,
-                            prefix=prefix, allow_pickle=allow_pickle, metadata=metadata)
+        settings = self._settings_for(directory)
+        sw = _write.start(self._engine, state_dict, directory, t0, stripes=settings["stripes"], backend=self.backend,
+                          queue_depth=settings["queue_depth"], copy_threads=self.copy_threads, direct=self.direct,
+                          prefix=prefix, allow_pickle=allow_pickle, metadata=metadata)
+        sw.stats.settings = settings
+        return sw
+
+    def _settings_for(self, directory: str) -> dict:
+        """Explicit settings, else a saved tuning for directory's file system, else defaults.
+        chunk_bytes sizes the staging pool, so a tuned one is taken only before the first save."""
+        s = tuning.resolve(directory, {k: getattr(self, k) for k in self._explicit})
+        with self._lock:
+            if s["chunk_bytes"] != self.chunk_bytes:
+                if self._engine_used:
+                    s["chunk_bytes"], s["source"]["chunk_bytes"] = self.chunk_bytes, "pool (sized by the first save)"
+                else:
+                    self._engine = _core.Engine(s["chunk_bytes"], self._engine.max_staging_bytes)
+                    self.chunk_bytes = s["chunk_bytes"]
+            self._engine_used = True
+        return s
 
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, overwrite: bool = False, block: bool = True,
                    allow_pickle: bool = False, metadata: dict[str, str] | None = None, process_group: Any = None,
@@ -175,15 +200,21 @@ _default_lock = threading.Lock()
 _WRITER_OPTIONS = ("stripes", "queue_depth", "chunk_bytes", "backend", "direct", "max_staging_bytes", "copy_threads")
 
 
-def default_writer(**options: Any) -> Writer:
+def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Writer:
     """The shared Writer for these options (one staging pool per distinct configuration;
-    options spelled out at their default values name the same writer as no options)."""
+    backend/direct/... spelled out at their default values name the same writer as no options;
+    stripes/queue_depth/chunk_bytes given explicitly do not, since they override a saved tuning)."""
     defaults = inspect.signature(Writer.__init__).parameters
     effective = {k: p.default for k, p in defaults.items() if k != "self"}
     unknown = set(options) - set(effective)
     if unknown:
         raise TypeError(f"unknown Writer options: {sorted(unknown)}")
     effective.update(options)
+    if path is not None and options.get("chunk_bytes") is None:
+        # A tuned chunk size sizes the pool: one shared writer per chunk size, so a save to
+        # another file system is not bound to the first one's tuning.
+        from . import tuning
+        effective["tuned_chunk"] = tuning.resolve(os.fspath(path), {})["chunk_bytes"]
     key = tuple(sorted(effective.items()))
     with _default_lock:
         w = _default_writers.get(key)
@@ -206,7 +237,7 @@ def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> Save
     multi-rank save).
     """
     wopts, sopts = _split_options(dict(options))
-    return default_writer(**wopts).save_async(state_dict, path, **sopts)
+    return default_writer(path, **wopts).save_async(state_dict, path, **sopts)
 
 
 def save(state_dict: Any, path: str | os.PathLike, **options: Any) -> SaveStats:

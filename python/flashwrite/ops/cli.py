@@ -1,0 +1,210 @@
+"""The operator subcommands of ``flashwrite``: ls, inspect, diff, convert, tune.
+
+``register`` adds them to the main parser; each ``cmd_*`` calls its module and
+renders the result as a table, or as JSON with ``--json``. Exit codes: 0 ok,
+1 a problem (damaged input, missing path, differences for ``diff``), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from .common import OK, PROBLEM, Problem, fmt_bytes, guarded, print_json, print_table
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _progress(a: argparse.Namespace) -> Any:
+    from .progress import Progress
+    return Progress(quiet=getattr(a, "quiet", False) or getattr(a, "json", False), force_plain=getattr(a, "plain", False))
+
+
+@guarded
+def cmd_ls(a: argparse.Namespace) -> int:
+    from .ls import list_checkpoints, to_json
+    entries = list_checkpoints(a.root, recursive=a.recursive)
+    if a.json:
+        print_json(to_json(entries))
+    elif not entries:
+        print(f"no checkpoints in {a.root}")
+    else:
+        print_table(["step", "status", "size", "tensors", "created", "verified", "path"],
+                    [[e.step, e.status, fmt_bytes(e.bytes), e.tensors, _when(e.created_unix), e.verified, e.path]
+                     for e in entries], right=(0, 2, 3))
+        for e in entries:
+            if e.problem:
+                print(f"  {e.name}: {e.status}: {e.problem}", file=sys.stderr)
+    return PROBLEM if any(e.status == "damaged" for e in entries) else OK
+
+
+@guarded
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from .inspect import inspect
+    r = inspect(a.ckpt, a.tensors)
+    if a.json:
+        print_json(r)
+        return OK
+    t = r["totals"]
+    s = r["settings"]
+    print(f"{r['path']}\n  format version {r['format_version']}, written by flashwrite {r['writer_version']} "
+          f"on {_when(r['created_unix'])}\n  {t['tensors']} tensors, {fmt_bytes(t['bytes'])} of tensor data in "
+          f"{s['stripes']} stripe(s) ({fmt_bytes(t['file_bytes'])} on disk), chunk {fmt_bytes(s['chunk_bytes'])}, "
+          f"{r['checksum']['algorithm']} checksums" + (f", {s['world_size']} ranks" if s["world_size"] != 1 else ""))
+    if r["metadata"]:
+        print("  metadata: " + ", ".join(f"{k}={v}" for k, v in r["metadata"].items()))
+    print()
+    print_table(["key", "dtype", "shape", "bytes", "stripe"],
+                [[x["key"], x["dtype"], "x".join(map(str, x["shape"])) or "()", fmt_bytes(x["bytes"]), x["file"]]
+                 for x in r["tensors"]], right=(3,))
+    for alias, canon in r["aliases"].items():
+        print(f"{alias} -> {canon} (same storage)")
+    print()
+    print_table(["top-level key", "tensors", "bytes"],
+                [[k, v["tensors"], fmt_bytes(v["bytes"])] for k, v in r["by_top_level"].items()], right=(1, 2))
+    print()
+    print_table(["dtype", "tensors", "bytes"],
+                [[k, v["tensors"], fmt_bytes(v["bytes"])] for k, v in r["by_dtype"].items()], right=(1, 2))
+    if r["leaves"]:
+        print()
+        print_table(["leaf", "value"], [[k, repr(v)[:80]] for k, v in r["leaves"].items()])
+    if a.tensors and not r["tensors"] and not r["leaves"]:
+        print(f"nothing matches {a.tensors!r}", file=sys.stderr)
+        return PROBLEM
+    return OK
+
+
+@guarded
+def cmd_diff(a: argparse.Namespace) -> int:
+    from .diff import diff
+    r = diff(a.a, a.b, deep=a.deep, pattern=a.tensors, progress=None if a.json else _progress(a))
+    if a.json:
+        print_json(r)
+        return OK if r["identical"] else PROBLEM
+    rows = [[k, "added", ""] for k in r["added"]] + [[k, "removed", ""] for k in r["removed"]]
+    rows += [[c["key"], "dtype/shape", f"{c['a']['dtype']} {c['a']['shape']} -> {c['b']['dtype']} {c['b']['shape']}"]
+             for c in r["changed_meta"]]
+    rows += [[k, "content", "bytes differ" if a.deep else "checksums differ"] for k in r["changed_content"]]
+    rows += [[k, "unknown", "laid out differently; --deep compares the bytes"] for k in r["unknown"]]
+    rows += [[x["path"], f"leaf {x['change']}", f"{x['a']!r} -> {x['b']!r}"[:100]] for x in r["leaves"]]
+    if rows:
+        print_table(["key", "change", "detail"], rows)
+    how = "bytes compared" if a.deep else "compared by stored checksums, no data read"
+    print(f"{'identical' if r['identical'] else 'different'}: {r['same']} tensors the same, "
+          f"{len(r['changed_content'])} changed in content, {len(r['changed_meta'])} in dtype/shape, "
+          f"{len(r['added'])} added, {len(r['removed'])} removed, {len(r['leaves'])} leaves differ ({how})")
+    return OK if r["identical"] else PROBLEM
+
+
+@guarded
+def cmd_convert(a: argparse.Namespace) -> int:
+    from .convert import convert
+    r = convert(a.src, a.dst, src_format=a.src_format, dst_format=a.dst_format, allow_pickle=a.allow_pickle,
+                stripes=a.stripes, shards=a.shards, overwrite=a.overwrite, progress=_progress(a))
+    if a.json:
+        print_json(r)
+    else:
+        print(f"{r['source']} ({r['from']}) -> {r['destination']} ({r['to']}): {r['tensors']} tensors, "
+              f"{fmt_bytes(r['bytes'])}")
+    return OK
+
+
+def _print_tune(r: dict) -> None:
+    fs = r["filesystem"]
+    lim = r["device_limit"]
+    print(f"{r['directory']} on {fs['source']} ({fs['fstype']}, mounted at {fs['mount_point']}), "
+          f"{fmt_bytes(r['bytes_per_trial'])} per trial, {r['elapsed_s']:.0f} s of a {r['budget_s']:.0f} s budget")
+    if lim.get("write_gbps"):
+        rd = f", read {lim['read_gbps']:.2f} GB/s" if lim.get("read_gbps") else ""
+        print(f"device limit: write {lim['write_gbps']:.2f} GB/s{rd} ({lim['tool']})")
+    else:
+        print(f"device limit: {lim.get('tool')}")
+    print()
+    best = r.get("recommended") or {}
+    print_table(["stripes", "queue depth", "chunk", "GB/s", "of limit", "durable s", ""],
+                [[x["stripes"], x["queue_depth"], fmt_bytes(x["chunk_bytes"]),
+                  f"{x['gbps']:.2f}" if x["gbps"] else "-",
+                  f"{x['of_limit']:.2f}" if x.get("of_limit") else "-", f"{x['seconds']:.2f}",
+                  "<- recommended" if {k: x[k] for k in ("stripes", "queue_depth", "chunk_bytes")} == best else ""]
+                 for x in r["trials"]], right=(0, 1, 2, 3, 4, 5))
+    if r["skipped"]:
+        print(f"\nskipped (budget): {', '.join(r['skipped'])}")
+    if best:
+        print(f"\nrecommended: stripes={best['stripes']} queue_depth={best['queue_depth']} "
+              f"chunk_bytes={best['chunk_bytes']} ({r['recommended_gbps']:.2f} GB/s)")
+
+
+@guarded
+def cmd_tune(a: argparse.Namespace) -> int:
+    from .tune import tune
+    r = tune(a.dir, a.budget_s, _progress(a), device_tool=a.device_tool, size=a.size)
+    if not r.get("recommended"):
+        raise Problem("no trial finished within the budget; give a larger --budget-s")
+    if a.save:
+        from ..tuning import save_tuning, store_path
+        r["saved"] = save_tuning(a.dir, r["recommended"], {"gbps": r["recommended_gbps"]})
+        r["saved_to"] = store_path()
+    if a.json:
+        print_json(r)
+    else:
+        _print_tune(r)
+        if a.save:
+            print(f"saved for {r['saved']['source']} at {r['saved']['mount_point']} in {r['saved_to']}: "
+                  "Writer() and flashwrite.save use it there unless given explicit settings")
+    return OK
+
+
+def register(sub: Any, size_type: Any) -> None:
+    p = sub.add_parser("ls", help="list the checkpoints under a directory (manifests only, no data read)")
+    p.add_argument("root", help="a CheckpointManager root, any directory, or one checkpoint")
+    p.add_argument("-r", "--recursive", action="store_true", help="also look in subdirectories")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("inspect", help="keys, dtypes, shapes, totals, stripes and writer of a checkpoint")
+    p.add_argument("ckpt")
+    p.add_argument("--tensors", metavar="PATTERN", help="only keys matching: a glob (*.weight), a substring or "
+                                                        "prefix (model.layers.0), or re:REGEX")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("diff", help="tensors and leaves that differ between two checkpoints (by stored checksums)")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--deep", action="store_true", help="compare the bytes themselves (reads both checkpoints)")
+    p.add_argument("--tensors", metavar="PATTERN", help="only keys matching (as for inspect)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress")
+    p.set_defaults(func=cmd_diff)
+
+    from .sources import FORMATS
+    p = sub.add_parser("convert", help="between flashwrite, torch.save, safetensors, Hugging Face and DCP")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--from", dest="src_format", choices=FORMATS, help="source format (default: detected)")
+    p.add_argument("--to", dest="dst_format", choices=FORMATS,
+                   help="target format (default: from DST's extension, else flashwrite)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="unpickle arbitrary objects (torch.save files, DCP non-tensor items): runs code, only for "
+                        "files you trust")
+    p.add_argument("--stripes", type=int, help="stripes of a flashwrite target")
+    p.add_argument("--shards", type=int, help="shards of a Hugging Face target (default: one per 5 GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing target file or checkpoint")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("tune", help="measure the storage behind DIR and recommend stripes, queue depth, chunk")
+    p.add_argument("dir")
+    p.add_argument("--budget-s", type=float, default=120.0, help="time to spend (default 120)")
+    p.add_argument("--size", type=size_type, help="bytes per trial (default: sized to the budget)")
+    p.add_argument("--device-tool", choices=["auto", "fio", "probe"], default="auto")
+    p.add_argument("--save", action="store_true", help="store the recommendation for this file system")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress")
+    p.set_defaults(func=cmd_tune)

@@ -1,0 +1,73 @@
+"""Shared by the operator commands: exit codes, error reporting, tables, sizes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable, Sequence
+
+OK, PROBLEM, USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad arguments the parser could not catch (exit code 2)."""
+
+
+class Problem(Exception):
+    """The command ran but found something wrong (exit code 1)."""
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def guarded(fn: Callable[[Any], int]) -> Callable[[Any], int]:
+    """Run a command: expected failures become one line on stderr and an exit code.
+
+    Anything a damaged or hostile checkpoint, a missing path or a permission can
+    raise is reported, not dumped as a traceback.
+    """
+    from ..errors import FlashwriteError
+
+    def run(a: Any) -> int:
+        try:
+            return fn(a)
+        except UsageError as e:
+            print(f"flashwrite {a.command}: error: {e}", file=sys.stderr)
+            return USAGE
+        except (Problem, FlashwriteError, OSError, ValueError, KeyError, TypeError, RuntimeError,
+                RecursionError, UnicodeError) as e:
+            msg = str(e) or type(e).__name__
+            if isinstance(e, KeyError) and e.args:
+                msg = str(e.args[0])
+            print(f"flashwrite {a.command}: {msg}", file=sys.stderr)
+            return PROBLEM
+
+    run.__name__ = fn.__name__
+    run.__doc__ = fn.__doc__
+    return run
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, default=str, sort_keys=False))
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[int] = (),
+                file: Any = None) -> None:
+    """A plain aligned text table (stable for scripts that grep it, readable on a terminal)."""
+    out = file or sys.stdout
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    print(line(cells[0]), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for r in cells[1:]:
+        print(line(r), file=out)

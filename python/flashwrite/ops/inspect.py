@@ -1,0 +1,66 @@
+"""``flashwrite inspect CKPT``: what a checkpoint holds, from its manifest alone."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from typing import Any
+
+from ..format import Manifest, read_manifest
+from . import tree as _tree
+
+
+def _matcher(pattern: str | None):
+    if not pattern:
+        return lambda _k: True
+    if pattern.startswith("re:"):
+        rx = re.compile(pattern[3:])
+        return lambda k: rx.search(k) is not None
+    if not any(c in pattern for c in "*?["):
+        return lambda k: k == pattern or k.startswith(pattern + ".") or pattern in k
+    return lambda k: fnmatch.fnmatchcase(k, pattern)
+
+
+def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
+    """The manifest as a report: tensors (filtered by ``pattern``: a glob, a substring,
+    or ``re:REGEX``), totals by top-level key and dtype, leaves, stripes, writer."""
+    m: Manifest = read_manifest(path)
+    match = _matcher(pattern)
+    tensors = []
+    by_top: dict[str, list[int]] = {}
+    by_dtype: dict[str, list[int]] = {}
+    for k, e in m.tensors.items():
+        if not match(k):
+            continue
+        tensors.append({"key": k, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes,
+                        "file": m.files[e.file].name, "offset": e.offset, "device": e.device})
+        for table, name in ((by_top, k.split(".", 1)[0]), (by_dtype, e.dtype)):
+            row = table.setdefault(name, [0, 0])
+            row[0] += 1
+            row[1] += e.nbytes
+    aliases = {a: c for a, c in m.aliases.items() if match(a)}
+    leaves = {p: v for p, v in _tree.leaves(m.tree).items() if match(p)}
+    raw = m.raw
+    ranks = raw.get("ranks") if isinstance(raw.get("ranks"), dict) else None
+    return {
+        "path": os.path.abspath(path),
+        "format_version": raw.get("format_version"),
+        "writer_version": m.writer_version,
+        "created_unix": raw.get("created_unix") if isinstance(raw.get("created_unix"), (int, float)) else None,
+        "checksum": {"algorithm": raw["checksum"]["algorithm"], "block_bytes": m.block_bytes},
+        # What the manifest records of the writer's settings: the stripe count and its
+        # chunk size (the checksum block is the write chunk). Queue depth is not recorded.
+        "settings": {"stripes": len(m.files), "chunk_bytes": m.block_bytes,
+                     "world_size": ranks.get("world_size") if ranks else 1},
+        "metadata": m.metadata,
+        "stripes": [{"name": f.name, "bytes": f.size, "header_bytes": f.header_bytes} for f in m.files],
+        "totals": {"tensors": len(m.tensors), "bytes": sum(e.nbytes for e in m.tensors.values()),
+                   "file_bytes": sum(f.size for f in m.files), "aliases": len(m.aliases)},
+        "filter": pattern,
+        "by_top_level": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_top.items())},
+        "by_dtype": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_dtype.items())},
+        "tensors": tensors,
+        "aliases": aliases,
+        "leaves": leaves,
+    }

@@ -1,0 +1,162 @@
+"""``flashwrite ls ROOT``: every checkpoint under ROOT, from manifests only.
+
+Cost on NFS: one directory listing of ROOT and one open of each candidate's
+manifest (plus its small verification record when there is one). No stripe is
+opened or stat'ed: sizes, tensor counts and times come from the manifest, which
+is written last, so a directory with a manifest is a committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .. import _core, commit
+from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES
+
+VERIFIED_NAME = ".flashwrite-verified.json"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Entry:
+    path: str
+    name: str
+    status: str            # complete | incomplete | temporary | in-progress | damaged
+    step: int | None = None
+    bytes: int | None = None
+    tensors: int | None = None
+    created_unix: float | None = None
+    verified: str = "no"    # yes | no | stale (the manifest changed after the check)
+    verified_unix: float | None = None
+    writer_version: str | None = None
+    problem: str | None = None
+
+
+def read_json_small(path: str, limit: int = MAX_MANIFEST_BYTES) -> Any:
+    """A JSON file read as hostile: regular file only, bounded size, no hang on a FIFO.
+    Returns (parsed, raw bytes); raises FileNotFoundError / OSError / ValueError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{path} is larger than {limit} bytes")
+        data = fh.read(st.st_size + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    try:
+        return json.loads(data), data
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{os.path.basename(path)} is not valid JSON: {e}"[:200]) from None
+
+
+def manifest_digest(data: bytes) -> str:
+    return f"{_core.checksum(data):016x}"
+
+
+def record_verified(ckpt: str) -> bool:
+    """Note in the checkpoint that ``verify`` passed (for ``ls``). Best effort: a
+    read-only checkpoint simply stays "not verified". True when recorded."""
+    try:
+        _, data = read_json_small(os.path.join(ckpt, MANIFEST_NAME))
+        body = json.dumps({"verified_unix": time.time(), "manifest_xxh3": manifest_digest(data)}).encode()
+        tmp = os.path.join(ckpt, f"{VERIFIED_NAME}.{os.getpid()}")
+        with open(tmp, "wb") as fh:
+            fh.write(body)
+        os.replace(tmp, os.path.join(ckpt, VERIFIED_NAME))
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _verified(path: str, manifest_bytes: bytes) -> tuple[str, float | None]:
+    try:
+        rec, _ = read_json_small(os.path.join(path, VERIFIED_NAME), 1 << 16)
+    except (OSError, ValueError):
+        return "no", None
+    if not isinstance(rec, dict):
+        return "no", None
+    when = rec.get("verified_unix")
+    when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
+    return ("yes" if rec.get("manifest_xxh3") == manifest_digest(manifest_bytes) else "stale"), when
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def describe(path: str, name: str | None = None) -> Entry | None:
+    """The entry for one directory, or None when it is not a checkpoint at all."""
+    name = name or os.path.basename(os.path.normpath(path))
+    m = _STEP_RE.match(name)
+    step = int(m.group(1)) if m else None
+    if commit.is_temp_name(name):
+        from ..manager import _owner_alive
+        alive = commit.TMP_MARK in name and _owner_alive(name, path)
+        return Entry(path, name, "in-progress" if alive else "temporary", step,
+                     problem=None if alive else "left by a crashed save or deletion; CheckpointManager removes it")
+    try:
+        raw, data = read_json_small(os.path.join(path, MANIFEST_NAME))
+    except FileNotFoundError:
+        if step is not None:
+            return Entry(path, name, "incomplete", step, problem=f"no {MANIFEST_NAME}: not a whole checkpoint")
+        return None
+    except (OSError, ValueError) as e:
+        return Entry(path, name, "damaged", step, problem=str(e.strerror if isinstance(e, OSError) and e.strerror
+                                                              else e))
+    if not isinstance(raw, dict) or raw.get("format") != "flashwrite":
+        return Entry(path, name, "damaged", step, problem="manifest is not a flashwrite manifest")
+    e = Entry(path, name, "complete", step)
+    files, tensors = raw.get("files"), raw.get("tensors")
+    try:
+        e.bytes = sum(int(f["size"]) for f in files) if isinstance(files, list) else None
+    except (TypeError, KeyError, ValueError):
+        e.status, e.problem = "damaged", "manifest: bad file sizes"
+    e.tensors = len(tensors) if isinstance(tensors, dict) else None
+    if e.tensors is None:
+        e.status, e.problem = "damaged", "manifest: tensors must be an object"
+    e.created_unix = _num(raw.get("created_unix"))
+    wv = raw.get("writer_version")
+    e.writer_version = wv[:40] if isinstance(wv, str) else None
+    meta = raw.get("metadata")
+    if e.step is None and isinstance(meta, dict) and isinstance(meta.get("step"), str) and meta["step"].isdigit():
+        e.step = int(meta["step"])
+    e.verified, e.verified_unix = _verified(path, data)
+    return e
+
+
+def list_checkpoints(root: str, recursive: bool = False) -> list[Entry]:
+    """Checkpoints in ``root`` (ROOT itself when it is one, else its children;
+    with ``recursive``, every directory below that is not inside a checkpoint)."""
+    if not os.path.exists(root):
+        raise FileNotFoundError(2, "no such directory", root)
+    if not os.path.isdir(root):
+        raise NotADirectoryError(20, "not a directory", root)
+    here = describe(root)
+    if here is not None and here.status != "incomplete":
+        return [here]
+    out: list[Entry] = []
+    todo = [root]
+    while todo:
+        d = todo.pop()
+        with os.scandir(d) as it:
+            children = sorted((c for c in it if c.is_dir(follow_symlinks=False)), key=lambda c: c.name)
+        for c in children:
+            e = describe(c.path, c.name)
+            if e is not None:
+                out.append(e)
+            elif recursive:
+                todo.append(c.path)
+    out.sort(key=lambda e: (e.step is None, e.step if e.step is not None else 0, e.path))
+    return out
+
+
+def to_json(entries: list[Entry]) -> list[dict]:
+    return [asdict(e) for e in entries]
