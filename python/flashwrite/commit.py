@@ -180,7 +180,7 @@ def _boot_time() -> float | None:
     return None
 
 
-def _owner_alive(name: str, path: str) -> bool:
+def owner_alive(name: str, path: str) -> bool:
     """Whether the process that created temp dir ``name`` may still be writing it.
 
     The pid is in the name; a live process with that pid that started after the
@@ -228,7 +228,7 @@ def clean_stale(root: str) -> list[str]:
             if not e.is_dir(follow_symlinks=False):
                 os.unlink(e.path)
             elif temp.kind == "tmp":
-                if _owner_alive(e.name, e.path):
+                if owner_alive(e.name, e.path):
                     log.debug("leaving %s: its process is still alive", e.path)
                     continue
                 shutil.rmtree(e.path)
