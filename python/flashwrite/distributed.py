@@ -57,7 +57,7 @@ from . import commit
 from .errors import CorruptCheckpointError, FlashwriteError
 from .format import build_index, parse_manifest, read_manifest
 from .load import DEFAULT_READ_QUEUE_DEPTH, _load_into, read_tensors, tensor_placer
-from .flatten import unflatten
+from .flatten import referenced_keys, unflatten
 
 log = logging.getLogger("flashwrite")
 
@@ -376,24 +376,9 @@ def _rank_subtree(tree: Any, rank: int) -> Any:
     raise CorruptCheckpointError(f"manifest: no state for rank {rank}", file="flashwrite.json")
 
 
-def _tensor_keys(node: Any, out: set[str], depth: int = 0) -> set[str]:
-    if depth > 200:
-        raise CorruptCheckpointError("manifest tree: nested too deeply", file="flashwrite.json")
-    if isinstance(node, dict):
-        if node.get("t") == "tensor" and isinstance(node.get("k"), str):
-            out.add(node["k"])
-        for it in node.get("items", ()) if isinstance(node.get("items"), list) else ():
-            if isinstance(it, list):
-                for x in it:
-                    _tensor_keys(x, out, depth + 1)
-            else:
-                _tensor_keys(it, out, depth + 1)
-    return out
-
-
 def load(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cpu", into: Any = None,
          verify: bool = True, allow_pickle: bool = False, strict: bool = True, backend: str = "auto",
-         direct: bool = True, queue_depth: int = DEFAULT_READ_QUEUE_DEPTH) -> Any:
+         direct: bool = True, queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, zero_copy: bool = False) -> Any:
     """This rank's state of a multi-rank checkpoint, reading only its own stripes.
 
     The group must have the world size the checkpoint was saved with (to
@@ -410,18 +395,19 @@ def load(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cp
     ranks = rank_section(m.raw)
     if ranks is None:
         return load_all(path, map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle,
-                        strict=strict, backend=backend, direct=direct, queue_depth=queue_depth)
+                        strict=strict, backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
     if ranks["world_size"] != size:
         raise ValueError(f"{os.fspath(path)} was saved by {ranks['world_size']} ranks and this group has {size}: "
                          "load it in one process with flashwrite.load(path), which returns {rank: state}, or save "
                          "through flashwrite.dcp to reshard on load")
     subtree = _rank_subtree(m.tree, rank)
-    keys = _tensor_keys(subtree, set())
+    keys = referenced_keys(subtree)
     unknown = keys - set(m.tensors)
     if unknown:
         raise CorruptCheckpointError(f"manifest tree refers to unknown tensor {sorted(unknown)[0]!r}",
                                      file="flashwrite.json")
-    res = read_tensors(path, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth, keys=keys)
+    res = read_tensors(path, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth, keys=keys,
+                       zero_copy=zero_copy or into is not None)
     res.manifest = dataclasses.replace(res.manifest, tree=subtree)
     if into is not None:
         return _load_into(res, into, strict, allow_pickle)

@@ -1,4 +1,4 @@
-"""On-disk format, version 1: the manifest (``flashwrite.json``), the Hugging Face
+"""On-disk format, version 2: the manifest (``flashwrite.json``), the Hugging Face
 style index, and the checks that make a checkpoint safe to open.
 
 Everything read from disk is treated as hostile: names cannot leave the
@@ -23,7 +23,10 @@ from ._core import CHECKSUM_ALGORITHM
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .plan import MAX_HEADER_BYTES, PlannedFile
 
-FORMAT_VERSION = 1
+# 2: the tree may hold view, ndarray and npscalar nodes and tensor flags (param, rg).
+# Every version ever written stays readable (fixtures under tests/data/).
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "flashwrite.json"
 INDEX_NAME = "model.safetensors.index.json"
 MAX_MANIFEST_BYTES = 1 << 30
@@ -157,8 +160,9 @@ def parse_manifest(data: bytes) -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != "flashwrite":
         raise bad("not a flashwrite manifest")
     version = raw.get("format_version")
-    if version != FORMAT_VERSION:
-        raise bad(f"format version {str(version)[:20]!r} is not supported (this flashwrite reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise bad(f"format version {str(version)[:20]!r} is not supported (this flashwrite reads "
+                  f"{', '.join(map(str, READABLE_VERSIONS))}; a newer flashwrite wrote it?)")
     ck = raw.get("checksum")
     if not isinstance(ck, dict) or ck.get("algorithm") != CHECKSUM_ALGORITHM:
         raise bad(f"checksum algorithm must be {CHECKSUM_ALGORITHM}")

@@ -1,7 +1,10 @@
 """Load: read (native, parallel, O_DIRECT) -> verify (native, overlapped) -> place.
 
-CPU tensors come back as views of the page-aligned read buffers (no second
-copy); ``into=`` copies into existing tensors. Tensors bound for CUDA devices
+CPU tensors come back owning their memory, like ``torch.load``'s: each has a
+storage of exactly its bytes at offset 0 (copied out of the page-aligned read
+buffers one stripe at a time, each buffer freed once copied out). With
+``zero_copy=True`` they are views of the read buffers instead (no second copy, but
+one tensor keeps its whole stripe's buffer alive). ``into=`` copies into existing tensors. Tensors bound for CUDA devices
 are read into pinned bounce buffers and copied host-to-device by the native
 engine chunk by chunk, each chunk verified first (see ``cuda.py``); other
 devices get a copy.
@@ -85,7 +88,8 @@ def read_tensors(path: str | os.PathLike, **options: Any) -> LoadResult:
 
 def _read_tensors(path: str, base: str, *, verify: bool = True, backend: str = "auto", direct: bool = True,
                   queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, keys: set[str] | None = None,
-                  device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None) -> LoadResult:
+                  device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None,
+                  zero_copy: bool = True) -> LoadResult:
     m = read_manifest(base, shown=path)
     wanted = set(m.tensors) if keys is None else keys
     file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
@@ -153,25 +157,40 @@ def _read_tensors(path: str, base: str, *, verify: bool = True, backend: str = "
     for k, t in targets.items():
         _cuda.mark_written(t)
         tensors[k] = t
+    by_file: dict[int, list[str]] = {}
     for k in wanted:
         e = m.tensors[k]
-        dt = dtypes.dtype_from_name(e.dtype)
         if k in targets:
             continue
         if e.nbytes == 0:
-            tensors[k] = torch.empty(0, dtype=torch.uint8).view(dt).reshape(e.shape)
+            tensors[k] = torch.empty(0, dtype=torch.uint8).view(dtypes.dtype_from_name(e.dtype)).reshape(e.shape)
         else:
-            tensors[k] = bases[e.file][e.offset:e.offset + e.nbytes].view(dt).view(e.shape)
-    return LoadResult(m, tensors, time.perf_counter() - t0, job.backend, job.files_direct == len(file_ids))
+            by_file.setdefault(e.file, []).append(k)
+    backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
+    del job, buffers  # from here the bases own the read buffers
+    for fi, keys_in_file in by_file.items():
+        stripe = bases.pop(fi)
+        for k in keys_in_file:
+            e = m.tensors[k]
+            raw = stripe[e.offset:e.offset + e.nbytes]
+            if not zero_copy:
+                raw = torch.empty(e.nbytes, dtype=torch.uint8).copy_(raw)
+            tensors[k] = raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
+        del stripe  # copied out: its buffer goes now, not at the end of the load
+    return LoadResult(m, tensors, time.perf_counter() - t0, backend_used, direct_used)
 
 
 def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, verify: bool = True, *,
          allow_pickle: bool = False, strict: bool = True, backend: str = "auto", direct: bool = True,
-         queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, process_group: Any = None) -> Any:
+         queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, process_group: Any = None, zero_copy: bool = False) -> Any:
     """Load a checkpoint and return the nested structure that was saved.
 
-    map_location: "cpu" (default; tensors are views of the read buffers), a device,
-    a {saved_device: device} dict, or None for the devices they were saved from.
+    map_location: "cpu" (default), a device, a {saved_device: device} dict, or None
+    for the devices they were saved from.
+    zero_copy: CPU tensors are views of the page-aligned read buffers instead of
+    owning their memory: no second copy, but any one tensor keeps its whole stripe
+    file's buffer alive, and offset views upset APIs that ignore storage offsets
+    (``torch.set_rng_state``). For inference-style loads that keep the whole state.
     into: an existing (nested) state dict; its tensors are filled in place and it is
     returned. strict: with into, every saved tensor must have a destination.
     CUDA destinations are filled chunk by chunk, each chunk verified before it is
@@ -188,9 +207,10 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
         from . import distributed
         return distributed.load(path, process_group=process_group, map_location=map_location, into=into,
                                 verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend,
-                                direct=direct, queue_depth=queue_depth)
+                                direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
     res = read_tensors(path, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
-                       device_targets=_into_targets(into) if into is not None else _map_targets(map_location))
+                       device_targets=_into_targets(into) if into is not None else _map_targets(map_location),
+                       zero_copy=zero_copy or into is not None)
     if into is not None:
         return _load_into(res, into, strict, allow_pickle)
     return unflatten(res.manifest.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)

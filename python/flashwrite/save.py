@@ -197,7 +197,7 @@ class Writer:
         """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
         must exist; nothing is committed). The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
-        tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle)
+        tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle, share_storage=True)
         files = plan_files(tensors, self.stripes, prefix=prefix, metadata=metadata)
         keepalive, segments, streams = _stage_sources(files)
         job = self._engine.start_save(
