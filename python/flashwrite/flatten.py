@@ -103,6 +103,9 @@ def flatten(state: Any, *, allow_pickle: bool = False,
         return key
 
     def leaf(v: Any, where: str) -> dict:
+        if np is not None and isinstance(v, np.generic) and v.dtype.kind in _NUMPY_KINDS:  # before float: float64
+            return {"t": "npscalar", "dtype": v.dtype.newbyteorder("=").str,
+                    "v": base64.b64encode(v.astype(v.dtype.newbyteorder("=")).tobytes()).decode()}
         if v is None:
             return {"t": "none"}
         if isinstance(v, bool):
@@ -121,9 +124,6 @@ def flatten(state: Any, *, allow_pickle: bool = False,
             return {"t": "device", "v": str(v)}
         if isinstance(v, torch.nn.Module):
             raise TypeError(f"{where}: got a {type(v).__qualname__} module; save its state_dict() instead")
-        if np is not None and isinstance(v, np.generic) and v.dtype.kind in _NUMPY_KINDS:
-            return {"t": "npscalar", "dtype": v.dtype.newbyteorder("=").str,
-                    "v": base64.b64encode(v.astype(v.dtype.newbyteorder("=")).tobytes()).decode()}
         if allow_pickle:
             return {"t": "pickle", "v": base64.b64encode(pickle.dumps(v)).decode()}
         raise TypeError(
