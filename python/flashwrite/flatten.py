@@ -34,7 +34,7 @@ from .errors import CorruptCheckpointError, UnsafeCheckpointError
 MAX_DEPTH = 200
 
 
-@dataclass
+@dataclass(slots=True)
 class FlatTensor:
     key: str
     tensor: torch.Tensor
@@ -83,17 +83,25 @@ def flatten(state: Any, *, allow_pickle: bool = False,
     share_storage: tensors that view one storage are stored once as the span they
     cover, and the others become ``view`` nodes (what a save wants). Without it every
     distinct view is its own tensor (what matching keys against a destination wants).
+
+    Runs once per tensor of states with 100,000 of them: the per-tensor path reads
+    only cheap attributes, and the exact alias identity is computed only for tensors
+    whose data pointer was seen before.
     """
     tensors: list[FlatTensor] = []
+    tensor_nodes: list[dict] = []  # the node of each stored tensor, by index
+    alias_nodes: list[tuple[str, dict]] = []  # (canonical key, node) of every alias
     aliases: dict[str, str] = {}
-    seen_ids: dict[tuple, str] = {}
+    first_at: dict[int, int] = {}  # data pointer -> index of the first stored tensor there
+    exact: dict[tuple, str] = {}  # alias identity -> key, for tensors whose pointer collided
+    identified: set[int] = set()
     used: set[str] = set()
-    nodes: dict[str, list[dict]] = {}  # key -> every tree node that names it
     groups: dict[tuple, list[int]] = {}  # (device, storage address) -> indices into tensors
     np = sys.modules.get("numpy")  # no numpy imported: no numpy values can be in the state
+    plain_types = (torch.Tensor, torch.nn.Parameter)
 
-    def unique_key(path: list[str]) -> str:
-        key = ".".join(path) if path else "tensor"
+    def unique_key(prefix: str | None) -> str:
+        key = "tensor" if prefix is None else prefix
         if key in used:
             n = 1
             while f"{key}#{n}" in used:
@@ -131,73 +139,95 @@ def flatten(state: Any, *, allow_pickle: bool = False,
             "pass allow_pickle=True to save (and to load) to opt in")
 
     def key_node(k: Any, where: str) -> dict:
+        if type(k) is str:
+            return {"t": "str", "v": k}
         if type(k) is tuple:  # tuple keys of plain values, e.g. (layer, head)
             return {"t": "tuple", "items": [key_node(x, where) for x in k]}
         return leaf(k, where)
 
-    def tensor_node(v: torch.Tensor, path: list[str], where: str) -> dict:
-        _check_storable(v, where)
+    def tensor_node(v: torch.Tensor, prefix: str | None) -> dict:
+        if type(v) not in plain_types or v.is_quantized or v.layout != torch.strided or v.is_meta or v.is_nested:
+            _check_storable(v, prefix or "<root>")
         node: dict = {"t": "tensor"}
         if type(v) is torch.nn.Parameter:
             node["param"] = True
         if v.requires_grad:
             node["rg"] = True
-        ident = _alias_id(v) if v.numel() else None
-        key = unique_key(path)
-        if ident is not None and ident in seen_ids:
-            canon = seen_ids[ident]
-            aliases[key] = canon
-            node["k"] = canon
-        else:
-            if ident is not None:
-                seen_ids[ident] = key
-                if share_storage and not v.is_conj() and not v.is_neg():
-                    groups.setdefault((v.device, v.untyped_storage().data_ptr()), []).append(len(tensors))
-            tensors.append(FlatTensor(key, v))
-            node["k"] = key
-        nodes.setdefault(node["k"], []).append(node)
+        key = unique_key(prefix)
+        if v.numel():
+            ptr = v.data_ptr()
+            first = first_at.get(ptr)
+            if first is not None:  # maybe the same bytes again (tied weights): compare exactly
+                if first not in identified:
+                    identified.add(first)
+                    exact.setdefault(_alias_id(tensors[first].tensor), tensors[first].key)
+                ident = _alias_id(v)
+                canon = exact.get(ident)
+                if canon is not None:
+                    aliases[key] = canon
+                    node["k"] = canon
+                    alias_nodes.append((canon, node))
+                    return node
+                exact[ident] = key
+                identified.add(len(tensors))
+            else:
+                first_at[ptr] = len(tensors)
+            if share_storage and not v.is_conj() and not v.is_neg():
+                gk = (v.device, ptr - v.storage_offset() * v.element_size())
+                g = groups.get(gk)
+                if g is None:
+                    groups[gk] = [len(tensors)]
+                else:
+                    g.append(len(tensors))
+        tensors.append(FlatTensor(key, v))
+        tensor_nodes.append(node)
+        node["k"] = key
         return node
 
-    def walk(v: Any, path: list[str], depth: int) -> dict:
-        where = ".".join(path) or "<root>"
+    def walk(v: Any, prefix: str | None, depth: int) -> dict:
+        if type(v) in plain_types or isinstance(v, torch.Tensor):
+            return tensor_node(v, prefix)
         if depth > MAX_DEPTH:
-            raise ValueError(f"{where}: state is nested deeper than {MAX_DEPTH} levels")
-        if isinstance(v, torch.Tensor):
-            return tensor_node(v, path, where)
+            raise ValueError(f"{prefix or '<root>'}: state is nested deeper than {MAX_DEPTH} levels")
         if np is not None and isinstance(v, np.ndarray) and v.dtype.kind in _NUMPY_KINDS and v.dtype.fields is None:
             arr = v if v.dtype.isnative else v.astype(v.dtype.newbyteorder("="))
             t = torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy())
-            node = tensor_node(t.reshape(arr.shape), path, where)
-            return {"t": "ndarray", "v": node}
+            return {"t": "ndarray", "v": tensor_node(t.reshape(arr.shape), prefix)}
         if isinstance(v, torch.Size):
             return {"t": "size", "v": list(v)}
-        if type(v) in (dict, collections.OrderedDict):
-            kind = "odict" if type(v) is collections.OrderedDict else "dict"
+        tv = type(v)
+        if tv is dict or tv is collections.OrderedDict:
+            where = prefix or "<root>"
             items = []
             for k, x in v.items():
                 if isinstance(k, (torch.Tensor, dict, list)):
                     raise TypeError(f"{where}: unsupported key type {type(k).__qualname__}")
-                items.append([key_node(k, where), walk(x, path + [str(k)], depth + 1)])
-            return {"t": kind, "items": items}
-        if type(v) in (list, tuple):
-            return {"t": "list" if isinstance(v, list) else "tuple",
-                    "items": [walk(x, path + [str(i)], depth + 1) for i, x in enumerate(v)]}
-        return leaf(v, where)
+                items.append([key_node(k, where), walk(x, str(k) if prefix is None else f"{prefix}.{k}", depth + 1)])
+            return {"t": "odict" if tv is collections.OrderedDict else "dict", "items": items}
+        if tv is list or tv is tuple:
+            return {"t": "list" if tv is list else "tuple",
+                    "items": [walk(x, str(i) if prefix is None else f"{prefix}.{i}", depth + 1)
+                              for i, x in enumerate(v)]}
+        return leaf(v, prefix or "<root>")
 
-    tree = walk(state, [], 0)
+    tree = walk(state, None, 0)
     del walk, tensor_node  # they reach themselves through their closures: break the cycle so the caller's tensors
     # go with the caller
-    if groups:
-        tensors = _share(tensors, aliases, nodes, groups, unique_key)
+    if any(len(g) > 1 for g in groups.values()):
+        tensors = _share(tensors, tensor_nodes, alias_nodes, aliases, groups, unique_key)
     return tree, tensors, aliases
 
 
-def _share(tensors: list[FlatTensor], aliases: dict[str, str], nodes: dict[str, list[dict]],
-           groups: dict[tuple, list[int]], unique_key: Callable[[list[str]], str]) -> list[FlatTensor]:
+def _share(tensors: list[FlatTensor], tensor_nodes: list[dict], alias_nodes: list[tuple[str, dict]],
+           aliases: dict[str, str], groups: dict[tuple, list[int]],
+           unique_key: Callable[[str | None], str]) -> list[FlatTensor]:
     """Store each storage that several tensors view once: as the member that covers
     the whole span when there is one, else as the span itself; the rest become views."""
     drop: set[int] = set()
     extra: list[FlatTensor] = []
+    aliased: dict[str, list[dict]] = {}
+    for canon, node in alias_nodes:
+        aliased.setdefault(canon, []).append(node)
     for members in groups.values():
         if len(members) < 2:
             continue
@@ -218,7 +248,7 @@ def _share(tensors: list[FlatTensor], aliases: dict[str, str], nodes: dict[str, 
             n = -(-(hi - base_lo) // size)
             base = torch.empty(0, dtype=torch.uint8, device=first.device).view(dt).set_(
                 first.untyped_storage(), base_lo // size, (n,), (1,))
-            base_key = unique_key(tensors[members[0]].key.split(".") + ["__storage__"])
+            base_key = unique_key(tensors[members[0]].key + ".__storage__")
             extra.append(FlatTensor(base_key, base.detach()))
         for i, (a, _) in zip(members, spans):
             if i == base_i:
@@ -226,7 +256,7 @@ def _share(tensors: list[FlatTensor], aliases: dict[str, str], nodes: dict[str, 
             t = tensors[i].tensor
             view = {"t": "view", "k": base_key, "dtype": str(t.dtype).removeprefix("torch."), "off": a - base_lo,
                     "shape": list(t.shape), "stride": list(t.stride())}
-            for node in nodes.get(tensors[i].key, ()):
+            for node in [tensor_nodes[i], *aliased.get(tensors[i].key, ())]:
                 flags = {f: node[f] for f in ("param", "rg") if f in node}
                 node.clear()
                 node.update(view, **flags)
