@@ -18,6 +18,7 @@ from torch import nn
 import flashwrite as fw
 from flashwrite import commit
 from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
+from flashwrite.format import FORMAT_VERSION
 
 from dist_helpers import Cluster
 
@@ -236,7 +237,7 @@ def test_checkpoint_is_a_committed_flashwrite_checkpoint(saved, how):
     path = saved / how
     assert [e for e in os.listdir(saved) if commit.is_temp_name(e)] == []
     manifest = json.loads((path / "flashwrite.json").read_text())
-    assert manifest["format_version"] == 1 and "dcp" in manifest
+    assert manifest["format_version"] == FORMAT_VERSION and "dcp" in manifest
     names = [f["name"] for f in manifest["files"]]
     assert any(n.startswith("model-rank00000-") for n in names) and any(n.startswith("model-rank00001-") for n in names)
     assert sorted(os.listdir(path)) == sorted(names + ["flashwrite.json", "model.safetensors.index.json"])

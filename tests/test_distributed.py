@@ -20,6 +20,7 @@ import torch.distributed as dist
 import flashwrite as fw
 from flashwrite import commit
 from flashwrite.distributed import DistributedSaveError
+from flashwrite.format import FORMAT_VERSION
 
 from conftest import assert_same
 from dist_helpers import Cluster
@@ -110,7 +111,7 @@ def test_parallel_save_and_load_round_trip(n, request, tmp_path):
     assert fw.verify(path)["files"] == len(os.listdir(path)) - 2
 
     manifest = json.loads((path / "flashwrite.json").read_text())
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == FORMAT_VERSION
     assert manifest["ranks"]["world_size"] == n
     for r, (first, count) in enumerate(manifest["ranks"]["files"]):
         names = [f["name"] for f in manifest["files"][first:first + count]]

@@ -10,7 +10,7 @@ import torch
 
 import flashwrite as fw
 from flashwrite import dtypes
-from flashwrite.format import INDEX_NAME, MANIFEST_NAME, read_manifest
+from flashwrite.format import FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME, read_manifest
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -88,7 +88,7 @@ def test_index_and_manifest(writer, ckdir):
     for key, fname in index["weight_map"].items():
         assert fname == m.files[m.tensors[key].file].name
     raw = json.loads((ckdir / "ck" / MANIFEST_NAME).read_text())
-    assert raw["format_version"] == 1 and raw["checksum"]["algorithm"] == "xxh3-64"
+    assert raw["format_version"] == FORMAT_VERSION and raw["checksum"]["algorithm"] == "xxh3-64"
     assert raw["writer_version"] == fw.__version__
     assert sorted(os.listdir(ckdir / "ck")) == sorted([MANIFEST_NAME, INDEX_NAME] + [f.name for f in m.files])
 

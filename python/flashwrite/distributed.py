@@ -214,7 +214,7 @@ def _check_visible(merged: dict, tmp: str) -> None:
 
 def load(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cpu", into: Any = None,
          verify: bool = True, allow_pickle: bool = False, strict: bool = True, backend: str = "auto",
-         direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH) -> Any:
+         direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, zero_copy: bool = False) -> Any:
     """This rank's state of a multi-rank checkpoint, reading only its own stripes.
 
     The group must have the world size the checkpoint was saved with (to
@@ -226,4 +226,4 @@ def load(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cp
     pg = process_group if process_group is not None else dist.group.WORLD
     return load_state(path, rank=(dist.get_rank(pg), dist.get_world_size(pg)), map_location=map_location, into=into,
                       verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend, direct=direct,
-                      queue_depth=queue_depth)
+                      queue_depth=queue_depth, zero_copy=zero_copy)

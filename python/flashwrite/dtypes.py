@@ -38,9 +38,12 @@ for _dt in list(_ST_CODES) + [getattr(torch, n) for n in _EXTRA if hasattr(torch
     _BY_NAME[str(_dt).removeprefix("torch.")] = _dt
 
 
+_NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in _BY_NAME.items()}
+
+
 def dtype_name(dt: torch.dtype) -> str:
-    name = str(dt).removeprefix("torch.")
-    if name not in _BY_NAME:
+    name = _NAME_OF.get(dt)
+    if name is None:
         raise TypeError(f"flashwrite cannot store tensors of dtype {dt}")
     return name
 

@@ -4,27 +4,45 @@ The tree is typed JSON: it keeps dict/OrderedDict/list/tuple containers, key typ
 (str, int, ...) and non-tensor leaves exactly, so ``load`` returns the structure
 that was saved. Tensors become references to flat keys such as
 ``model.layers.0.weight``. Arbitrary objects need ``allow_pickle=True``.
+
+What ``torch.save`` keeps, the tree keeps too:
+
+- ``nn.Parameter`` and ``requires_grad`` (flags on the tensor node);
+- storage sharing: tensors that view one storage (slices, transposes, ``expand``,
+  one base under two names) are stored once, as the span of the storage they
+  cover, and come back as views of one storage with the same offsets and strides
+  (``view`` nodes: base key, dtype, byte offset, shape, stride);
+- numpy arrays of numeric dtypes (``ndarray`` nodes over a stored tensor) and
+  numpy scalars, without pickle.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import math
 import pickle
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from . import dtypes
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
 MAX_DEPTH = 200
 
 
-@dataclass
+@dataclass(slots=True)
 class FlatTensor:
     key: str
     tensor: torch.Tensor
+
+
+# numpy dtypes stored as tensor data (numeric, fixed size); everything else needs pickle.
+_NUMPY_KINDS = frozenset("biufc")
+_MAX_DIMS = 64
 
 
 def _alias_id(t: torch.Tensor) -> tuple:
@@ -32,15 +50,58 @@ def _alias_id(t: torch.Tensor) -> tuple:
     return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict, list[FlatTensor], dict[str, str]]:
-    """Returns (tree, unique tensors, aliases {key: canonical key})."""
-    tensors: list[FlatTensor] = []
-    aliases: dict[str, str] = {}
-    seen_ids: dict[tuple, str] = {}
-    used: set[str] = set()
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) bytes of its storage that a non-empty tensor can reach."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    reach = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return start, start + reach * size
 
-    def unique_key(path: list[str]) -> str:
-        key = ".".join(path) if path else "tensor"
+
+def _check_storable(v: torch.Tensor, where: str) -> None:
+    """Clear errors for tensors that hold no plain bytes, each naming the key."""
+    if v.is_quantized:
+        raise TypeError(f"{where}: quantized tensors ({v.dtype}) cannot be stored: they carry scales and zero points, "
+                        "not just bytes; store t.dequantize() (or t.int_repr() with its q_scale()/q_zero_point())")
+    if v.is_meta:
+        raise TypeError(f"{where}: a meta tensor has no data to store; materialise it first (e.g. to_empty() "
+                        "and initialise, or load real weights)")
+    if v.is_nested:
+        raise TypeError(f"{where}: nested tensors cannot be stored; store t.unbind() (a list of tensors) instead")
+    if v.layout != torch.strided:
+        raise TypeError(f"{where}: {v.layout} tensors cannot be stored (only dense strided ones); "
+                        "store t.to_dense(), or the indices and values")
+    if type(v) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(f"{where}: tensor subclass {type(v).__module__}.{type(v).__qualname__} cannot be stored "
+                        "(only torch.Tensor and nn.Parameter); store a plain tensor, e.g. t.as_subclass(torch.Tensor)")
+
+
+def flatten(state: Any, *, allow_pickle: bool = False,
+            share_storage: bool = False) -> tuple[dict, list[FlatTensor], dict[str, str]]:
+    """Returns (tree, unique tensors, aliases {key: canonical key}).
+
+    share_storage: tensors that view one storage are stored once as the span they
+    cover, and the others become ``view`` nodes (what a save wants). Without it every
+    distinct view is its own tensor (what matching keys against a destination wants).
+
+    Runs once per tensor of states with 100,000 of them: the per-tensor path reads
+    only cheap attributes, and the exact alias identity is computed only for tensors
+    whose data pointer was seen before.
+    """
+    tensors: list[FlatTensor] = []
+    tensor_nodes: list[dict] = []  # the node of each stored tensor, by index
+    alias_nodes: list[tuple[str, dict]] = []  # (canonical key, node) of every alias
+    aliases: dict[str, str] = {}
+    first_at: dict[int, int] = {}  # data pointer -> index of the first stored tensor there
+    exact: dict[tuple, str] = {}  # alias identity -> key, for tensors whose pointer collided
+    identified: set[int] = set()
+    used: set[str] = set()
+    groups: dict[tuple, list[int]] = {}  # (device, storage address) -> indices into tensors
+    np = sys.modules.get("numpy")  # no numpy imported: no numpy values can be in the state
+    plain_types = (torch.Tensor, torch.nn.Parameter)
+
+    def unique_key(prefix: str | None) -> str:
+        key = "tensor" if prefix is None else prefix
         if key in used:
             n = 1
             while f"{key}#{n}" in used:
@@ -50,6 +111,9 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict, list[FlatT
         return key
 
     def leaf(v: Any, where: str) -> dict:
+        if np is not None and isinstance(v, np.generic) and v.dtype.kind in _NUMPY_KINDS:  # before float: float64
+            return {"t": "npscalar", "dtype": v.dtype.newbyteorder("=").str,
+                    "v": base64.b64encode(v.astype(v.dtype.newbyteorder("=")).tobytes()).decode()}
         if v is None:
             return {"t": "none"}
         if isinstance(v, bool):
@@ -75,45 +139,132 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict, list[FlatT
             "pass allow_pickle=True to save (and to load) to opt in")
 
     def key_node(k: Any, where: str) -> dict:
+        if type(k) is str:
+            return {"t": "str", "v": k}
         if type(k) is tuple:  # tuple keys of plain values, e.g. (layer, head)
             return {"t": "tuple", "items": [key_node(x, where) for x in k]}
         return leaf(k, where)
 
-    def walk(v: Any, path: list[str], depth: int) -> dict:
-        where = ".".join(path) or "<root>"
+    def tensor_node(v: torch.Tensor, prefix: str | None) -> dict:
+        if type(v) not in plain_types or v.is_quantized or v.layout != torch.strided or v.is_meta or v.is_nested:
+            _check_storable(v, prefix or "<root>")
+        node: dict = {"t": "tensor"}
+        if type(v) is torch.nn.Parameter:
+            node["param"] = True
+        if v.requires_grad:
+            node["rg"] = True
+        key = unique_key(prefix)
+        if v.numel():
+            ptr = v.data_ptr()
+            first = first_at.get(ptr)
+            if first is not None:  # maybe the same bytes again (tied weights): compare exactly
+                if first not in identified:
+                    identified.add(first)
+                    exact.setdefault(_alias_id(tensors[first].tensor), tensors[first].key)
+                ident = _alias_id(v)
+                canon = exact.get(ident)
+                if canon is not None:
+                    aliases[key] = canon
+                    node["k"] = canon
+                    alias_nodes.append((canon, node))
+                    return node
+                exact[ident] = key
+                identified.add(len(tensors))
+            else:
+                first_at[ptr] = len(tensors)
+            if share_storage and not v.is_conj() and not v.is_neg():
+                gk = (v.device, ptr - v.storage_offset() * v.element_size())
+                g = groups.get(gk)
+                if g is None:
+                    groups[gk] = [len(tensors)]
+                else:
+                    g.append(len(tensors))
+        tensors.append(FlatTensor(key, v))
+        tensor_nodes.append(node)
+        node["k"] = key
+        return node
+
+    def walk(v: Any, prefix: str | None, depth: int) -> dict:
+        if type(v) in plain_types or isinstance(v, torch.Tensor):
+            return tensor_node(v, prefix)
         if depth > MAX_DEPTH:
-            raise ValueError(f"{where}: state is nested deeper than {MAX_DEPTH} levels")
-        if isinstance(v, torch.Tensor):
-            if v.is_quantized or v.is_sparse or v.layout != torch.strided:
-                raise TypeError(f"{where}: only dense strided tensors are supported (got layout {v.layout})")
-            ident = _alias_id(v) if v.numel() else None
-            if ident is not None and ident in seen_ids:
-                key = unique_key(path)
-                aliases[key] = seen_ids[ident]
-                return {"t": "tensor", "k": seen_ids[ident]}
-            key = unique_key(path)
-            if ident is not None:
-                seen_ids[ident] = key
-            tensors.append(FlatTensor(key, v))
-            return {"t": "tensor", "k": key}
+            raise ValueError(f"{prefix or '<root>'}: state is nested deeper than {MAX_DEPTH} levels")
+        if np is not None and isinstance(v, np.ndarray) and v.dtype.kind in _NUMPY_KINDS and v.dtype.fields is None:
+            arr = v if v.dtype.isnative else v.astype(v.dtype.newbyteorder("="))
+            t = torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy())
+            return {"t": "ndarray", "v": tensor_node(t.reshape(arr.shape), prefix)}
         if isinstance(v, torch.Size):
             return {"t": "size", "v": list(v)}
-        if type(v) in (dict, collections.OrderedDict):
-            kind = "odict" if type(v) is collections.OrderedDict else "dict"
+        tv = type(v)
+        if tv is dict or tv is collections.OrderedDict:
+            where = prefix or "<root>"
             items = []
             for k, x in v.items():
                 if isinstance(k, (torch.Tensor, dict, list)):
                     raise TypeError(f"{where}: unsupported key type {type(k).__qualname__}")
-                items.append([key_node(k, where), walk(x, path + [str(k)], depth + 1)])
-            return {"t": kind, "items": items}
-        if type(v) in (list, tuple):
-            return {"t": "list" if isinstance(v, list) else "tuple",
-                    "items": [walk(x, path + [str(i)], depth + 1) for i, x in enumerate(v)]}
-        return leaf(v, where)
+                items.append([key_node(k, where), walk(x, str(k) if prefix is None else f"{prefix}.{k}", depth + 1)])
+            return {"t": "odict" if tv is collections.OrderedDict else "dict", "items": items}
+        if tv is list or tv is tuple:
+            return {"t": "list" if tv is list else "tuple",
+                    "items": [walk(x, str(i) if prefix is None else f"{prefix}.{i}", depth + 1)
+                              for i, x in enumerate(v)]}
+        return leaf(v, prefix or "<root>")
 
-    tree = walk(state, [], 0)
-    del walk  # it reaches itself through its closure: break the cycle so the caller's tensors go with the caller
+    tree = walk(state, None, 0)
+    del walk, tensor_node  # they reach themselves through their closures: break the cycle so the caller's tensors
+    # go with the caller
+    if any(len(g) > 1 for g in groups.values()):
+        tensors = _share(tensors, tensor_nodes, alias_nodes, aliases, groups, unique_key)
     return tree, tensors, aliases
+
+
+def _share(tensors: list[FlatTensor], tensor_nodes: list[dict], alias_nodes: list[tuple[str, dict]],
+           aliases: dict[str, str], groups: dict[tuple, list[int]],
+           unique_key: Callable[[str | None], str]) -> list[FlatTensor]:
+    """Store each storage that several tensors view once: as the member that covers
+    the whole span when there is one, else as the span itself; the rest become views."""
+    drop: set[int] = set()
+    extra: list[FlatTensor] = []
+    aliased: dict[str, list[dict]] = {}
+    for canon, node in alias_nodes:
+        aliased.setdefault(canon, []).append(node)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        spans = [_byte_span(tensors[i].tensor) for i in members]
+        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+        base_i = next((i for i, (a, b) in zip(members, spans)
+                       if a == lo and b == hi and tensors[i].tensor.is_contiguous()
+                       and all((a2 - lo) % tensors[j].tensor.element_size() == 0
+                               for j, (a2, _) in zip(members, spans))), None)
+        if base_i is not None:
+            base_key, base_lo = tensors[base_i].key, lo
+        else:
+            first = tensors[members[0]].tensor
+            dts = {tensors[i].tensor.dtype for i in members}
+            dt = first.dtype if len(dts) == 1 else torch.uint8
+            size = dt.itemsize
+            base_lo = lo - lo % 16 if size == 1 and len(dts) > 1 else lo - lo % size
+            n = -(-(hi - base_lo) // size)
+            base = torch.empty(0, dtype=torch.uint8, device=first.device).view(dt).set_(
+                first.untyped_storage(), base_lo // size, (n,), (1,))
+            base_key = unique_key(tensors[members[0]].key + ".__storage__")
+            extra.append(FlatTensor(base_key, base.detach()))
+        for i, (a, _) in zip(members, spans):
+            if i == base_i:
+                continue
+            t = tensors[i].tensor
+            view = {"t": "view", "k": base_key, "dtype": str(t.dtype).removeprefix("torch."), "off": a - base_lo,
+                    "shape": list(t.shape), "stride": list(t.stride())}
+            for node in [tensor_nodes[i], *aliased.get(tensors[i].key, ())]:
+                flags = {f: node[f] for f in ("param", "rg") if f in node}
+                node.clear()
+                node.update(view, **flags)
+            drop.add(i)
+    gone = {tensors[i].key for i in drop}
+    for k in [k for k, c in aliases.items() if c in gone]:
+        del aliases[k]  # their nodes became views of the base
+    return [ft for i, ft in enumerate(tensors) if i not in drop] + extra
 
 
 def unflatten(tree: Any, tensor_for: Callable[[str], torch.Tensor], *, allow_pickle: bool = False) -> Any:
@@ -122,6 +273,54 @@ def unflatten(tree: Any, tensor_for: Callable[[str], torch.Tensor], *, allow_pic
     def bad(msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"manifest tree: {msg}", file="flashwrite.json")
 
+    made: dict[tuple, torch.Tensor] = {}  # one object per distinct (key, view, flags): ties stay ties
+
+    def ints(x: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(x, list) or len(x) > _MAX_DIMS or \
+                not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (1 << 62) for i in x):
+            raise bad(f"view {what} must be a list of at most {_MAX_DIMS} non-negative integers")
+        return tuple(x)
+
+    def view_of(base: torch.Tensor, n: dict) -> torch.Tensor:
+        try:
+            dt = dtypes.dtype_from_name(n.get("dtype"))
+        except ValueError as e:
+            raise bad(f"view of {n['k']!r}: {e}") from None
+        off, shape, stride = n.get("off"), ints(n.get("shape"), "shape"), ints(n.get("stride"), "stride")
+        size = dt.itemsize
+        if not isinstance(off, int) or isinstance(off, bool) or off < 0 or off % size or len(stride) != len(shape):
+            raise bad(f"view of {n['k']!r}: bad offset or stride")
+        numel = math.prod(shape)
+        reach = (1 + sum((a - 1) * b for a, b in zip(shape, stride))) * size if numel else 0
+        have = base.numel() * base.element_size()
+        if off + reach > have:
+            raise bad(f"view of {n['k']!r} reaches byte {off + reach}, past the {have} bytes of its base")
+        start = base.storage_offset() * base.element_size() + off
+        return torch.empty(0, dtype=torch.uint8, device=base.device).view(dt).set_(
+            base.untyped_storage(), start // size, shape, stride)
+
+    def tensor_node(n: dict, t: str) -> torch.Tensor:
+        k = n.get("k")
+        if not isinstance(k, str):
+            raise bad(f"{t} node without a key")
+        param, rg = n.get("param", False), n.get("rg", False)
+        if not isinstance(param, bool) or not isinstance(rg, bool):
+            raise bad(f"tensor {k!r}: bad flags")
+        shape = (n.get("dtype"), n.get("off"), str(n.get("shape")), str(n.get("stride"))) if t == "view" else None
+        ident = (k, shape, param, rg)
+        if ident in made:
+            return made[ident]
+        base = tensor_for(k)
+        out = view_of(base, n) if t == "view" else base
+        if param:
+            out = torch.nn.Parameter(out, requires_grad=rg)
+        elif rg:
+            if out is base:  # a fresh tensor object over the same storage: the base keeps its own flag
+                out = base.detach()
+            out.requires_grad_(True)
+        made[ident] = out
+        return out
+
     def node(n: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise bad(f"nested deeper than {MAX_DEPTH} levels")
@@ -129,10 +328,22 @@ def unflatten(tree: Any, tensor_for: Callable[[str], torch.Tensor], *, allow_pic
             raise bad("node is not an object with a type tag")
         t = n["t"]
         v = n.get("v")
-        if t == "tensor":
-            if not isinstance(n.get("k"), str):
-                raise bad("tensor node without a key")
-            return tensor_for(n["k"])
+        if t in ("tensor", "view"):
+            return tensor_node(n, t)
+        if t == "ndarray" and isinstance(v, dict) and v.get("t") in ("tensor", "view"):
+            x = tensor_node(v, v["t"])
+            if x.requires_grad or x.dtype not in _TORCH_TO_NUMPY_OK:
+                raise bad("ndarray node over a tensor numpy cannot hold")
+            return x.numpy()
+        if t == "npscalar" and isinstance(v, str) and isinstance(n.get("dtype"), str):
+            np = _numpy()
+            try:
+                dt = np.dtype(n["dtype"])
+                if dt.kind not in _NUMPY_KINDS or dt.fields is not None:
+                    raise TypeError
+                return np.frombuffer(base64.b64decode(v, validate=True), dtype=dt, count=1)[0]
+            except (TypeError, ValueError):
+                raise bad(f"bad numpy scalar {n['dtype'][:20]!r}") from None
         if t in ("dict", "odict"):
             items = n.get("items")
             if not isinstance(items, list):
@@ -198,5 +409,39 @@ def unflatten(tree: Any, tensor_for: Callable[[str], torch.Tensor], *, allow_pic
     except RecursionError:
         raise bad("nested too deeply") from None
     finally:
-        del node  # a self-referencing closure: left alone it would hold tensor_for (and the read buffers) until gc
+        # Self-referencing closures: left alone they would hold tensor_for (and the read buffers) until gc.
+        del node, tensor_node, view_of
+        made.clear()
+
+
+def referenced_keys(tree: Any) -> set[str]:
+    """Stored tensor keys that a (hostile) tree refers to, without building anything."""
+    out: set[str] = set()
+    stack = [(tree, 0)]
+    while stack:
+        n, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError("manifest tree: nested too deeply", file="flashwrite.json")
+        if not isinstance(n, dict):
+            continue
+        if n.get("t") in ("tensor", "view") and isinstance(n.get("k"), str):
+            out.add(n["k"])
+        if isinstance(n.get("v"), dict):
+            stack.append((n["v"], depth + 1))
+        items = n.get("items")
+        for it in items if isinstance(items, list) else ():
+            for x in it if isinstance(it, list) else (it,):
+                stack.append((x, depth + 1))
+    return out
+
+
+def _numpy() -> Any:
+    import numpy  # only for checkpoints that hold numpy values
+
+    return numpy
+
+
+_TORCH_TO_NUMPY_OK = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+                                *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))})
 

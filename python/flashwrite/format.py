@@ -1,4 +1,4 @@
-"""On-disk format, version 1: the manifest (``flashwrite.json``), the Hugging Face
+"""On-disk format, version 2: the manifest (``flashwrite.json``), the Hugging Face
 style index, and the checks that make a checkpoint safe to open.
 
 Everything read from disk is treated as hostile: names cannot leave the
@@ -22,9 +22,13 @@ from typing import Any
 from . import dtypes
 from ._core import CHECKSUM_ALGORITHM
 from .errors import CorruptCheckpointError, FlashwriteError, UnsafeCheckpointError
+from .flatten import referenced_keys
 from .plan import MAX_HEADER_BYTES, PlannedFile
 
-FORMAT_VERSION = 1
+# 2: the tree may hold view, ndarray and npscalar nodes and tensor flags (param, rg).
+# Every version ever written stays readable (fixtures under tests/data/).
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "flashwrite.json"
 INDEX_NAME = "model.safetensors.index.json"
 MAX_MANIFEST_BYTES = 1 << 30
@@ -165,8 +169,9 @@ def parse_manifest(data: bytes) -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != "flashwrite":
         raise bad("not a flashwrite manifest")
     version = raw.get("format_version")
-    if version != FORMAT_VERSION:
-        raise bad(f"format version {str(version)[:20]!r} is not supported (this flashwrite reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise bad(f"format version {str(version)[:20]!r} is not supported (this flashwrite reads "
+                  f"{', '.join(map(str, READABLE_VERSIONS))}; a newer flashwrite wrote it?)")
     ck = raw.get("checksum")
     if not isinstance(ck, dict) or ck.get("algorithm") != CHECKSUM_ALGORITHM:
         raise bad(f"checksum algorithm must be {CHECKSUM_ALGORITHM}")
@@ -322,21 +327,6 @@ def _rank_subtree(tree: Any, rank: int) -> Any:
     raise CorruptCheckpointError(f"manifest: no state for rank {rank}", file=MANIFEST_NAME)
 
 
-def _tensor_keys(node: Any, out: set[str], depth: int = 0) -> set[str]:
-    if depth > 200:
-        raise CorruptCheckpointError("manifest tree: nested too deeply", file=MANIFEST_NAME)
-    if isinstance(node, dict):
-        if node.get("t") == "tensor" and isinstance(node.get("k"), str):
-            out.add(node["k"])
-        for it in node.get("items", ()) if isinstance(node.get("items"), list) else ():
-            if isinstance(it, list):
-                for x in it:
-                    _tensor_keys(x, out, depth + 1)
-            else:
-                _tensor_keys(it, out, depth + 1)
-    return out
-
-
 def select_rank(m: Manifest, rank: int, size: int, *, shown: str) -> tuple[Manifest, set[str] | None]:
     """The part of ``m`` that rank ``rank`` of a group of ``size`` loads: for a multi-rank
     checkpoint its own state (the manifest with that subtree as its tree) and the keys of
@@ -349,7 +339,7 @@ def select_rank(m: Manifest, rank: int, size: int, *, shown: str) -> tuple[Manif
                          "load it in one process with flashwrite.load(path), which returns {rank: state}, or save "
                          "through flashwrite.dcp to reshard on load")
     subtree = _rank_subtree(m.tree, rank)
-    keys = _tensor_keys(subtree, set())
+    keys = referenced_keys(subtree)
     unknown = keys - set(m.tensors)
     if unknown:
         raise CorruptCheckpointError(f"manifest tree refers to unknown tensor {sorted(unknown)[0]!r}",

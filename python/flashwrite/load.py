@@ -22,11 +22,15 @@ DEFAULT_READ_QUEUE_DEPTH = defaults.READ_QUEUE_DEPTH
 
 def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, verify: bool = True, *,
          allow_pickle: bool = False, strict: bool = True, backend: str = "auto", direct: bool = True,
-         queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, process_group: Any = None) -> Any:
+         queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, process_group: Any = None, zero_copy: bool = False) -> Any:
     """Load a checkpoint and return the nested structure that was saved.
 
-    map_location: "cpu" (default; tensors are views of the read buffers), a device,
-    a {saved_device: device} dict, or None for the devices they were saved from.
+    map_location: "cpu" (default), a device, a {saved_device: device} dict, or None
+    for the devices they were saved from.
+    zero_copy: CPU tensors are views of the page-aligned read buffers instead of
+    owning their memory: no second copy, but any one tensor keeps its whole stripe
+    file's buffer alive, and offset views upset APIs that ignore storage offsets
+    (``torch.set_rng_state``). For inference-style loads that keep the whole state.
     into: an existing (nested) state dict; its tensors are filled in place and it is
     returned. strict: with into, every saved tensor must have a destination.
     CUDA destinations are filled chunk by chunk, each chunk verified before it is
@@ -40,7 +44,7 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     checkpoint loads as ``{rank: state}``.
     """
     options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
-                   backend=backend, direct=direct, queue_depth=queue_depth)
+                   backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
     if process_group is not None:
         return distributed.load(path, process_group=process_group, **options)
     return load_state(path, **options)

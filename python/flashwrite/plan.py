@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import json
 import struct
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedTensor:
     key: str
     # Contiguous, on its original device. Handed to the native job (which keeps it
@@ -64,22 +65,33 @@ def rank_prefix(rank: int) -> str:
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    if not t.requires_grad and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t  # the common case, without detach()'s cost per tensor
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    return t if t.is_contiguous() else t.contiguous()
+    if t.is_contiguous():
+        return t
+    with warnings.catch_warnings():  # our own copy of a complex32 view is no experiment of the user's
+        warnings.filterwarnings("ignore", "ComplexHalf support is experimental")
+        return t.contiguous()
 
 
 def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
                metadata: dict[str, str] | None = None) -> list[PlannedFile]:
     planned = []
+    device_names: dict[torch.device, str] = {}
     for ft in tensors:
         src = _contiguous(ft.tensor)
-        dtypes.dtype_name(src.dtype)  # raises for dtypes we cannot store
-        planned.append(PlannedTensor(ft.key, src, src.dtype, list(src.shape), src.numel() * src.element_size(),
-                                     str(src.device)))
+        dt = src.dtype
+        dtypes.dtype_name(dt)  # raises for dtypes we cannot store
+        dev = src.device
+        name = device_names.get(dev)
+        if name is None:
+            name = device_names[dev] = str(dev)
+        planned.append(PlannedTensor(ft.key, src, dt, list(src.shape), src.nbytes, name))
 
     n = max(1, min(stripes, sum(1 for p in planned if p.nbytes) or 1))
     files = [PlannedFile(stripe_name(prefix, i, n)) for i in range(n)]
@@ -93,8 +105,11 @@ def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
         f.tensors.sort(key=lambda p: (-p.dtype.itemsize, p.key))
         header: dict = {"__metadata__": {"format": "pt", "writer": "flashwrite", **(metadata or {})}}
         rel = 0
+        code_of = dtypes.safetensors_code
         for p in f.tensors:
-            header[p.key] = {"dtype": p.stored_code, "shape": p.stored_shape, "data_offsets": [rel, rel + p.nbytes]}
+            code = code_of(p.dtype)
+            header[p.key] = {"dtype": code or "U8", "shape": p.shape if code else [p.nbytes],
+                             "data_offsets": [rel, rel + p.nbytes]}
             p.offset = rel  # relative for now
             rel += p.nbytes
         body = json.dumps(header, separators=(",", ":")).encode()

@@ -6,8 +6,11 @@ same handle, so manifest and stripes come from the same checkpoint even if the
 path is swapped by an overwrite (or renamed) meanwhile. ``load_state`` is the one
 load behind ``flashwrite.load`` on one rank and many.
 
-CPU tensors come back as views of the page-aligned read buffers (no second
-copy); ``into=`` copies into existing tensors. Tensors bound for CUDA devices
+CPU tensors come back owning their memory, like ``torch.load``'s: each has a
+storage of exactly its bytes at offset 0, copied out of the page-aligned read
+buffers one stripe at a time, each buffer freed once copied out. With
+``zero_copy=True`` they are views of the read buffers instead (no second copy, but
+one tensor keeps its whole stripe's buffer alive). ``into=`` copies into existing tensors. Tensors bound for CUDA devices
 are read into pinned bounce buffers and copied host-to-device by the native
 engine chunk by chunk, each chunk verified first (see ``cuda.py``); other
 devices get a copy.
@@ -100,9 +103,9 @@ class CheckpointDir:
 
     def read(self, *, manifest: Manifest | None = None, keys: set[str] | None = None, verify: bool = True,
              backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH,
-             device_targets: dict[str, torch.Tensor] | None = None) -> LoadResult:
+             device_targets: dict[str, torch.Tensor] | None = None, zero_copy: bool = True) -> LoadResult:
         """Read and verify the stripes holding ``keys`` (default: every tensor); return CPU
-        tensors that view the read buffers.
+        tensors that view the read buffers (zero_copy) or own copies of their bytes.
 
         manifest: what the result carries as its manifest (default ``self.manifest``; a
         view of it such as ``select_rank``'s). device_targets may name, per key, a
@@ -113,10 +116,10 @@ class CheckpointDir:
         """
         with self._user_paths():
             return self._read(manifest or self.manifest, keys, verify, backend, direct, queue_depth,
-                              device_targets or {})
+                              device_targets or {}, zero_copy)
 
     def _read(self, shown_manifest: Manifest, keys: set[str] | None, verify: bool, backend: str, direct: bool,
-              queue_depth: int, device_targets: dict[str, torch.Tensor]) -> LoadResult:
+              queue_depth: int, device_targets: dict[str, torch.Tensor], zero_copy: bool) -> LoadResult:
         m, path, base = self.manifest, self.path, self.base
         wanted = set(m.tensors) if keys is None else keys
         file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
@@ -185,32 +188,44 @@ class CheckpointDir:
         for k, t in targets.items():
             _cuda.mark_written(t)
             tensors[k] = t
+        by_file: dict[int, list[str]] = {}
         for k in wanted:
             if k in targets:
                 continue
             e = m.tensors[k]
-            dt = dtypes.dtype_from_name(e.dtype)
             if e.nbytes == 0:
-                tensors[k] = torch.empty(0, dtype=torch.uint8).view(dt).reshape(e.shape)
+                tensors[k] = torch.empty(0, dtype=torch.uint8).view(dtypes.dtype_from_name(e.dtype)).reshape(e.shape)
             else:
-                tensors[k] = bases[e.file][e.offset:e.offset + e.nbytes].view(dt).view(e.shape)
-        return LoadResult(shown_manifest, tensors, time.perf_counter() - t0, job.backend,
-                          job.files_direct == len(file_ids))
+                by_file.setdefault(e.file, []).append(k)
+        backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
+        del job, buffers  # from here the bases own the read buffers
+        for fi, keys_in_file in by_file.items():
+            stripe = bases.pop(fi)
+            for k in keys_in_file:
+                e = m.tensors[k]
+                raw = stripe[e.offset:e.offset + e.nbytes]
+                if not zero_copy:
+                    raw = torch.empty(e.nbytes, dtype=torch.uint8).copy_(raw)
+                tensors[k] = raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
+            del stripe  # copied out: its buffer goes now, not at the end of the load
+        return LoadResult(shown_manifest, tensors, time.perf_counter() - t0, backend_used, direct_used)
 
 
 def read_tensors(path: str | os.PathLike, *, keys: set[str] | None = None, verify: bool = True,
                  backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH,
-                 device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None) -> LoadResult:
+                 device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None,
+                 zero_copy: bool = True) -> LoadResult:
     """Open ``path`` and read (a subset of) its tensors once: ``CheckpointDir.read``, with
     device_targets computed from the checkpoint's manifest."""
     with CheckpointDir(path) as ck:
         return ck.read(keys=keys, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
-                       device_targets=device_targets(ck.manifest) if device_targets else None)
+                       device_targets=device_targets(ck.manifest) if device_targets else None, zero_copy=zero_copy)
 
 
 def load_state(path: str | os.PathLike, *, rank: tuple[int, int] | None = None, map_location: Any = "cpu",
                into: Any = None, verify: bool = True, allow_pickle: bool = False, strict: bool = True,
-               backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH) -> Any:
+               backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH,
+               zero_copy: bool = False) -> Any:
     """The nested structure saved at ``path`` (see ``flashwrite.load``); with ``rank`` =
     (rank, group size), that rank's state of a multi-rank checkpoint, reading only its
     stripes. One manifest read, through the directory handle the stripes are read by."""
@@ -226,7 +241,7 @@ def load_state(path: str | os.PathLike, *, rank: tuple[int, int] | None = None, 
         else:
             targets = _map_targets([m.tensors[k] for k in (m.tensors if keys is None else sorted(keys))], map_location)
         res = ck.read(manifest=m, keys=keys, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
-                      device_targets=targets)
+                      device_targets=targets, zero_copy=zero_copy or into is not None)
     if into_flat is not None:
         return _load_into(res, into, into_flat, wrap, strict, allow_pickle)
     return unflatten(m.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)

@@ -38,7 +38,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
           metadata: dict[str, str] | None = None) -> StripeWrite:
     """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
     must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses)."""
-    tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle)
+    tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle, share_storage=True)
     files = plan_files(tensors, stripes, prefix=prefix, metadata=metadata)
     keepalive, segments, streams = _stage_sources(files)
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in files], segments,

@@ -1,0 +1,32 @@
+"""Checkpoints written by earlier format versions keep loading (fixtures under tests/data/).
+
+Each fixture directory was written by the flashwrite of its format version; the
+``.expected.pt`` beside it is the same state written by ``torch.save`` at that time.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same
+
+import flashwrite as fw
+
+DATA = Path(__file__).parent / "data"
+FIXTURES = sorted(p for p in DATA.iterdir() if p.is_dir())
+
+
+def test_fixtures_exist():
+    versions = {json.loads((p / "flashwrite.json").read_text())["format_version"] for p in FIXTURES}
+    assert 1 in versions
+
+
+@pytest.mark.parametrize("fixture", FIXTURES, ids=lambda p: p.name)
+def test_old_checkpoint_loads_byte_exact(fixture, tmp_path):
+    copy = tmp_path / fixture.name  # a copy: O_DIRECT and the load's pinning must not depend on the repo's fs
+    shutil.copytree(fixture, copy)
+    expected = torch.load(fixture.with_name(fixture.name + ".expected.pt"), weights_only=True)
+    assert_same(fw.load(copy), expected)
+    assert fw.verify(copy)["tensors"] >= 1
