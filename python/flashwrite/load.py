@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _core, defaults, dtypes
+from . import _core, defaults, dtypes, foreign
 from . import cuda as _cuda
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from .flatten import flatten, unflatten
@@ -86,11 +86,18 @@ def read_tensors(path: str | os.PathLike, **options: Any) -> LoadResult:
         os.close(dirfd)
 
 
-def _read_tensors(path: str, base: str, *, verify: bool = True, backend: str = "auto", direct: bool = True,
-                  queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, keys: set[str] | None = None,
-                  device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None,
-                  zero_copy: bool = True) -> LoadResult:
-    m = read_manifest(base, shown=path)
+def _read_tensors(path: str, base: str, **options: Any) -> LoadResult:
+    return read_described(path, base, read_manifest(base, shown=path), **options)
+
+
+def read_described(path: str, base: str, m: Manifest, *, verify: bool = True, backend: str = "auto",
+                   direct: bool = True, queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, keys: set[str] | None = None,
+                   device_targets: Callable[[Manifest], dict[str, torch.Tensor]] | None = None,
+                   zero_copy: bool = True, check_headers: bool = True) -> LoadResult:
+    """Read the stripes that ``m`` describes from ``base`` (messages name ``path``).
+    check_headers: cross-check each stripe's safetensors header with ``m`` (off for
+    foreign files, whose headers ``m`` was made from; their tensors may sit at any
+    offset, so they are always copied out: zero_copy must be False)."""
     wanted = set(m.tensors) if keys is None else keys
     file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
     slot = {fi: i for i, fi in enumerate(file_ids)}
@@ -151,7 +158,9 @@ def _read_tensors(path: str, base: str, *, verify: bool = True, backend: str = "
     for i, fi in enumerate(file_ids):
         buf = buffers[i]
         fe = m.files[fi]
-        check_stripe_header(memoryview(buf)[: fe.header_bytes], fe, [e for e in m.tensors.values() if e.file == fi])
+        if check_headers:
+            check_stripe_header(memoryview(buf)[: fe.header_bytes], fe,
+                                [e for e in m.tensors.values() if e.file == fi])
         bases[fi] = torch.frombuffer(buf, dtype=torch.uint8)
     tensors = {}
     for k, t in targets.items():
@@ -185,6 +194,12 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
          queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, process_group: Any = None, zero_copy: bool = False) -> Any:
     """Load a checkpoint and return the nested structure that was saved.
 
+    ``path`` may also be plain safetensors that flashwrite did not write: a
+    ``.safetensors`` file, a directory with a Hugging Face ``*.safetensors.index.json``,
+    or a directory of ``*.safetensors`` files. That returns the flat ``{name: tensor}``
+    dict ``safetensors.torch.load_file`` would (merged across shards), read by the same
+    engine (to CPU, or straight to a GPU with map_location).
+
     map_location: "cpu" (default), a device, a {saved_device: device} dict, or None
     for the devices they were saved from.
     zero_copy: CPU tensors are views of the page-aligned read buffers instead of
@@ -203,6 +218,12 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     a group of the same size (reading only its stripes). Without it, a multi-rank
     checkpoint loads as ``{rank: state}``.
     """
+    if foreign.is_foreign(os.fspath(path)):
+        if into is not None or process_group is not None:
+            raise ValueError(f"{os.fspath(path)} is plain safetensors (not a flashwrite checkpoint): load it without "
+                             "into= or process_group=")
+        return _load_foreign(os.fspath(path), map_location, verify=verify, backend=backend, direct=direct,
+                             queue_depth=queue_depth)
     if process_group is not None:
         from . import distributed
         return distributed.load(path, process_group=process_group, map_location=map_location, into=into,
@@ -214,6 +235,22 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     if into is not None:
         return _load_into(res, into, strict, allow_pickle)
     return unflatten(res.manifest.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
+
+
+def _load_foreign(path: str, map_location: Any, *, verify: bool, **read_options: Any) -> dict:
+    """The flat {name: tensor} of plain safetensors files, like safetensors.torch.load_file's
+    (merged across shards). They carry no checksums: verify has nothing to check."""
+    directory, m = foreign.describe(path)
+    dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        base = f"/proc/self/fd/{dirfd}"
+        res = read_described(path, base if os.path.isdir(base) else directory, m, verify=False,
+                             check_headers=False, zero_copy=False, device_targets=_map_targets(map_location),
+                             **read_options)
+    finally:
+        os.close(dirfd)
+    place = tensor_placer(res, map_location)
+    return {k: place(k) for k in m.tensors}
 
 
 def tensor_placer(res: LoadResult, map_location: Any = "cpu") -> Callable[[str], torch.Tensor]:
