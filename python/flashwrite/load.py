@@ -12,8 +12,8 @@ import os
 import threading
 from typing import Any
 
-from . import defaults, distributed
-from .read import LoadResult, load_state, read_tensors
+from . import defaults, distributed, foreign
+from .read import LoadResult, load_foreign, load_state, read_tensors
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
 
@@ -24,6 +24,12 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
          allow_pickle: bool = False, strict: bool = True, backend: str = "auto", direct: bool = True,
          queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, process_group: Any = None, zero_copy: bool = False) -> Any:
     """Load a checkpoint and return the nested structure that was saved.
+
+    ``path`` may also be plain safetensors that flashwrite did not write: a
+    ``.safetensors`` file, a directory with a Hugging Face ``*.safetensors.index.json``,
+    or a directory of ``*.safetensors`` files. That returns the flat ``{name: tensor}``
+    dict ``safetensors.torch.load_file`` would (merged across shards), read by the same
+    engine (to CPU, or straight to a GPU with map_location).
 
     map_location: "cpu" (default), a device, a {saved_device: device} dict, or None
     for the devices they were saved from.
@@ -45,6 +51,12 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     """
     options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
                    backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
+    if foreign.is_foreign(os.fspath(path)):
+        if into is not None or process_group is not None:
+            raise ValueError(f"{os.fspath(path)} is plain safetensors, not a flashwrite checkpoint: load it without "
+                             "into= or process_group=")
+        return load_foreign(os.fspath(path), map_location=map_location, backend=backend, direct=direct,
+                            queue_depth=queue_depth)
     if process_group is not None:
         return distributed.load(path, process_group=process_group, **options)
     return load_state(path, **options)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _core, defaults, dtypes
+from . import _core, defaults, dtypes, foreign
 from . import cuda as _cuda
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from .flatten import FlatTensor, flatten, unflatten
@@ -64,7 +64,10 @@ class CheckpointDir:
     """A checkpoint directory opened once: ``manifest`` is parsed on opening, and
     ``read`` reads stripes through the same directory handle (any number of times)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike,
+                 describe: Callable[[str, str], Manifest] = lambda base, shown: read_manifest(base, shown=shown)):
+        """describe(base, shown): the manifest of the directory opened at ``base`` (messages
+        name ``shown``); by default its flashwrite.json, or e.g. ``foreign.describe``."""
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
             raise FileNotFoundError(2, "checkpoint directory not found", self.path)
@@ -74,7 +77,7 @@ class CheckpointDir:
             if not os.path.isdir(self.base):  # no /proc: fall back to the path itself
                 self.base = self.path
             with self._user_paths():
-                self.manifest = read_manifest(self.base, shown=self.path)
+                self.manifest = describe(self.base, self.path)
         except BaseException:
             self.close()
             raise
@@ -245,6 +248,20 @@ def load_state(path: str | os.PathLike, *, rank: tuple[int, int] | None = None, 
     if into_flat is not None:
         return _load_into(res, into, into_flat, wrap, strict, allow_pickle)
     return unflatten(m.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
+
+
+def load_foreign(path: str, *, map_location: Any = "cpu", backend: str = "auto", direct: bool = True,
+                 queue_depth: int = defaults.READ_QUEUE_DEPTH) -> dict[str, torch.Tensor]:
+    """The flat {name: tensor} of plain safetensors at ``path`` (see ``foreign``), like
+    ``safetensors.torch.load_file``'s merged across shards. No checksums to verify; each
+    tensor is copied out (its data may sit at any offset) or placed on its GPU."""
+    directory, names = foreign.locate(path)
+    with CheckpointDir(directory, lambda base, shown: foreign.describe(base, shown, names)) as ck:
+        m = ck.manifest
+        res = ck.read(verify=False, backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=False,
+                      device_targets=_map_targets(list(m.tensors.values()), map_location))
+    place = tensor_placer(res, map_location)
+    return {k: place(k) for k in m.tensors}
 
 
 def tensor_placer(res: LoadResult, map_location: Any = "cpu") -> Callable[[str], torch.Tensor]:
