@@ -28,13 +28,18 @@ def cmd_demo(a: argparse.Namespace) -> int:
           f"(GPT-like parameters + Adam moments + optimizer fields) in {os.path.abspath(a.dir)}", flush=True)
     res = runner.compare(a.size, ["torch_save", "flashwrite"], a.dir, rounds=1, isolation="inprocess",
                          device_tool=a.device_tool, drop_caches=not a.no_drop_caches, log=_log(a.quiet))
-    report.print_table(res, plain=a.plain)
+    report.print_table(res, plain=a.plain, targets=False)
     rows = {r["key"]: r for r in res["rows"]}
     fw, ts = rows.get("flashwrite", {}), rows.get("torch_save", {})
     if fw.get("durable_s") and ts.get("durable_s"):
-        print(f"\nflashwrite: training could go on after {fw['stall_s']:.3f} s (torch.save: {ts['stall_s']:.2f} s); "
-              f"durable after {fw['durable_s']:.2f} s, {ts['durable_s'] / fw['durable_s']:.1f}x sooner than torch.save "
-              f"+ fsync; cold load {fw['load_s']:.2f} s vs torch.load {ts['load_s']:.2f} s.")
+        def than(ours: float, theirs: float, what: str) -> str:
+            r = theirs / ours if ours else float("inf")
+            return f"{r:.1f}x sooner than {what}" if r >= 1 else f"{1 / r:.1f}x later than {what}"
+
+        print(f"\nIn short: with flashwrite, training could go on after {fw['stall_s']:.3f} s, where torch.save held "
+              f"it for {ts['stall_s']:.2f} s. The checkpoint was safely on disk after {fw['durable_s']:.2f} s, "
+              f"{than(fw['durable_s'], ts['durable_s'], 'torch.save + fsync')}, and it loaded back from a cold cache "
+              f"in {fw['load_s']:.2f} s, {than(fw['load_s'], ts['load_s'], 'torch.load')}.")
     if a.json:
         report.write_json(res, a.json)
     bad = [r for r in res["rows"] if r.get("status") != "ok" or r.get("load_check") not in ("ok", None)]
@@ -208,6 +213,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    if isinstance(getattr(a, "dir", None), str):
+        try:  # every command that writes under --dir makes it first
+            os.makedirs(a.dir, exist_ok=True)
+        except OSError as e:
+            print(f"error: cannot create --dir {a.dir}: {e.strerror}", file=sys.stderr)
+            return 2
     try:
         return a.func(a)
     except KeyboardInterrupt:

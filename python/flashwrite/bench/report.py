@@ -42,7 +42,9 @@ def title(res: dict) -> str:
             f"{m['cpus']} CPUs; {m['cold_cache']}")
 
 
-def footnotes(res: dict) -> list[str]:
+def footnotes(res: dict, targets: bool = True) -> list[str]:
+    """The notes under the table; targets: also the project's own pass/fail target lines
+    (for `flashwrite bench`; the demo, a user's tool, leaves them out)."""
     out = ["stall: seconds the caller could not touch its tensors; durable: until fsync'd (and committed); "
            "x device: device-limit time / contender time (1.0 = at the device limit).",
            f"device limit: {res['device']['tool']}, same bytes, same run (write + fsync, then cold read)."]
@@ -61,15 +63,15 @@ def footnotes(res: dict) -> list[str]:
             f = r["first"]
             what.append(f"first save (warm-up, not in the table): stall {f['stall_s']:.3f} s, "
                         f"durable {f['durable_s']:.2f} s, RSS +{f['rss_growth'] / GiB:.2f} GiB")
-        if r.get("load_check") not in (None, "ok"):
+        if r.get("load_check") not in (None, "ok", "-"):  # "-": loads were not run
             what.append(f"LOAD CHECK FAILED: {r['load_check']}")
         out.append(f"{r['name']}: " + "; ".join(what))
-    for t in res.get("targets", []):
+    for t in res.get("targets", []) if targets else ():
         out.append(f"target {'met ' if t['met'] else 'MISSED'}: {t['target']}: {t['detail']}")
     return out
 
 
-def print_table(res: dict, file: TextIO | None = None, plain: bool = False) -> None:
+def print_table(res: dict, file: TextIO | None = None, plain: bool = False, targets: bool = True) -> None:
     file = file or sys.stdout
     rows = table_rows(res)
     if not plain:
@@ -87,12 +89,12 @@ def print_table(res: dict, file: TextIO | None = None, plain: bool = False) -> N
         probe = Console(file=file)
         con = Console(file=file, width=probe.width if probe.is_terminal else 160)
         con.print(t)
-        for n in footnotes(res):
+        for n in footnotes(res, targets):
             con.print(n, markup=False, highlight=False)
         return
     print(title(res), file=file)
     print(format_plain(rows), file=file)
-    for n in footnotes(res):
+    for n in footnotes(res, targets):
         print(n, file=file)
 
 
