@@ -133,9 +133,14 @@ def _write_durable(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite: bool) -> None:
+def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite: bool,
+             extra: dict[str, bytes] | None = None) -> None:
+    """Commit: ``extra`` files (e.g. config.json), the index and the manifest, each
+    fsync'd, the manifest last; fsync the directory; rename it into place; fsync the parent."""
     final = os.path.abspath(final)
     parent = os.path.dirname(final)
+    for name, data in (extra or {}).items():
+        _write_durable(os.path.join(tmp, name), data)
     if index is not None:
         _write_durable(os.path.join(tmp, INDEX_NAME), json.dumps(index, indent=1).encode())
     _write_durable(os.path.join(tmp, MANIFEST_NAME), json.dumps(manifest, separators=(",", ":")).encode())

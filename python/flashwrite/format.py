@@ -100,7 +100,7 @@ def assemble(files: list[dict], tensors: dict[str, dict], aliases: dict[str, str
 
 def build_manifest(files: list[PlannedFile], checksums: dict[str, list[int]], aliases: dict[str, str], tree: Any,
                    block_bytes: int, writer_version: str, metadata: dict[str, str] | None = None,
-                   rank_info: dict | None = None) -> dict:
+                   rank_info: dict | None = None, hf: dict | None = None) -> dict:
     tensors = {}
     for i, f in enumerate(files):
         for p in f.tensors:
@@ -110,14 +110,18 @@ def build_manifest(files: list[PlannedFile], checksums: dict[str, list[int]], al
                 "checksums": [f"{h:016x}" for h in checksums[p.key]],
             }
     return assemble([{"name": f.name, "size": f.size, "header_bytes": len(f.header)} for f in files], tensors,
-                    aliases, tree, block_bytes, writer_version, metadata, ranks=rank_info or None)
+                    aliases, tree, block_bytes, writer_version, metadata, ranks=rank_info or None, hf=hf)
 
 
 def build_index(m: dict) -> dict:
+    """Hugging Face's model.safetensors.index.json: every tensor, or with an ``hf``
+    section (``hf_model=``) only the model's, so from_pretrained sees just the model."""
     names = [f["name"] for f in m["files"]]
+    listed = set(m["hf"]["files"]) if m.get("hf") else set(names)
+    mine = {k: t for k, t in m["tensors"].items() if names[t["file"]] in listed}
     return {
-        "metadata": {"total_size": sum(t["nbytes"] for t in m["tensors"].values())},
-        "weight_map": {k: names[t["file"]] for k, t in m["tensors"].items()},
+        "metadata": {"total_size": sum(t["nbytes"] for t in mine.values())},
+        "weight_map": {k: names[t["file"]] for k, t in mine.items()},
     }
 
 

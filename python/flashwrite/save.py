@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import _core, commit, defaults, distributed, tuning
+from . import _core, commit, defaults, distributed, hf, tuning
 from . import write as _write
 from .format import build_index
 from .future import SaveFuture, SaveStats
@@ -97,14 +97,15 @@ class Writer:
             return self._executor
 
     def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
-                      allow_pickle: bool = False, metadata: dict[str, str] | None = None) -> StripeWrite:
+                      allow_pickle: bool = False, metadata: dict[str, str] | None = None,
+                      hf_model: str | None = None) -> StripeWrite:
         """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
         must exist; nothing is committed). The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
         settings = self._settings_for(directory)
         sw = _write.start(self._engine, state_dict, directory, t0, stripes=settings["stripes"], backend=self.backend,
                           queue_depth=settings["queue_depth"], copy_threads=self.copy_threads, direct=self.direct,
-                          prefix=prefix, allow_pickle=allow_pickle, metadata=metadata)
+                          prefix=prefix, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model)
         sw.stats.settings = settings
         return sw
 
@@ -124,7 +125,8 @@ class Writer:
 
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, overwrite: bool = False, block: bool = True,
                    allow_pickle: bool = False, metadata: dict[str, str] | None = None, process_group: Any = None,
-                   coordination_group: Any = None, timeout: float | None = None) -> SaveFuture:
+                   coordination_group: Any = None, timeout: float | None = None, hf_model: str | None = None,
+                   hf_config: Any = None) -> SaveFuture:
         """Snapshot ``state_dict`` and write it to ``path`` in the background.
 
         Returns once every tensor is copied into the staging pool (block=True):
@@ -137,7 +139,17 @@ class Writer:
         written by every rank of the group (see ``flashwrite.distributed``; every
         rank calls this; ``timeout`` bounds how long a rank waits for a silent peer,
         ``coordination_group`` supplies flashwrite's gloo group for subgroups).
+
+        hf_model: the key of a model's state dict in ``state_dict`` (e.g. "model"): its
+        tensors are stored under their own names in the stripes that
+        model.safetensors.index.json lists, so ``from_pretrained(path)`` loads the model
+        while ``flashwrite.load(path)`` returns the whole state. hf_config: a
+        ``PretrainedConfig`` or dict, written as config.json.
         """
+        if (hf_model is not None or hf_config is not None) and (process_group is not None
+                                                                 or coordination_group is not None):
+            raise ValueError("hf_model= and hf_config= apply to single-process saves")
+        config = hf.config_bytes(hf_config) if hf_config is not None else None
         if process_group is not None or coordination_group is not None:
             return distributed.save_async(self, state_dict, path, process_group=process_group,
                                           coordination_group=coordination_group, timeout=timeout,
@@ -151,7 +163,8 @@ class Writer:
         path = os.path.abspath(os.fspath(path))
         tmp = commit.prepare(path, overwrite)
         try:
-            sw = self.write_stripes(state_dict, tmp, t0, allow_pickle=allow_pickle, metadata=metadata)
+            sw = self.write_stripes(state_dict, tmp, t0, allow_pickle=allow_pickle, metadata=metadata,
+                                    hf_model=hf_model)
         except BaseException:
             commit.discard(tmp)
             raise
@@ -162,7 +175,8 @@ class Writer:
             sw.job.wait()
             commit_gate()
             manifest = sw.wait_durable()
-            commit.finalize(tmp, path, manifest, build_index(manifest), overwrite)
+            commit.finalize(tmp, path, manifest, build_index(manifest), overwrite,
+                            extra={hf.CONFIG_NAME: config} if config is not None else None)
             sw.stats.total_s = time.perf_counter() - t0
             log.debug("saved %s: %.3f GB in %.3f s (stall %.3f s, %s, direct=%s)", path, sw.stats.bytes / 1e9,
                       sw.stats.total_s, sw.stats.stall_s or 0, sw.stats.backend, sw.stats.direct)

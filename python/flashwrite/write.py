@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _core
+from . import _core, hf
 from . import cuda as _cuda
 from .flatten import flatten
 from .format import build_manifest
@@ -35,18 +35,30 @@ class StripeWriter(Protocol):
 
 def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: int, backend: str, queue_depth: int,
           copy_threads: int, direct: bool, prefix: str = "model", allow_pickle: bool = False,
-          metadata: dict[str, str] | None = None) -> StripeWrite:
+          metadata: dict[str, str] | None = None, hf_model: str | None = None) -> StripeWrite:
     """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
-    must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses)."""
+    must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses).
+    hf_model: the key of a model state dict whose tensors get stripes of their own,
+    under their own names, for Hugging Face's index (see ``hf.py``)."""
     tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle, share_storage=True)
-    files = plan_files(tensors, stripes, prefix=prefix, metadata=metadata)
+    hf_section = None
+    if hf_model is None:
+        files = plan_files(tensors, stripes, prefix=prefix, metadata=metadata)
+    else:
+        model, rest = hf.split(state_dict, tree, tensors, aliases, hf_model)
+        files = plan_files(model, stripes, prefix=hf.MODEL_PREFIX, metadata=metadata)
+        hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
+        if rest:
+            files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
     keepalive, segments, streams = _stage_sources(files)
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in files], segments,
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams)
     if streams and engine.pin_error:
         _warn_unpinned(engine.pin_error)
     stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files))
-    return StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
+    sw = StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
+    sw.hf_section = hf_section
+    return sw
 
 
 def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int, int, int, int]], list[tuple[int, int]]]:
@@ -90,6 +102,7 @@ class StripeWrite:
                  metadata: dict | None, stats: SaveStats, t0: float, direct: bool):
         self.engine, self.job, self.files, self.tree = engine, job, files, tree
         self.aliases, self.metadata, self.stats, self.t0, self.direct = aliases, metadata, stats, t0, direct
+        self.hf_section: dict | None = None  # which stripes Hugging Face's index lists (hf_model=)
 
     def wait_durable(self) -> dict:
         """Wait until every stripe is written and fsync'd (raising what failed) and
@@ -107,7 +120,7 @@ class StripeWrite:
         sums = iter(job.checksums())  # one list per non-empty tensor, in plan order
         by_key = {p.key: (next(sums) if p.nbytes else []) for f in self.files for p in f.tensors}
         return build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
-                              _core.__version__, self.metadata)
+                              _core.__version__, self.metadata, hf=self.hf_section)
 
     def stop(self) -> None:
         """Cancel the writes still running and wait for the job to end."""
