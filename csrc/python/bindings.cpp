@@ -9,12 +9,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
 
 #include "core/checksum.hpp"
+#include "core/defaults.hpp"
 #include "core/error.hpp"
 #include "io/backend.hpp"
 #include "io/files.hpp"
@@ -34,15 +36,19 @@ using namespace fw;
 
 namespace {
 
-// Waits in 50 ms slices without the GIL, checking for signals in between.
+// Waits in short slices without the GIL, checking for signals in between.
+// The time left is kept in double seconds and never converted to a clock
+// duration: a timeout of inf, 1e300 or 1e10 s just never runs out (converting
+// it to nanoseconds overflows). NaN is refused; negative means poll once.
 template <typename F>
 bool wait_interruptible(F&& wait_for, std::optional<double> timeout) {
+  if (timeout && std::isnan(*timeout)) throw py::value_error("timeout must be a number of seconds or None, not NaN");
   using clock = std::chrono::steady_clock;
-  auto deadline = timeout ? clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(*timeout))
-                          : clock::time_point::max();
+  const auto start = clock::now();
+  auto left = [&] { return *timeout - std::chrono::duration<double>(clock::now() - start).count(); };
   for (;;) {
-    double slice = 0.05;
-    if (timeout) slice = std::max(0.0, std::min(slice, std::chrono::duration<double>(deadline - clock::now()).count()));
+    double slice = defaults::kWaitSliceS;
+    if (timeout) slice = std::max(0.0, std::min(slice, left()));
     bool ok;
     {
       py::gil_scoped_release nogil;
@@ -50,7 +56,7 @@ bool wait_interruptible(F&& wait_for, std::optional<double> timeout) {
     }
     if (ok) return true;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    if (timeout && clock::now() >= deadline) return false;
+    if (timeout && left() <= 0) return false;
   }
 }
 

@@ -5,7 +5,6 @@
 
 #include "core/checksum.hpp"
 #include "core/error.hpp"
-#include "core/wait.hpp"
 #include "io/files.hpp"
 
 namespace fw {
@@ -23,22 +22,17 @@ LoadJob::LoadJob(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> piece
 }
 
 LoadJob::~LoadJob() {
-  if (control_.joinable()) {
+  // Here, not in ctl_'s destructor: the control thread uses members declared after ctl_.
+  if (ctl_.started()) {
     cancel();
-    control_.join();
+    ctl_.wait(-1);
   }
   for (int fd : fds_) close_fd(fd);
 }
 
-void LoadJob::fail(std::exception_ptr e) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!error_) error_ = e;
-  }
-  cancel_ = true;
-}
+void LoadJob::fail(std::exception_ptr e) { ctl_.fail(std::move(e)); }
 
-void LoadJob::cancel() { fail(std::make_exception_ptr(std::runtime_error("load cancelled"))); }
+void LoadJob::cancel() { ctl_.cancel(); }
 
 void LoadJob::start() {
   t0_ = std::chrono::steady_clock::now();
@@ -94,7 +88,12 @@ void LoadJob::start() {
       to_device_[i] = opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
   backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
   backend_name_ = backend_->name();
-  control_ = std::thread([this] { run(); });
+  try {
+    ctl_.start([this] { run(); });
+  } catch (...) {
+    backend_.reset();
+    throw;
+  }
 }
 
 void LoadJob::on_io(IoRequest* r, int64_t res) {
@@ -111,7 +110,7 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
     return;
   }
   if (!chunk_pieces_[r->tag].empty() || to_device_[r->tag]) {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     verify_queue_.push_back(static_cast<uint32_t>(r->tag));
     verify_cv_.notify_one();
   }
@@ -121,7 +120,7 @@ void LoadJob::verify_worker() {
   for (;;) {
     uint32_t ci;
     {
-      std::unique_lock<std::mutex> lk(mu_);
+      std::unique_lock<std::mutex> lk(ctl_.mutex());
       verify_cv_.wait(lk, [&] { return reads_done_ || !verify_queue_.empty(); });
       if (verify_queue_.empty()) return;
       ci = verify_queue_.front();
@@ -135,14 +134,14 @@ void LoadJob::verify_worker() {
       uint64_t h = checksum(data, p.len);
       if (h != p.expected) {
         ok = false;
-        std::lock_guard<std::mutex> lk(mu_);
+        std::lock_guard<std::mutex> lk(ctl_.mutex());
         mismatches_.push_back({pi, h});
       }
     }
     if (to_device_[ci]) {
       // Verified before it is copied: damaged bytes never reach a GPU tensor.
       uint32_t f = file_of_request_[ci];
-      opt_.placer->place(f, r.offset, r.want, r.buf, buffers_[f]->data() + r.offset, ok && !cancel_.load());
+      opt_.placer->place(f, r.offset, r.want, r.buf, buffers_[f]->data() + r.offset, ok && !ctl_.cancelled());
     }
   }
 }
@@ -159,11 +158,11 @@ void LoadJob::run() {
     }
   }
   for (auto& r : requests_) {
-    if (cancel_.load()) break;
+    if (ctl_.cancelled()) break;
     if (to_device_[r.tag]) {
       // A pinned bounce slot: waits here while every slot is being read,
       // verified or copied to a GPU, which paces reading to the H2D copies.
-      r.buf = opt_.placer->acquire(&cancel_);
+      r.buf = opt_.placer->acquire(&ctl_.cancel_flag());
       if (!r.buf) break;
       backend_->submit(&r);
       continue;
@@ -177,7 +176,7 @@ void LoadJob::run() {
   backend_->drain();
   backend_.reset();
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     reads_done_ = true;
   }
   verify_cv_.notify_all();
@@ -191,29 +190,18 @@ void LoadJob::run() {
   }
   for (int fd : fds_) close_fd(fd);
   fds_.clear();
-  {
-    std::lock_guard<std::mutex> lk(mu_);
+  ctl_.finish([&] {
     std::sort(mismatches_.begin(), mismatches_.end(), [](const Mismatch& a, const Mismatch& b) { return a.piece < b.piece; });
     done_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
-    done_ = true;
-  }
-  cv_.notify_all();
+  });
 }
 
-bool LoadJob::wait(double timeout_s) {
-  if (!control_.joinable() && !done_) return true;
-  bool ok = wait_for_flag(mu_, cv_, done_, timeout_s);
-  if (ok) join_once(control_, join_once_);
-  return ok;
-}
+bool LoadJob::wait(double timeout_s) { return ctl_.wait(timeout_s); }
 
-void LoadJob::rethrow() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (error_) std::rethrow_exception(error_);
-}
+void LoadJob::rethrow() const { ctl_.rethrow(); }
 
 std::vector<Mismatch> LoadJob::mismatches() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<std::mutex> lk(ctl_.mutex());
   return mismatches_;
 }
 

@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "core/aligned_buffer.hpp"
+#include "core/defaults.hpp"
+#include "core/job_control.hpp"
 #include "io/backend.hpp"
 
 namespace fw {
@@ -56,9 +58,9 @@ class ChunkPlacer {
 
 struct LoadOptions {
   BackendKind backend = BackendKind::Auto;
-  unsigned queue_depth = 16;
-  uint64_t chunk_bytes = 8 << 20;  // multiple of every piece-aligning block
-  unsigned verify_threads = 2;
+  unsigned queue_depth = defaults::kReadQueueDepth;
+  uint64_t chunk_bytes = defaults::kReadChunkBytes;  // multiple of every piece-aligning block
+  unsigned verify_threads = defaults::kVerifyThreads;
   bool direct = true;
   std::shared_ptr<ChunkPlacer> placer;  // set when some tensors go to GPUs
 };
@@ -69,7 +71,7 @@ class LoadJob {
   ~LoadJob();
   void start();
   bool wait(double timeout_s);
-  void cancel();
+  void cancel();  // no-op once the load is done
   void rethrow() const;
   std::vector<std::shared_ptr<AlignedBuffer>> buffers() const { return buffers_; }
   std::vector<Mismatch> mismatches() const;
@@ -96,17 +98,14 @@ class LoadJob {
   std::string backend_name_;
   unsigned files_direct_ = 0;
 
-  std::atomic<bool> cancel_{false}, done_{false};
+  // Fail, cancel, done, wait, join; its mutex guards the state below.
+  JobControl ctl_{"load cancelled"};
   double done_s_ = -1;
   std::chrono::steady_clock::time_point t0_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_, verify_cv_;
+  std::condition_variable verify_cv_;
   std::deque<uint32_t> verify_queue_;
   bool reads_done_ = false;
   std::vector<Mismatch> mismatches_;
-  std::exception_ptr error_;
-  std::thread control_;
-  std::once_flag join_once_;
 };
 
 }  // namespace fw
