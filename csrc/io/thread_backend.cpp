@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/defaults.hpp"
 #include "io/backend.hpp"
 
 namespace fw {
@@ -19,7 +20,7 @@ class ThreadBackend final : public IoBackend {
  public:
   // queue_depth threads, each with one blocking request in flight.
   ThreadBackend(unsigned qd, IoCallback cb) : cb_(std::move(cb)) {
-    unsigned n = std::min(qd, 32u);
+    unsigned n = std::min(qd, defaults::kThreadBackendMaxThreads);
     for (unsigned i = 0; i < n; ++i) workers_.emplace_back([this] { run(); });
   }
   ~ThreadBackend() override {

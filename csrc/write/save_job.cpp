@@ -204,7 +204,7 @@ void SaveJob::stage_device_chunks() {
   try {
     // Enough batches in flight to keep the copy engine busy while the oldest
     // chunks are checksummed and written.
-    pipe = std::make_unique<CopyPipeline>(opt_.copy_streams, CopyDirection::DeviceToHost, 64);
+    pipe = std::make_unique<CopyPipeline>(opt_.copy_streams, CopyDirection::DeviceToHost, defaults::kD2hBatchesInFlight);
     pipe->order_after(opt_.wait_streams);
   } catch (...) {
     fail(std::current_exception());
