@@ -25,7 +25,8 @@
 //
 // Environment: FAKE_CUDART_DEVICES (default 1), FAKE_CUDART_COPY_DELAY_US (per
 // copy), FAKE_CUDART_FAIL_COPY (the N-th cudaMemcpyAsync returns
-// cudaErrorIllegalAddress), FAKE_CUDART_FAIL_REGISTER=1 (cudaHostRegister fails),
+// cudaErrorIllegalAddress), FAKE_CUDART_FAIL_RECORD (the N-th cudaEventRecord
+// fails likewise), FAKE_CUDART_FAIL_REGISTER=1 (cudaHostRegister fails),
 // FAKE_CUDART_ALLOW_PAGEABLE=1 (see above).
 // Build: c++ -std=c++17 -O1 -shared -fPIC -o libfakecudart.so fake_cudart.cpp -lpthread
 #include <sys/mman.h>
@@ -308,6 +309,8 @@ int cudaEventDestroy(void* e) {
   return 0;
 }
 int cudaEventRecord(void* e, void* s) {
+  static std::atomic<int> records{0};
+  if (++records == env_int("FAKE_CUDART_FAIL_RECORD", 0)) return 700;  // cudaErrorIllegalAddress
   auto* ev = static_cast<Event*>(e);
   unsigned long long gen;
   {

@@ -163,6 +163,73 @@ def scenario_pool_property(d, seed):
     return {"hung": False, **outcomes}
 
 
+def scenario_record_fails(d):
+    """A batch whose cudaEventRecord failed carries no event: the landing thread
+    synchronizes the stream instead. The save fails with the CUDA error, every slot
+    comes back, the next save on the engine works."""
+    eng = _core.Engine(MiB, 4 * MiB)
+    job, _ = save(eng, os.path.join(d, "bad"), [Source(8 * MiB, 6, 0), Source(MiB, 7)], [(0, 0)])
+    finished = job.wait(30)
+    try:
+        job.rethrow()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    os.environ.pop("FAKE_CUDART_FAIL_RECORD")  # read per call by the stand-in
+    job2, want = save(eng, os.path.join(d, "good"), [Source(8 * MiB, 6, 0), Source(MiB, 7)], [(0, 0)])
+    ok = job2.wait(30)
+    job2.rethrow()
+    return {"finished": finished, "error": error, "second_ok": ok and open(os.path.join(d, "good"), "rb").read() == want,
+            "pool_bytes": eng.pool_bytes}
+
+
+def scenario_threads_fail(d):
+    """Under tests/fault_pthread_create.c: thread creation fails at every point of a
+    save's start and run in turn. Each attempt raises or fails its job, never crashes
+    or hangs, and leaves no file descriptor behind."""
+    src = Source(2 * MiB, 8)
+    eng = _core.Engine(MiB)
+
+    def attempt(name, backend):
+        return eng.start_save([(os.path.join(d, name), b"", len(src.data))], [(src.addr, len(src.data), 0, 0)],
+                              [src], backend=backend, queue_depth=4, copy_threads=2)
+
+    job = attempt("warm", "auto")
+    assert job.wait(30)
+    job.rethrow()
+    del job
+    nfds = len(os.listdir("/proc/self/fd"))
+    results = []
+    for backend in ("threads", "auto"):
+        for k in range(10):
+            name = f"{backend}-{k}"
+            os.environ["FAULT_PTHREAD_CREATE_OK"] = str(k)
+            try:
+                job = attempt(name, backend)
+                finished = job.wait(30)
+                try:
+                    job.rethrow()
+                    outcome = "ok"
+                except Exception as e:
+                    outcome = "failed: " + type(e).__name__
+                del job
+            except Exception as e:
+                finished, outcome = True, "refused: " + type(e).__name__
+            finally:
+                del os.environ["FAULT_PTHREAD_CREATE_OK"]
+            results.append([backend, k, finished, outcome])
+            if not finished:
+                print(json.dumps({"hung": results}), flush=True)
+                os._exit(3)
+            if os.path.exists(os.path.join(d, name)):
+                os.unlink(os.path.join(d, name))
+    job = attempt("after", "auto")
+    assert job.wait(30)
+    job.rethrow()
+    del job
+    return {"results": results, "fds_before": nfds, "fds_after": len(os.listdir("/proc/self/fd"))}
+
+
 if __name__ == "__main__":
     name, d = sys.argv[1], sys.argv[2]
     args = [int(a) for a in sys.argv[3:]]

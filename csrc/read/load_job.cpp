@@ -1,6 +1,7 @@
 #include "read/load_job.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <stdexcept>
 
 #include "core/checksum.hpp"
@@ -28,6 +29,7 @@ LoadJob::~LoadJob() {
     ctl_.wait(-1);
   }
   for (int fd : fds_) close_fd(fd);
+  for (int fd : buffered_fds_) close_fd(fd);
 }
 
 void LoadJob::fail(std::exception_ptr e) { ctl_.fail(std::move(e)); }
@@ -41,6 +43,8 @@ void LoadJob::start() {
   for (auto& spec : specs_) {
     OpenedFile of = open_for_read(spec.path, opt_.direct);
     fds_.push_back(of.fd);
+    buffered_fds_.push_back(-1);
+    opened_direct_.push_back(of.direct);
     files_direct_ += of.direct;
     uint64_t actual = file_size(of.fd, spec.path);
     if (actual != spec.size)
@@ -96,8 +100,40 @@ void LoadJob::start() {
   }
 }
 
+// The file system took O_DIRECT at open but refuses a read (EINVAL), or a short
+// read left the request at an unaligned offset, which O_DIRECT refuses: the file
+// is read buffered from here on, this request resumed where it stopped, as the
+// save path does for writes. Requests already in flight on the direct fd come
+// back the same way and are retried too. Returns false when there is nothing
+// left to fall back to.
+bool LoadJob::fall_back_to_buffered(IoRequest* r, uint32_t f) {
+  std::lock_guard<std::mutex> lk(fallback_mu_);
+  if (buffered_fds_[f] < 0) {
+    buffered_fds_[f] = open_for_read(specs_[f].path, false).fd;
+    if (opened_direct_[f]) files_direct_ -= 1;
+  }
+  if (r->fd == buffered_fds_[f]) return false;
+  r->fd = buffered_fds_[f];
+  backend_->resubmit(r);
+  return true;
+}
+
+int LoadJob::read_fd(uint32_t f) {
+  std::lock_guard<std::mutex> lk(fallback_mu_);
+  return buffered_fds_[f] >= 0 ? buffered_fds_[f] : fds_[f];
+}
+
 void LoadJob::on_io(IoRequest* r, int64_t res) {
   const uint32_t f = file_of_request_[r->tag];
+  if (res == -EINVAL && opt_.direct) {
+    try {
+      if (fall_back_to_buffered(r, f)) return;
+    } catch (...) {
+      if (to_device_[r->tag]) opt_.placer->discard(r->buf);
+      fail(std::current_exception());
+      return;
+    }
+  }
   if ((res < 0 || static_cast<uint64_t>(res) < r->want) && to_device_[r->tag]) opt_.placer->discard(r->buf);
   if (res < 0) {
     fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "read", specs_[f].path,
@@ -147,9 +183,16 @@ void LoadJob::verify_worker() {
 }
 
 void LoadJob::run() {
+  // A thread that cannot be started must not escape this one (that would
+  // terminate the process): the load fails instead.
   std::vector<std::thread> verifiers;
-  for (unsigned i = 0; i < opt_.verify_threads && (!pieces_.empty() || opt_.placer); ++i)
-    verifiers.emplace_back([this] { verify_worker(); });
+  try {
+    for (unsigned i = 0; i < opt_.verify_threads && (!pieces_.empty() || opt_.placer); ++i)
+      verifiers.emplace_back([this] { verify_worker(); });
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  const bool verify_inline = verifiers.empty() && (!pieces_.empty() || opt_.placer);
   if (opt_.placer) {
     try {
       opt_.placer->begin();
@@ -159,6 +202,7 @@ void LoadJob::run() {
   }
   for (auto& r : requests_) {
     if (ctl_.cancelled()) break;
+    r.fd = read_fd(file_of_request_[r.tag]);
     if (to_device_[r.tag]) {
       // A pinned bounce slot: waits here while every slot is being read,
       // verified or copied to a GPU, which paces reading to the H2D copies.
@@ -180,6 +224,7 @@ void LoadJob::run() {
     reads_done_ = true;
   }
   verify_cv_.notify_all();
+  if (verify_inline) verify_worker();  // drains what was queued (slots go back to the placer)
   for (auto& t : verifiers) t.join();
   if (opt_.placer) {
     try {
@@ -189,7 +234,9 @@ void LoadJob::run() {
     }
   }
   for (int fd : fds_) close_fd(fd);
+  for (int fd : buffered_fds_) close_fd(fd);
   fds_.clear();
+  buffered_fds_.clear();
   ctl_.finish([&] {
     std::sort(mismatches_.begin(), mismatches_.end(), [](const Mismatch& a, const Mismatch& b) { return a.piece < b.piece; });
     done_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();

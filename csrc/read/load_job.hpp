@@ -60,26 +60,31 @@ class LoadJob {
   std::vector<Mismatch> mismatches() const;
   double elapsed_s() const { return done_s_; }
   std::string backend() const { return backend_name_; }
-  unsigned files_direct() const { return files_direct_; }
+  unsigned files_direct() const { return files_direct_.load(); }
 
  private:
   void run();
   void on_io(IoRequest* r, int64_t res);
   void verify_worker();
   void fail(std::exception_ptr e);
+  bool fall_back_to_buffered(IoRequest* r, uint32_t file);
+  int read_fd(uint32_t file);
 
   std::vector<ReadFileSpec> specs_;
   std::vector<VerifyPiece> pieces_;
   LoadOptions opt_;
   std::vector<std::shared_ptr<AlignedBuffer>> buffers_;
-  std::vector<int> fds_;
+  std::vector<int> fds_;           // as opened (O_DIRECT where the file system took it)
+  std::vector<char> opened_direct_;
+  std::vector<int> buffered_fds_;  // per file: -1, or the buffered fd after a fallback
+  std::mutex fallback_mu_;
   std::vector<IoRequest> requests_;
   std::vector<uint32_t> file_of_request_;  // per request (by tag)
   std::vector<char> to_device_;  // per request: read into a placer slot
   std::vector<std::vector<uint32_t>> chunk_pieces_;  // per request: pieces inside it
   std::unique_ptr<IoBackend> backend_;
   std::string backend_name_;
-  unsigned files_direct_ = 0;
+  std::atomic<unsigned> files_direct_{0};
 
   // Fail, cancel, done, wait, join; its mutex guards the state below.
   JobControl ctl_{"load cancelled"};

@@ -158,22 +158,28 @@ void CopyPipeline::land() {
     }
     const Runtime& rt = runtime();
     for (auto& [dev, ev] : b.events) {
-      cudaError_t e;
-      std::string what;
+      // Nothing may leave this thread: a throw here (stream() when a batch
+      // carries no event, give_event's allocation) would terminate the process.
       try {
-        use_device(dev);  // never let this thread fall back to device 0's context
+        cudaError_t e;
+        std::string what;
+        try {
+          use_device(dev);  // never let this thread fall back to device 0's context
+        } catch (...) {
+        }
+        if (ev) {
+          e = rt.EventSynchronize(ev);
+          what = "cudaEventSynchronize";
+          cudaEvent_t done = ev;
+          ev = nullptr;
+          streams_->give_event(dev, done);
+        } else {
+          e = rt.StreamSynchronize(streams_->stream(dev));
+          what = "cudaStreamSynchronize";
+        }
+        if (e != cudaSuccess) throw CudaError(e, what + " after copies on cuda:" + std::to_string(dev));
       } catch (...) {
-      }
-      if (ev) {
-        e = rt.EventSynchronize(ev);
-        what = "cudaEventSynchronize";
-        streams_->give_event(dev, ev);
-      } else {
-        e = rt.StreamSynchronize(streams_->stream(dev));
-        what = "cudaStreamSynchronize";
-      }
-      if (e != cudaSuccess) {
-        fail(std::make_exception_ptr(CudaError(e, what + " after copies on cuda:" + std::to_string(dev))));
+        fail(std::current_exception());
         b.ok = false;
       }
     }

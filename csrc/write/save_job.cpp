@@ -333,10 +333,25 @@ void SaveJob::finish_files() {
 }
 
 void SaveJob::run() {
+  // A thread that cannot be started must not escape this one (that would
+  // terminate the process): the save fails, or runs with fewer copy threads.
   std::thread d2h;
-  if (!device_chunks_.empty()) d2h = std::thread([this] { stage_device_chunks(); });
+  if (!device_chunks_.empty()) {
+    try {
+      d2h = std::thread([this] { stage_device_chunks(); });
+    } catch (...) {
+      fail(std::current_exception());
+      std::lock_guard<std::mutex> lk(ctl_.mutex());
+      d2h_done_ = true;
+    }
+  }
   std::vector<std::thread> workers;
-  for (unsigned i = 0; i < opt_.copy_threads; ++i) workers.emplace_back([this] { copy_worker(); });
+  try {
+    for (unsigned i = 0; i < opt_.copy_threads; ++i) workers.emplace_back([this] { copy_worker(); });
+  } catch (...) {
+    if (workers.empty()) fail(std::current_exception());
+  }
+  if (workers.empty()) copy_worker();  // returns at once after a failure
   if (d2h.joinable()) d2h.join();  // every GPU copy has landed or failed
   for (auto& t : workers) t.join();
   {
