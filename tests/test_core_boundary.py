@@ -66,3 +66,18 @@ def test_binding_default_arguments_use_the_header():
     assert re.search(rf"queue_depth: [^=]+= {d['read_queue_depth']},", load_sig), load_sig
     assert re.search(rf"chunk_bytes: [^=]+= {d['read_chunk_bytes']},", load_sig), load_sig
     assert re.search(rf"copy_threads: [^=]+= {d['copy_threads']},", save_sig), save_sig
+
+
+def test_csrc_layers_include_only_downwards():
+    # core <- io, shim <- stage <- write, read <- engine <- python (bindings).
+    csrc = pathlib.Path(STUB).parents[2] / "csrc"
+    allowed = {"core": {"core"}, "io": {"core", "io"}, "shim": {"core", "shim"},
+               "stage": {"core", "io", "shim", "stage"}, "write": {"core", "io", "shim", "stage", "write"},
+               "read": {"core", "io", "shim", "stage", "read"},
+               "engine": {"core", "io", "shim", "stage", "write", "read", "engine"}}
+    for f in csrc.rglob("*.[ch]pp"):
+        layer = f.parent.name
+        if layer not in allowed:
+            continue
+        for inc in re.findall(r'#include "([a-z_]+)/', f.read_text()):
+            assert inc in allowed[layer], f"{f.relative_to(csrc)} includes from {inc}/"
