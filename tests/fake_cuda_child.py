@@ -1,6 +1,8 @@
 """Scenarios run in a child process whose FLASHWRITE_CUDA_RUNTIME is tests/fake_cudart.cpp
-(built by test_cuda.py): "device memory" is host memory, so the native D2H/H2D engine runs
-end to end on a machine without a GPU. Each scenario prints one JSON line.
+(built by test_cuda.py), so the native D2H/H2D engine runs end to end on a machine without
+a GPU. "Device memory" comes from the stand-in's allocator: the CPU cannot touch it (the
+scenarios fill and read it with fake_cudart_poke/peek), and the stand-in refuses copies in
+the wrong direction or with unregistered host memory. Each scenario prints one JSON line.
 
 Usage: python fake_cuda_child.py SCENARIO DIR
 """
@@ -21,6 +23,34 @@ from flashwrite.plan import plan_files
 fake = ctypes.CDLL(os.environ["FLASHWRITE_CUDA_RUNTIME"])  # the same handle the engine uses
 fake.fake_cudart_enqueue_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
 fake.fake_cudart_stream_create.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+fake.fake_cudart_malloc.restype = ctypes.c_void_p
+fake.fake_cudart_malloc.argtypes = [ctypes.c_size_t]
+fake.fake_cudart_poke.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+fake.fake_cudart_peek.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def to_device(t: torch.Tensor) -> int:
+    """A stand-in device copy of t's bytes; returns its address (valid for the process)."""
+    t = t.contiguous()
+    n = t.numel() * t.element_size()
+    addr = fake.fake_cudart_malloc(max(n, 1))
+    assert addr, "fake_cudart_malloc failed"
+    if n:
+        assert fake.fake_cudart_poke(addr, t.data_ptr(), n) == 0
+    return addr
+
+
+def device_zeros(n: int) -> int:
+    addr = fake.fake_cudart_malloc(max(n, 1))
+    assert addr, "fake_cudart_malloc failed"
+    return addr  # memfd pages start zeroed
+
+
+def from_device(addr: int, n: int) -> torch.Tensor:
+    out = torch.empty(n, dtype=torch.uint8)
+    if n:
+        assert fake.fake_cudart_peek(out.data_ptr(), addr, n) == 0
+    return out
 
 
 def state():
@@ -30,13 +60,21 @@ def state():
             "e": torch.empty(0), "s": torch.tensor(5, dtype=torch.int16)}
 
 
-def save(sd, d, device_of, streams=(), engine=None, stripes=3, wait=True):
-    """Stage sd into directory d; device_of(key) gives the segment's device (-1 = host)."""
+def save(sd, d, device_of, streams=(), engine=None, stripes=3, wait=True, on_device=lambda addr: None):
+    """Stage sd into directory d; device_of(key) gives the segment's device (-1 = host):
+    device segments are copied into stand-in device memory first (on_device(addr) then)."""
     os.makedirs(d, exist_ok=True)
     _, tensors, _ = flatten(sd)
     files = plan_files(tensors, stripes)
-    segs = [(p.source.data_ptr(), p.nbytes, fi, p.offset, device_of(p.key))
-            for fi, f in enumerate(files) for p in f.tensors if p.nbytes]
+    def address(p):
+        if device_of(p.key) < 0:
+            return p.source.data_ptr()
+        addr = to_device(p.source)
+        on_device(addr)
+        return addr
+
+    segs = [(address(p), p.nbytes, fi, p.offset, device_of(p.key)) for fi, f in enumerate(files) for p in f.tensors
+            if p.nbytes]
     eng = engine or _core.Engine(1 << 20)
     job = eng.start_save([(os.path.join(d, f.name), f.header, f.size) for f in files], segs,
                          [p.source for f in files for p in f.tensors], streams=list(streams))
@@ -64,19 +102,24 @@ def scenario_save(d):
 
 
 def scenario_order(d):
-    x = torch.zeros(8 << 20, dtype=torch.uint8)  # 8 MiB of "device" memory
+    x = torch.zeros(8 << 20, dtype=torch.uint8)  # 8 MiB, saved from "device" memory
+    xdev = []
     stream = ctypes.c_void_p()
     fake.fake_cudart_stream_create(ctypes.byref(stream))
-    # The caller's queued work: x becomes 7, 300 ms from now.
-    fake.fake_cudart_enqueue_fill(stream, x.data_ptr(), 7, x.numel(), 300_000)
+
+    def fill_later(addr):
+        # The caller's queued work: x becomes 7, 300 ms from now.
+        xdev.append(addr)
+        assert fake.fake_cudart_enqueue_fill(stream, addr, 7, x.numel(), 300_000) == 0
+
     t0 = time.perf_counter()
-    eng, job, files = save({"x": x}, d, lambda k: 0, [(0, stream.value)], wait=False)
+    eng, job, files = save({"x": x}, d, lambda k: 0, [(0, stream.value)], wait=False, on_device=fill_later)
     returned_s = time.perf_counter() - t0
     staged_at_return = job.staged
     job.wait_staged()
     staged_s = time.perf_counter() - t0
     # The caller's next step, queued once staging is over: must not reach the checkpoint.
-    fake.fake_cudart_enqueue_fill(stream, x.data_ptr(), 9, x.numel(), 0)
+    assert fake.fake_cudart_enqueue_fill(stream, xdev[0], 9, x.numel(), 0) == 0
     job.wait()
     job.rethrow()
     data = file_bytes(d, files)[0][len(files[0].header):]
@@ -142,10 +185,11 @@ def _load(d, placements_for, flip_at=None):
     from flashwrite.format import piece_ranges
     pieces = [(e.file, off, n, int(h, 16)) for e in m.tensors.values()
               for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums)]
-    dst = {k: torch.zeros(m.tensors[k].nbytes, dtype=torch.uint8) for k in placements_for}
-    placements = [(m.tensors[k].file, m.tensors[k].offset, m.tensors[k].nbytes, 0, t.data_ptr()) for k, t in dst.items()]
+    addrs = {k: device_zeros(m.tensors[k].nbytes) for k in placements_for}
+    placements = [(m.tensors[k].file, m.tensors[k].offset, m.tensors[k].nbytes, 0, a) for k, a in addrs.items()]
     job = _core.start_load(specs, pieces, "auto", 4, 8 << 20, 2, True, placements=placements, streams=[(0, 0)])
     job.wait()
+    dst = {k: from_device(a, m.tensors[k].nbytes) for k, a in addrs.items()}
     return sd, m, dst, job
 
 

@@ -1,24 +1,50 @@
 // A stand-in for libcudart, for tests on machines without a GPU: it implements the
-// few runtime entry points flashwrite's shim binds, with "device memory" that is
-// ordinary host memory. Streams are worker threads that run their operations in
-// order (copies really are asynchronous, and can be slowed down); events and
-// cudaStreamWaitEvent follow CUDA's semantics (a wait or synchronize refers to the
-// most recent record at the time of the call). It exercises the native copy
-// engine's logic (chunking, ordering, callbacks, slot accounting, error paths);
-// it says nothing about real GPUs or their speed.
+// few runtime entry points flashwrite's shim binds. Streams are worker threads that
+// run their operations in order (copies really are asynchronous, and can be slowed
+// down); events and cudaStreamWaitEvent follow CUDA's semantics (a wait or
+// synchronize refers to the most recent record at the time of the call). It
+// exercises the native copy engine's logic (chunking, ordering, callbacks, slot
+// accounting, error paths); it says nothing about real GPUs or their speed.
+//
+// It is as strict as CUDA where a host-memory stand-in could hide a bug:
+//  - "Device memory" (cudaMalloc / fake_cudart_malloc) is a memfd mapped twice: the
+//    address handed out is PROT_NONE, so a CPU read or write of a device pointer
+//    faults at once; only the stand-in's stream threads copy, through a private
+//    read-write alias of the same pages.
+//  - cudaMemcpyAsync checks its kind against which pointers are device memory
+//    (HostToDevice: device dst, host src; DeviceToHost: the reverse) and refuses
+//    (cudaErrorInvalidValue, with the reason on stderr) a wrong direction, a copy
+//    that runs past an allocation, and an async copy from or to host memory that
+//    was never cudaHostRegister'ed. With FAKE_CUDART_FAIL_REGISTER=1 or
+//    FAKE_CUDART_ALLOW_PAGEABLE=1 a pageable copy is accepted and, as on CUDA,
+//    done synchronously (the engine's documented fallback when pinning fails).
+//  - Events are destroyed as CUDA destroys them: cudaEventDestroy on an event whose
+//    record is still pending returns at once and the event is freed when the
+//    stream has passed it (the engine may return an event to its pool, or destroy
+//    it, while a record is in flight).
 //
 // Environment: FAKE_CUDART_DEVICES (default 1), FAKE_CUDART_COPY_DELAY_US (per
 // copy), FAKE_CUDART_FAIL_COPY (the N-th cudaMemcpyAsync returns
-// cudaErrorIllegalAddress), FAKE_CUDART_FAIL_REGISTER=1 (cudaHostRegister fails).
+// cudaErrorIllegalAddress), FAKE_CUDART_FAIL_RECORD (the N-th cudaEventRecord
+// fails likewise), FAKE_CUDART_FAIL_REGISTER=1 (cudaHostRegister fails),
+// FAKE_CUDART_ALLOW_PAGEABLE=1 (see above).
 // Build: c++ -std=c++17 -O1 -shared -fPIC -o libfakecudart.so fake_cudart.cpp -lpthread
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <map>
+#include <algorithm>
 #include <mutex>
 #include <thread>
 
@@ -67,15 +93,92 @@ struct Stream {
   }
 };
 
+// refs: one for the handle (dropped by cudaEventDestroy) and one per queued stream
+// operation that touches the event; the last one frees it.
 struct Event {
   std::mutex mu;
   std::condition_variable cv;
   unsigned long long recorded = 0, completed = 0;
+  std::atomic<int> refs{1};
   void wait_for(unsigned long long gen) {
     std::unique_lock<std::mutex> lk(mu);
     cv.wait(lk, [&] { return completed >= gen; });
   }
+  void ref() { refs.fetch_add(1); }
+  void unref() {
+    if (refs.fetch_sub(1) == 1) delete this;
+  }
 };
+
+// ------------------------------------------------------------ memory model
+
+constexpr int kErrInvalidValue = 1;
+constexpr int kErrHostMemoryAlreadyRegistered = 712;
+constexpr int kErrHostMemoryNotRegistered = 713;
+
+struct DeviceAlloc {
+  size_t size;
+  char* alias;  // read-write view of the same pages, for the stream threads only
+};
+std::mutex mem_mu;
+std::map<uintptr_t, DeviceAlloc> device_allocs;  // by PROT_NONE base address
+std::map<uintptr_t, size_t> host_registered;      // by base address
+
+// The alias of [p, p+n) when it lies inside one device allocation, else nullptr.
+char* device_alias(const void* p, size_t n) {
+  auto a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lk(mem_mu);
+  auto it = device_allocs.upper_bound(a);
+  if (it == device_allocs.begin()) return nullptr;
+  --it;
+  if (a - it->first > it->second.size || n > it->second.size - (a - it->first)) return nullptr;
+  return it->second.alias + (a - it->first);
+}
+
+bool is_device(const void* p) {
+  auto a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lk(mem_mu);
+  auto it = device_allocs.upper_bound(a);
+  if (it == device_allocs.begin()) return false;
+  --it;
+  return a - it->first < it->second.size;
+}
+
+bool host_is_registered(const void* p, size_t n) {
+  auto a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lk(mem_mu);
+  auto it = host_registered.upper_bound(a);
+  if (it == host_registered.begin()) return false;
+  --it;
+  return a - it->first <= it->second && n <= it->second - (a - it->first);
+}
+
+int refuse(const char* why, const void* dst, const void* src, size_t n) {
+  std::fprintf(stderr, "fake_cudart: cudaMemcpyAsync(dst=%p, src=%p, %zu bytes) refused: %s\n", dst, src, n, why);
+  return kErrInvalidValue;
+}
+
+void* device_malloc(size_t n) {
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t len = (std::max<size_t>(n, 1) + page - 1) / page * page;
+  int fd = static_cast<int>(syscall(SYS_memfd_create, "fake_cudart_device", 0));
+  if (fd < 0) return nullptr;
+  void* dev = MAP_FAILED;
+  void* alias = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(len)) == 0) {
+    dev = mmap(nullptr, len, PROT_NONE, MAP_SHARED, fd, 0);
+    alias = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  close(fd);
+  if (dev == MAP_FAILED || alias == MAP_FAILED) {
+    if (dev != MAP_FAILED) munmap(dev, len);
+    if (alias != MAP_FAILED) munmap(alias, len);
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lk(mem_mu);
+  device_allocs[reinterpret_cast<uintptr_t>(dev)] = DeviceAlloc{n, static_cast<char*>(alias)};
+  return dev;
+}
 
 thread_local int current_device = 0;
 std::mutex g_mu;
@@ -107,23 +210,76 @@ int cudaSetDevice(int d) {
   current_device = d;
   return 0;
 }
-int cudaHostRegister(void*, size_t, unsigned) {
+int cudaHostRegister(void* p, size_t n, unsigned) {
   if (env_int("FAKE_CUDART_FAIL_REGISTER", 0)) return 2;  // cudaErrorMemoryAllocation
+  if (!p || !n || is_device(p)) return kErrInvalidValue;
+  {
+    std::lock_guard<std::mutex> lk(mem_mu);
+    auto a = reinterpret_cast<uintptr_t>(p);
+    auto it = host_registered.upper_bound(a + n - 1);  // any registered range overlapping [a, a+n)
+    if (it != host_registered.begin() && std::prev(it)->first + std::prev(it)->second > a)
+      return kErrHostMemoryAlreadyRegistered;
+    host_registered[a] = n;
+  }
   ++registered;
   return 0;
 }
-int cudaHostUnregister(void*) {
+int cudaHostUnregister(void* p) {
+  {
+    std::lock_guard<std::mutex> lk(mem_mu);
+    if (!host_registered.erase(reinterpret_cast<uintptr_t>(p))) return kErrHostMemoryNotRegistered;
+  }
   --registered;
   return 0;
 }
-int cudaMemcpyAsync(void* dst, const void* src, size_t n, int, void* stream) {
+int cudaMalloc(void** p, size_t n) {
+  *p = device_malloc(n);
+  return *p ? 0 : 2;  // cudaErrorMemoryAllocation
+}
+int cudaFree(void* p) {
+  std::lock_guard<std::mutex> lk(mem_mu);
+  auto it = device_allocs.find(reinterpret_cast<uintptr_t>(p));
+  if (it == device_allocs.end()) return kErrInvalidValue;
+  // Unmapped only when no stream could still use it: kept, like the streams.
+  device_allocs.erase(it);
+  return 0;
+}
+int cudaMemcpyAsync(void* dst, const void* src, size_t n, int kind, void* stream) {
   int k = ++copies;
   if (k == env_int("FAKE_CUDART_FAIL_COPY", 0)) return 700;  // cudaErrorIllegalAddress
+  char* to = nullptr;
+  const char* from = nullptr;
+  const void* host = nullptr;
+  if (kind == 1) {  // cudaMemcpyHostToDevice
+    if (is_device(src)) return refuse("HostToDevice from a device pointer", dst, src, n);
+    if (!(to = device_alias(dst, n)))
+      return refuse(is_device(dst) ? "past the end of a device allocation" : "HostToDevice to host memory", dst, src, n);
+    from = static_cast<const char*>(src);
+    host = src;
+  } else if (kind == 2) {  // cudaMemcpyDeviceToHost
+    if (is_device(dst)) return refuse("DeviceToHost to a device pointer", dst, src, n);
+    if (!(from = device_alias(src, n)))
+      return refuse(is_device(src) ? "past the end of a device allocation" : "DeviceToHost from host memory", dst, src, n);
+    to = static_cast<char*>(dst);
+    host = dst;
+  } else {
+    return refuse("only HostToDevice and DeviceToHost are modelled", dst, src, n);
+  }
   int delay = env_int("FAKE_CUDART_COPY_DELAY_US", 0);
-  S(stream)->push([=] {
+  auto op = [=] {
     if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-    std::memcpy(dst, src, n);
-  });
+    if (n) std::memcpy(to, from, n);
+  };
+  if (n && !host_is_registered(host, n)) {
+    if (!env_int("FAKE_CUDART_ALLOW_PAGEABLE", 0) && !env_int("FAKE_CUDART_FAIL_REGISTER", 0))
+      return refuse("async copy with pageable (unregistered) host memory", dst, src, n);
+    // CUDA's pageable path: the copy is done before the call returns.
+    Stream* st = S(stream);
+    st->sync();
+    op();
+    return 0;
+  }
+  S(stream)->push(op);
   return 0;
 }
 int cudaStreamCreateWithFlags(void** s, unsigned) {
@@ -145,24 +301,30 @@ int cudaEventCreateWithFlags(void** e, unsigned) {
   ++events_live;
   return 0;
 }
+// CUDA: "if the event has been recorded but has not completed, the call returns
+// at once and its resources are released once the device has completed it".
 int cudaEventDestroy(void* e) {
-  delete static_cast<Event*>(e);
+  static_cast<Event*>(e)->unref();
   --events_live;
   return 0;
 }
 int cudaEventRecord(void* e, void* s) {
+  static std::atomic<int> records{0};
+  if (++records == env_int("FAKE_CUDART_FAIL_RECORD", 0)) return 700;  // cudaErrorIllegalAddress
   auto* ev = static_cast<Event*>(e);
   unsigned long long gen;
   {
     std::lock_guard<std::mutex> lk(ev->mu);
     gen = ++ev->recorded;
   }
+  ev->ref();
   S(s)->push([ev, gen] {
     {
       std::lock_guard<std::mutex> lk(ev->mu);
       if (ev->completed < gen) ev->completed = gen;
+      ev->cv.notify_all();  // under the lock: a waiter may drop the last ref right after
     }
-    ev->cv.notify_all();
+    ev->unref();
   });
   return 0;
 }
@@ -173,7 +335,11 @@ int cudaStreamWaitEvent(void* s, void* e, unsigned) {
     std::lock_guard<std::mutex> lk(ev->mu);
     gen = ev->recorded;
   }
-  S(s)->push([ev, gen] { ev->wait_for(gen); });
+  ev->ref();
+  S(s)->push([ev, gen] {
+    ev->wait_for(gen);
+    ev->unref();
+  });
   return 0;
 }
 int cudaEventSynchronize(void* e) {
@@ -193,10 +359,18 @@ int cudaEventQuery(void* e) {
 }
 int cudaGetLastError() { return 0; }
 const char* cudaGetErrorString(int e) {
-  return e == 700 ? "an illegal memory access was encountered (fake)" : e == 0 ? "no error" : "fake CUDA error";
+  return e == 700 ? "an illegal memory access was encountered (fake)"
+         : e == 0 ? "no error"
+         : e == 1 ? "invalid argument (fake: see stderr)"
+                  : "fake CUDA error";
 }
 const char* cudaGetErrorName(int e) {
-  return e == 700 ? "cudaErrorIllegalAddress" : e == 101 ? "cudaErrorInvalidDevice" : "cudaErrorUnknown";
+  return e == 700   ? "cudaErrorIllegalAddress"
+         : e == 101 ? "cudaErrorInvalidDevice"
+         : e == 1   ? "cudaErrorInvalidValue"
+         : e == 712 ? "cudaErrorHostMemoryAlreadyRegistered"
+         : e == 713 ? "cudaErrorHostMemoryNotRegistered"
+                    : "cudaErrorUnknown";
 }
 int cudaRuntimeGetVersion(int* v) {
   *v = 12040;
@@ -214,10 +388,27 @@ int fake_cudart_events_live() { return events_live.load(); }
 // Queues "sleep delay_us, then memset(p, byte, n)" on a stream: the caller's work
 // that a save must wait for.
 int fake_cudart_enqueue_fill(void* stream, void* p, int byte, size_t n, int delay_us) {
+  char* dst = n ? device_alias(p, n) : nullptr;
+  if (n && !dst) return kErrInvalidValue;  // the caller's kernels write device memory only
   S(stream)->push([=] {
     std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-    std::memset(p, byte, n);
+    if (n) std::memset(dst, byte, n);
   });
+  return 0;
+}
+// Device memory for the tests, and synchronous peek/poke through the alias (the
+// device address itself cannot be touched by the CPU).
+void* fake_cudart_malloc(size_t n) { return device_malloc(n); }
+int fake_cudart_poke(void* dev, const void* host, size_t n) {
+  char* a = device_alias(dev, n);
+  if (!a) return kErrInvalidValue;
+  std::memcpy(a, host, n);
+  return 0;
+}
+int fake_cudart_peek(void* host, const void* dev, size_t n) {
+  char* a = device_alias(dev, n);
+  if (!a) return kErrInvalidValue;
+  std::memcpy(host, a, n);
   return 0;
 }
 int fake_cudart_stream_create(void** s) { return cudaStreamCreateWithFlags(s, 1); }

@@ -283,7 +283,7 @@ out = fw.load("{tmp_path}/ck", direct=False)
 assert all(torch.equal(out[k], v) for k, v in sd.items())
 print("RESULT", st.direct, st.files_buffered)
 """
-    env = dict(os.environ, LD_PRELOAD=str(lib))
+    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (os.environ.get("LD_PRELOAD"), str(lib)) if p))  # append: ASan first
     out = subprocess.run(["python", "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert "RESULT False 2" in out.stdout, out.stdout + out.stderr
 

@@ -110,6 +110,10 @@ bool rename_exchange(const std::string& a, const std::string& b) {
 }
 
 bool probe_direct(const std::string& dir) {
+  // Allocated before the probe file exists: nothing below throws, so the file
+  // and its fd cannot leak.
+  AlignedBuffer buf(kAlign);
+  std::memset(buf.data(), 0, kAlign);
   std::string tmpl = dir + "/.flashwrite-probe-XXXXXX";
   int fd = ::mkstemp(tmpl.data());
   if (fd < 0) throw_errno(errno, "create probe file", dir);
@@ -117,8 +121,6 @@ bool probe_direct(const std::string& dir) {
   bool ok = false;
   fd = retry_open(tmpl.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC, 0);
   if (fd >= 0) {
-    AlignedBuffer buf(kAlign);
-    std::memset(buf.data(), 0, kAlign);
     ok = ::pwrite(fd, buf.data(), kAlign, 0) == static_cast<ssize_t>(kAlign);
     ::close(fd);
   }

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/defaults.hpp"
 #include "io/backend.hpp"
 
 namespace fw {
@@ -19,29 +20,29 @@ class ThreadBackend final : public IoBackend {
  public:
   // queue_depth threads, each with one blocking request in flight.
   ThreadBackend(unsigned qd, IoCallback cb) : cb_(std::move(cb)) {
-    unsigned n = std::min(qd, 32u);
-    for (unsigned i = 0; i < n; ++i) workers_.emplace_back([this] { run(); });
-  }
-  ~ThreadBackend() override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
+    unsigned n = std::min(qd, defaults::kThreadBackendMaxThreads);
+    try {
+      for (unsigned i = 0; i < n; ++i) workers_.emplace_back([this] { run(); });
+    } catch (...) {
+      stop();  // the threads already running must be joined, not destroyed joinable
+      throw;
     }
-    work_cv_.notify_all();
-    for (auto& t : workers_) t.join();
   }
+  ~ThreadBackend() override { stop(); }
 
+  // Counted only once queued: a push that throws must not leave drain() waiting
+  // for a request that was never queued.
   void submit(IoRequest* req) override {
     std::lock_guard<std::mutex> lk(mu_);
-    ++outstanding_;
     queue_.push_back(req);
+    ++outstanding_;
     work_cv_.notify_one();
   }
 
   void resubmit(IoRequest* req) override {
     std::lock_guard<std::mutex> lk(mu_);
-    ++outstanding_;
     queue_.push_front(req);
+    ++outstanding_;
     work_cv_.notify_one();
   }
 
@@ -53,6 +54,16 @@ class ThreadBackend final : public IoBackend {
   const char* name() const override { return "threads"; }
 
  private:
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+  }
+
   static int64_t transfer(IoRequest* r) {
     while (!request_complete(r)) {
       ssize_t n = r->write ? ::pwrite(r->fd, r->buf + r->done, r->len - r->done, r->offset + r->done)

@@ -34,7 +34,13 @@ class UringBackend final : public IoBackend {
       ::close(efd_);
       throw IoError(-rc, "io_uring_queue_init", "");
     }
-    thread_ = std::thread([this] { loop(); });
+    try {
+      thread_ = std::thread([this] { loop(); });
+    } catch (...) {
+      io_uring_queue_exit(&ring_);
+      ::close(efd_);
+      throw;
+    }
   }
 
   ~UringBackend() override {
@@ -49,11 +55,12 @@ class UringBackend final : public IoBackend {
     ::close(efd_);
   }
 
+  // Counted only once queued: a push that throws must not leave drain() waiting.
   void submit(IoRequest* req) override {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      ++outstanding_;
       pending_.push_back(req);
+      ++outstanding_;
     }
     kick();
   }
@@ -62,8 +69,8 @@ class UringBackend final : public IoBackend {
   // refills the ring right after the callback returns.
   void resubmit(IoRequest* req) override {
     std::lock_guard<std::mutex> lk(mu_);
-    ++outstanding_;
     pending_.push_front(req);
+    ++outstanding_;
   }
 
   void drain() override {

@@ -9,21 +9,20 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
 
 #include "core/checksum.hpp"
+#include "core/defaults.hpp"
 #include "core/error.hpp"
 #include "io/backend.hpp"
 #include "io/files.hpp"
-#include "read/load_job.hpp"
+#include "engine/engine.hpp"
 #include "shim/cuda.hpp"
-#include "stage/device_copy.hpp"
-#include "stage/staging_pool.hpp"
 #include "write/chunk_plan.hpp"
-#include "write/save_job.hpp"
 
 namespace py = pybind11;
 using namespace fw;
@@ -34,15 +33,19 @@ using namespace fw;
 
 namespace {
 
-// Waits in 50 ms slices without the GIL, checking for signals in between.
+// Waits in short slices without the GIL, checking for signals in between.
+// The time left is kept in double seconds and never converted to a clock
+// duration: a timeout of inf, 1e300 or 1e10 s just never runs out (converting
+// it to nanoseconds overflows). NaN is refused; negative means poll once.
 template <typename F>
 bool wait_interruptible(F&& wait_for, std::optional<double> timeout) {
+  if (timeout && std::isnan(*timeout)) throw py::value_error("timeout must be a number of seconds or None, not NaN");
   using clock = std::chrono::steady_clock;
-  auto deadline = timeout ? clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(*timeout))
-                          : clock::time_point::max();
+  const auto start = clock::now();
+  auto left = [&] { return *timeout - std::chrono::duration<double>(clock::now() - start).count(); };
   for (;;) {
-    double slice = 0.05;
-    if (timeout) slice = std::max(0.0, std::min(slice, std::chrono::duration<double>(deadline - clock::now()).count()));
+    double slice = defaults::kWaitSliceS;
+    if (timeout) slice = std::max(0.0, std::min(slice, left()));
     bool ok;
     {
       py::gil_scoped_release nogil;
@@ -50,7 +53,7 @@ bool wait_interruptible(F&& wait_for, std::optional<double> timeout) {
     }
     if (ok) return true;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    if (timeout && clock::now() >= deadline) return false;
+    if (timeout && left() <= 0) return false;
   }
 }
 
@@ -95,109 +98,39 @@ std::vector<Segment> parse_segments(const py::sequence& segments, std::vector<in
   return segs;
 }
 
-// The callers' streams the copies wait for: the given ones, and the legacy
-// default stream of any device used without one.
-std::vector<StreamRef> wait_streams(const std::vector<std::pair<int, uintptr_t>>& given, const std::vector<int>& devices) {
-  std::vector<StreamRef> out;
-  for (int d : devices) {
-    uintptr_t handle = 0;
-    for (auto& [gd, gh] : given)
-      if (gd == d) handle = gh;
-    out.push_back(StreamRef{d, handle});
-  }
+// Engine.start_save's arguments, parsed with the GIL held.
+std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<std::string, py::object, uint64_t>>& files,
+                                      const py::sequence& segments, py::object keepalive, const std::string& backend,
+                                      unsigned queue_depth, unsigned copy_threads, bool direct, const GivenStreams& streams) {
+  std::vector<FileSpec> fs;
+  for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
+  std::vector<int> devices;
+  std::vector<Segment> segs = parse_segments(segments, devices);
+  SaveOptions opt;
+  opt.backend = parse_backend(backend);
+  opt.queue_depth = queue_depth;
+  opt.copy_threads = copy_threads;
+  opt.direct = direct;
+  auto out = std::make_unique<PySaveJob>();
+  out->keepalive = std::move(keepalive);
+  py::gil_scoped_release nogil;
+  out->job = eng.start_save(std::move(fs), std::move(segs), std::move(opt), devices, streams);
   return out;
 }
 
-class Engine {
- public:
-  Engine(uint64_t chunk_bytes, uint64_t max_staging_bytes)
-      : pool_(std::make_shared<StagingPool>(chunk_bytes, max_staging_bytes)) {}
-
-  std::unique_ptr<PySaveJob> start_save(const std::vector<std::tuple<std::string, py::object, uint64_t>>& files,
-                                        const py::sequence& segments, py::object keepalive, const std::string& backend,
-                                        unsigned queue_depth, unsigned copy_threads, bool direct,
-                                        const std::vector<std::pair<int, uintptr_t>>& streams) {
-    std::vector<FileSpec> fs;
-    for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
-    std::vector<int> devices;
-    std::vector<Segment> segs = parse_segments(segments, devices);
-    SaveOptions opt;
-    if (!devices.empty()) {
-      cuda::require("saving tensors that live on a GPU");
-      opt.copy_streams = copy_streams();
-      opt.wait_streams = wait_streams(streams, devices);
-    }
-    opt.backend = parse_backend(backend);
-    opt.queue_depth = queue_depth;
-    opt.copy_threads = copy_threads;
-    opt.direct = direct;
-    auto out = std::make_unique<PySaveJob>();
-    out->keepalive = std::move(keepalive);
-    {
-      py::gil_scoped_release nogil;
-      if (!devices.empty()) pin_pool(devices.front());
-      out->job = std::make_unique<SaveJob>(pool_, std::move(fs), std::move(segs), opt);
-      out->job->start();
-    }
-    return out;
-  }
-
-  // The pool is page-locked once, by the first save that copies from a GPU
-  // (a CPU-only process never initialises CUDA); later slabs are pinned as
-  // they are created.
-  void pin_pool(int device) {
-    std::lock_guard<std::mutex> lk(cuda_mu_);
-    if (pinning_) return;
-    pinning_ = true;
-    pool_->set_pin_hooks(cuda_pin_hooks(device, pin_error_));
-  }
-
-  std::shared_ptr<CopyStreams> copy_streams() {
-    std::lock_guard<std::mutex> lk(cuda_mu_);
-    if (!streams_) streams_ = std::make_shared<CopyStreams>();
-    return streams_;
-  }
-
-  py::object pin_error() const {
-    std::lock_guard<std::mutex> lk(cuda_mu_);
-    // Written under the pool's lock while pinning; read once pinning is over.
-    return pin_error_->empty() ? py::none() : py::object(py::str(*pin_error_));
-  }
-
-  uint64_t chunk_bytes() const { return pool_->slot_bytes(); }
-  uint64_t pool_bytes() const { return pool_->capacity_bytes(); }
-  uint64_t max_staging_bytes() const { return pool_->max_slots() * pool_->slot_bytes(); }
-  bool pool_pinned() const { return pool_->pinned(); }
-  uint64_t trim() { return pool_->trim(); }
-
- private:
-  std::shared_ptr<StagingPool> pool_;
-  mutable std::mutex cuda_mu_;
-  bool pinning_ = false;
-  std::shared_ptr<std::string> pin_error_ = std::make_shared<std::string>();
-  std::shared_ptr<CopyStreams> streams_;
-};
-
-// Loads to GPUs share pinned bounce pools (one per slot size and depth) and
-// copy streams for the life of the process: pinning costs far more than a
-// small load. Never destroyed, so nothing calls into CUDA at exit.
-std::shared_ptr<StagingPool> bounce_pool(uint64_t slot_bytes, size_t slots, int device) {
-  static std::mutex mu;
-  static auto* pools = new std::map<std::pair<uint64_t, size_t>, std::shared_ptr<StagingPool>>();
-  std::lock_guard<std::mutex> lk(mu);
-  auto& pool = (*pools)[{slot_bytes, slots}];
-  if (!pool) {
-    auto p = std::make_shared<StagingPool>(slot_bytes, slot_bytes * slots);
-    p->set_pin_hooks(cuda_pin_hooks(device));
-    p->reserve(slots);
-    pool = p;
-  }
-  return pool;
-}
-
-std::shared_ptr<CopyStreams> load_streams() {
-  static auto* s = new std::shared_ptr<CopyStreams>(std::make_shared<CopyStreams>());
-  return *s;
+py::dict defaults_dict() {
+  py::dict d;
+  d["stripes"] = defaults::kStripes;
+  d["chunk_bytes"] = defaults::kChunkBytes;
+  d["write_queue_depth"] = defaults::kWriteQueueDepth;
+  d["read_queue_depth"] = defaults::kReadQueueDepth;
+  d["read_chunk_bytes"] = defaults::kReadChunkBytes;
+  d["copy_threads"] = defaults::kCopyThreads;
+  d["verify_threads"] = defaults::kVerifyThreads;
+  d["d2h_batches_in_flight"] = defaults::kD2hBatchesInFlight;
+  d["bounce_min_slots"] = defaults::kBounceMinSlots;
+  d["bounce_extra_slots"] = defaults::kBounceExtraSlots;
+  return d;
 }
 
 py::dict save_stats(const SaveJob& j) {
@@ -234,6 +167,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("__version__") = FLASHWRITE_VERSION;
   m.attr("CHECKSUM_ALGORITHM") = kChecksumAlgorithm;
   m.attr("ALIGN") = kAlign;
+  m.attr("DEFAULTS") = defaults_dict();
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -284,8 +218,9 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<uint64_t, uint64_t>(), py::arg("chunk_bytes"), py::arg("max_staging_bytes") = 0)
-      .def("start_save", &Engine::start_save, py::arg("files"), py::arg("segments"), py::arg("keepalive"),
-           py::arg("backend") = "auto", py::arg("queue_depth") = 16, py::arg("copy_threads") = 2,
+      .def("start_save", &start_save, py::arg("files"), py::arg("segments"), py::arg("keepalive"),
+           py::arg("backend") = "auto", py::arg("queue_depth") = defaults::kWriteQueueDepth,
+           py::arg("copy_threads") = defaults::kCopyThreads,
            py::arg("direct") = true, py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
            "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "
            "[(address, nbytes, file, offset[, device])] with device -1 for host memory; keepalive must own "
@@ -296,7 +231,13 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("pool_bytes", &Engine::pool_bytes)
       .def_property_readonly("max_staging_bytes", &Engine::max_staging_bytes)
       .def_property_readonly("pool_pinned", &Engine::pool_pinned)
-      .def_property_readonly("pin_error", &Engine::pin_error, "Why the pool could not be page-locked, or None.")
+      .def_property_readonly(
+          "pin_error",
+          [](const Engine& e) {
+            std::string err = e.pin_error();
+            return err.empty() ? py::none() : py::object(py::str(err));
+          },
+          "Why the pool could not be page-locked, or None.")
       .def("trim", [](Engine& e) {
         py::gil_scoped_release nogil;
         return e.trim();
@@ -339,29 +280,19 @@ PYBIND11_MODULE(_core, m) {
         opt.chunk_bytes = chunk_bytes;
         opt.verify_threads = verify_threads;
         opt.direct = direct;
-        std::vector<DevicePlacer::Placement> pl;
-        std::vector<int> devices;
+        std::vector<DevicePlacement> pl;
         for (auto& [f, off, len, dev, ptr] : placements) {
           if (f >= fs.size() || dev < 0) throw py::value_error("a placement is (file, offset, nbytes, device >= 0, address)");
-          pl.push_back(DevicePlacer::Placement{f, off, len, dev, reinterpret_cast<char*>(ptr)});
-          if (std::find(devices.begin(), devices.end(), dev) == devices.end()) devices.push_back(dev);
+          pl.push_back(DevicePlacement{f, off, len, dev, reinterpret_cast<char*>(ptr)});
         }
-        if (!pl.empty()) cuda::require("loading tensors to a GPU");
         auto out = std::make_unique<PyLoadJob>();
         py::gil_scoped_release nogil;
-        if (!pl.empty()) {
-          // Enough slots for a full read queue plus chunks being verified and copied.
-          size_t slots = std::max<size_t>(8, queue_depth + 4);
-          opt.placer = std::make_shared<DevicePlacer>(std::move(pl), wait_streams(streams, devices),
-                                                      bounce_pool(chunk_bytes, slots, devices.front()), load_streams(),
-                                                      slots);
-        }
-        out->job = std::make_unique<LoadJob>(std::move(fs), std::move(ps), opt);
-        out->job->start();
+        out->job = fw::start_load(std::move(fs), std::move(ps), std::move(opt), std::move(pl), streams);
         return out;
       },
-      py::arg("files"), py::arg("pieces"), py::arg("backend") = "auto", py::arg("queue_depth") = 16,
-      py::arg("chunk_bytes") = 8 << 20, py::arg("verify_threads") = 2, py::arg("direct") = true,
+      py::arg("files"), py::arg("pieces"), py::arg("backend") = "auto",
+      py::arg("queue_depth") = defaults::kReadQueueDepth, py::arg("chunk_bytes") = defaults::kReadChunkBytes,
+      py::arg("verify_threads") = defaults::kVerifyThreads, py::arg("direct") = true,
       py::arg("placements") = std::vector<std::tuple<uint32_t, uint64_t, uint64_t, int, uintptr_t>>{},
       py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
       "Read whole files [(path, size)] into aligned buffers, verifying [(file, offset, len, xxh3)] pieces. "

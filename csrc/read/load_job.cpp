@@ -1,11 +1,11 @@
 #include "read/load_job.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <stdexcept>
 
 #include "core/checksum.hpp"
 #include "core/error.hpp"
-#include "core/wait.hpp"
 #include "io/files.hpp"
 
 namespace fw {
@@ -23,22 +23,18 @@ LoadJob::LoadJob(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> piece
 }
 
 LoadJob::~LoadJob() {
-  if (control_.joinable()) {
+  // Here, not in ctl_'s destructor: the control thread uses members declared after ctl_.
+  if (ctl_.started()) {
     cancel();
-    control_.join();
+    ctl_.wait(-1);
   }
   for (int fd : fds_) close_fd(fd);
+  for (int fd : buffered_fds_) close_fd(fd);
 }
 
-void LoadJob::fail(std::exception_ptr e) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!error_) error_ = e;
-  }
-  cancel_ = true;
-}
+void LoadJob::fail(std::exception_ptr e) { ctl_.fail(std::move(e)); }
 
-void LoadJob::cancel() { fail(std::make_exception_ptr(std::runtime_error("load cancelled"))); }
+void LoadJob::cancel() { ctl_.cancel(); }
 
 void LoadJob::start() {
   t0_ = std::chrono::steady_clock::now();
@@ -47,6 +43,8 @@ void LoadJob::start() {
   for (auto& spec : specs_) {
     OpenedFile of = open_for_read(spec.path, opt_.direct);
     fds_.push_back(of.fd);
+    buffered_fds_.push_back(-1);
+    opened_direct_.push_back(of.direct);
     files_direct_ += of.direct;
     uint64_t actual = file_size(of.fd, spec.path);
     if (actual != spec.size)
@@ -94,11 +92,48 @@ void LoadJob::start() {
       to_device_[i] = opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
   backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
   backend_name_ = backend_->name();
-  control_ = std::thread([this] { run(); });
+  try {
+    ctl_.start([this] { run(); });
+  } catch (...) {
+    backend_.reset();
+    throw;
+  }
+}
+
+// The file system took O_DIRECT at open but refuses a read (EINVAL), or a short
+// read left the request at an unaligned offset, which O_DIRECT refuses: the file
+// is read buffered from here on, this request resumed where it stopped, as the
+// save path does for writes. Requests already in flight on the direct fd come
+// back the same way and are retried too. Returns false when there is nothing
+// left to fall back to.
+bool LoadJob::fall_back_to_buffered(IoRequest* r, uint32_t f) {
+  std::lock_guard<std::mutex> lk(fallback_mu_);
+  if (buffered_fds_[f] < 0) {
+    buffered_fds_[f] = open_for_read(specs_[f].path, false).fd;
+    if (opened_direct_[f]) files_direct_ -= 1;
+  }
+  if (r->fd == buffered_fds_[f]) return false;
+  r->fd = buffered_fds_[f];
+  backend_->resubmit(r);
+  return true;
+}
+
+int LoadJob::read_fd(uint32_t f) {
+  std::lock_guard<std::mutex> lk(fallback_mu_);
+  return buffered_fds_[f] >= 0 ? buffered_fds_[f] : fds_[f];
 }
 
 void LoadJob::on_io(IoRequest* r, int64_t res) {
   const uint32_t f = file_of_request_[r->tag];
+  if (res == -EINVAL && opt_.direct) {
+    try {
+      if (fall_back_to_buffered(r, f)) return;
+    } catch (...) {
+      if (to_device_[r->tag]) opt_.placer->discard(r->buf);
+      fail(std::current_exception());
+      return;
+    }
+  }
   if ((res < 0 || static_cast<uint64_t>(res) < r->want) && to_device_[r->tag]) opt_.placer->discard(r->buf);
   if (res < 0) {
     fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "read", specs_[f].path,
@@ -111,7 +146,7 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
     return;
   }
   if (!chunk_pieces_[r->tag].empty() || to_device_[r->tag]) {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     verify_queue_.push_back(static_cast<uint32_t>(r->tag));
     verify_cv_.notify_one();
   }
@@ -121,7 +156,7 @@ void LoadJob::verify_worker() {
   for (;;) {
     uint32_t ci;
     {
-      std::unique_lock<std::mutex> lk(mu_);
+      std::unique_lock<std::mutex> lk(ctl_.mutex());
       verify_cv_.wait(lk, [&] { return reads_done_ || !verify_queue_.empty(); });
       if (verify_queue_.empty()) return;
       ci = verify_queue_.front();
@@ -135,22 +170,29 @@ void LoadJob::verify_worker() {
       uint64_t h = checksum(data, p.len);
       if (h != p.expected) {
         ok = false;
-        std::lock_guard<std::mutex> lk(mu_);
+        std::lock_guard<std::mutex> lk(ctl_.mutex());
         mismatches_.push_back({pi, h});
       }
     }
     if (to_device_[ci]) {
       // Verified before it is copied: damaged bytes never reach a GPU tensor.
       uint32_t f = file_of_request_[ci];
-      opt_.placer->place(f, r.offset, r.want, r.buf, buffers_[f]->data() + r.offset, ok && !cancel_.load());
+      opt_.placer->place(f, r.offset, r.want, r.buf, buffers_[f]->data() + r.offset, ok && !ctl_.cancelled());
     }
   }
 }
 
 void LoadJob::run() {
+  // A thread that cannot be started must not escape this one (that would
+  // terminate the process): the load fails instead.
   std::vector<std::thread> verifiers;
-  for (unsigned i = 0; i < opt_.verify_threads && (!pieces_.empty() || opt_.placer); ++i)
-    verifiers.emplace_back([this] { verify_worker(); });
+  try {
+    for (unsigned i = 0; i < opt_.verify_threads && (!pieces_.empty() || opt_.placer); ++i)
+      verifiers.emplace_back([this] { verify_worker(); });
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  const bool verify_inline = verifiers.empty() && (!pieces_.empty() || opt_.placer);
   if (opt_.placer) {
     try {
       opt_.placer->begin();
@@ -159,11 +201,12 @@ void LoadJob::run() {
     }
   }
   for (auto& r : requests_) {
-    if (cancel_.load()) break;
+    if (ctl_.cancelled()) break;
+    r.fd = read_fd(file_of_request_[r.tag]);
     if (to_device_[r.tag]) {
       // A pinned bounce slot: waits here while every slot is being read,
       // verified or copied to a GPU, which paces reading to the H2D copies.
-      r.buf = opt_.placer->acquire(&cancel_);
+      r.buf = opt_.placer->acquire(&ctl_.cancel_flag());
       if (!r.buf) break;
       backend_->submit(&r);
       continue;
@@ -177,10 +220,11 @@ void LoadJob::run() {
   backend_->drain();
   backend_.reset();
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     reads_done_ = true;
   }
   verify_cv_.notify_all();
+  if (verify_inline) verify_worker();  // drains what was queued (slots go back to the placer)
   for (auto& t : verifiers) t.join();
   if (opt_.placer) {
     try {
@@ -190,30 +234,21 @@ void LoadJob::run() {
     }
   }
   for (int fd : fds_) close_fd(fd);
+  for (int fd : buffered_fds_) close_fd(fd);
   fds_.clear();
-  {
-    std::lock_guard<std::mutex> lk(mu_);
+  buffered_fds_.clear();
+  ctl_.finish([&] {
     std::sort(mismatches_.begin(), mismatches_.end(), [](const Mismatch& a, const Mismatch& b) { return a.piece < b.piece; });
     done_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
-    done_ = true;
-  }
-  cv_.notify_all();
+  });
 }
 
-bool LoadJob::wait(double timeout_s) {
-  if (!control_.joinable() && !done_) return true;
-  bool ok = wait_for_flag(mu_, cv_, done_, timeout_s);
-  if (ok) join_once(control_, join_once_);
-  return ok;
-}
+bool LoadJob::wait(double timeout_s) { return ctl_.wait(timeout_s); }
 
-void LoadJob::rethrow() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (error_) std::rethrow_exception(error_);
-}
+void LoadJob::rethrow() const { ctl_.rethrow(); }
 
 std::vector<Mismatch> LoadJob::mismatches() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<std::mutex> lk(ctl_.mutex());
   return mismatches_;
 }
 

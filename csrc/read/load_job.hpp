@@ -16,7 +16,10 @@
 #include <vector>
 
 #include "core/aligned_buffer.hpp"
+#include "core/defaults.hpp"
+#include "core/job_control.hpp"
 #include "io/backend.hpp"
+#include "read/chunk_placer.hpp"
 
 namespace fw {
 
@@ -36,29 +39,11 @@ struct Mismatch {
   uint64_t actual;
 };
 
-// Takes the chunks of a load that hold bytes bound for GPUs (implemented by
-// the CUDA copy engine, stage/device_copy.hpp): such a chunk is read into a
-// slot from acquire() instead of the file's host buffer and, once verified,
-// handed to place(). Called on the load's own threads only.
-class ChunkPlacer {
- public:
-  virtual ~ChunkPlacer() = default;
-  virtual void begin() = 0;  // before the first read
-  virtual bool wants(uint32_t file, uint64_t offset, uint64_t len) const = 0;
-  virtual char* acquire(const std::atomic<bool>* cancel) = 0;  // nullptr once *cancel
-  // ok=false: a checksum did not match or the load failed; only the slot comes back.
-  // host_dst: where the chunk would sit in the file's host buffer (bytes not
-  // bound for a GPU go there).
-  virtual void place(uint32_t file, uint64_t offset, uint64_t len, char* slot, char* host_dst, bool ok) = 0;
-  virtual void discard(char* slot) = 0;  // the read into this slot failed
-  virtual void finish() = 0;  // waits until every placed byte has landed; rethrows
-};
-
 struct LoadOptions {
   BackendKind backend = BackendKind::Auto;
-  unsigned queue_depth = 16;
-  uint64_t chunk_bytes = 8 << 20;  // multiple of every piece-aligning block
-  unsigned verify_threads = 2;
+  unsigned queue_depth = defaults::kReadQueueDepth;
+  uint64_t chunk_bytes = defaults::kReadChunkBytes;  // multiple of every piece-aligning block
+  unsigned verify_threads = defaults::kVerifyThreads;
   bool direct = true;
   std::shared_ptr<ChunkPlacer> placer;  // set when some tensors go to GPUs
 };
@@ -69,44 +54,46 @@ class LoadJob {
   ~LoadJob();
   void start();
   bool wait(double timeout_s);
-  void cancel();
+  void cancel();  // no-op once the load is done
   void rethrow() const;
   std::vector<std::shared_ptr<AlignedBuffer>> buffers() const { return buffers_; }
   std::vector<Mismatch> mismatches() const;
   double elapsed_s() const { return done_s_; }
   std::string backend() const { return backend_name_; }
-  unsigned files_direct() const { return files_direct_; }
+  unsigned files_direct() const { return files_direct_.load(); }
 
  private:
   void run();
   void on_io(IoRequest* r, int64_t res);
   void verify_worker();
   void fail(std::exception_ptr e);
+  bool fall_back_to_buffered(IoRequest* r, uint32_t file);
+  int read_fd(uint32_t file);
 
   std::vector<ReadFileSpec> specs_;
   std::vector<VerifyPiece> pieces_;
   LoadOptions opt_;
   std::vector<std::shared_ptr<AlignedBuffer>> buffers_;
-  std::vector<int> fds_;
+  std::vector<int> fds_;           // as opened (O_DIRECT where the file system took it)
+  std::vector<char> opened_direct_;
+  std::vector<int> buffered_fds_;  // per file: -1, or the buffered fd after a fallback
+  std::mutex fallback_mu_;
   std::vector<IoRequest> requests_;
   std::vector<uint32_t> file_of_request_;  // per request (by tag)
   std::vector<char> to_device_;  // per request: read into a placer slot
   std::vector<std::vector<uint32_t>> chunk_pieces_;  // per request: pieces inside it
   std::unique_ptr<IoBackend> backend_;
   std::string backend_name_;
-  unsigned files_direct_ = 0;
+  std::atomic<unsigned> files_direct_{0};
 
-  std::atomic<bool> cancel_{false}, done_{false};
+  // Fail, cancel, done, wait, join; its mutex guards the state below.
+  JobControl ctl_{"load cancelled"};
   double done_s_ = -1;
   std::chrono::steady_clock::time_point t0_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_, verify_cv_;
+  std::condition_variable verify_cv_;
   std::deque<uint32_t> verify_queue_;
   bool reads_done_ = false;
   std::vector<Mismatch> mismatches_;
-  std::exception_ptr error_;
-  std::thread control_;
-  std::once_flag join_once_;
 };
 
 }  // namespace fw

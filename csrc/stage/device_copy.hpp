@@ -23,7 +23,6 @@
 #include <utility>
 #include <vector>
 
-#include "read/load_job.hpp"
 #include "shim/cuda.hpp"
 #include "stage/staging_pool.hpp"
 
@@ -119,41 +118,27 @@ class CopyPipeline {
   std::thread thread_;
 };
 
+// The first pinning failure's text. Written by the pin hook (under the pool's
+// lock), read by anyone: it has a lock of its own.
+class PinError {
+ public:
+  void set_if_empty(const std::string& e) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (text_.empty()) text_ = e;
+  }
+  std::string get() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return text_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::string text_;
+};
+
 // Page-locking hooks for a StagingPool: cudaHostRegister(Portable) with
 // `device` current on a helper thread. The first failure's text is kept in
 // *error (if given) and the pool stays pageable (copies still work, slower).
-PinHooks cuda_pin_hooks(int device, std::shared_ptr<std::string> error = nullptr);
-
-// Places the chunks of a load that hold bytes of GPU-resident tensors: such a
-// chunk is read into a pinned bounce slot, verified, then copied host-to-device
-// to every destination it overlaps; the rest of its bytes (header, CPU
-// tensors) go to the file's host buffer. The slot returns to the pool when the
-// copies have landed, so reading chunk k+1 overlaps copying chunk k and no
-// full-size host copy of the checkpoint is made.
-class DevicePlacer final : public ChunkPlacer {
- public:
-  struct Placement {
-    uint32_t file;
-    uint64_t offset, len;  // in the stripe file
-    int device;
-    char* dst;  // device pointer, len bytes, owned by the caller until finish()
-  };
-
-  DevicePlacer(std::vector<Placement> placements, std::vector<StreamRef> callers, std::shared_ptr<StagingPool> bounce,
-               std::shared_ptr<CopyStreams> streams, size_t max_pending);
-
-  void begin() override;
-  bool wants(uint32_t file, uint64_t offset, uint64_t len) const override;
-  char* acquire(const std::atomic<bool>* cancel) override;
-  void place(uint32_t file, uint64_t offset, uint64_t len, char* slot, char* host_dst, bool ok) override;
-  void discard(char* slot) override;
-  void finish() override;
-
- private:
-  std::vector<std::vector<Placement>> by_file_;  // sorted by offset
-  std::vector<StreamRef> callers_;
-  std::shared_ptr<StagingPool> bounce_;
-  CopyPipeline pipe_;
-};
+PinHooks cuda_pin_hooks(int device, std::shared_ptr<PinError> error = nullptr);
 
 }  // namespace fw

@@ -36,12 +36,23 @@ class StagingPool {
   size_t capacity_bytes() const;
   bool pinned() const;
 
-  // Make sure up to `slots` slots exist (capped by the bound). Allocates one slab.
+  // Make sure up to `slots` slots exist (capped by the bound), allocating one
+  // slab, and hold them for a job until unreserve(): trim() frees nothing while
+  // a reservation is held, so a job that has reserved but not yet acquired
+  // never waits for slots that trim() unmapped.
   void reserve(size_t slots);
-  // Blocks until a slot is free or *cancel becomes true (then returns nullptr).
-  char* acquire(const std::atomic<bool>* cancel);
+  void unreserve();
+  // Blocks until a slot is free (returns it), *cancel becomes true or
+  // interrupt() returns true (returns nullptr). interrupt is checked under the
+  // pool's lock (it must not take a lock that is held around release()) each
+  // time wake() or release() is called and every 20 ms: a waiter that has
+  // other work which would free slots (a landed chunk to write) gets back to
+  // it instead of starving the pool.
+  char* acquire(const std::atomic<bool>* cancel, const std::function<bool()>& interrupt = {});
   void release(char* slot);
-  // Frees every slab (only when no slot is in use). Returns bytes freed.
+  // Wakes every acquire() to re-check its cancel flag and interrupt.
+  void wake();
+  // Frees every slab (only when no slot is in use or reserved). Returns bytes freed.
   size_t trim();
 
   void set_pin_hooks(PinHooks hooks);
@@ -60,6 +71,7 @@ class StagingPool {
   std::vector<std::unique_ptr<Slab>> slabs_;
   std::vector<char*> free_;
   size_t total_slots_ = 0;
+  size_t reservations_ = 0;
   PinHooks hooks_;
 };
 

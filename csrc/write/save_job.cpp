@@ -7,7 +7,6 @@
 
 #include "core/checksum.hpp"
 #include "core/error.hpp"
-#include "core/wait.hpp"
 #include "io/files.hpp"
 
 namespace fw {
@@ -46,9 +45,10 @@ SaveJob::SaveJob(std::shared_ptr<StagingPool> pool, std::vector<FileSpec> files,
 }
 
 SaveJob::~SaveJob() {
-  if (control_.joinable()) {
+  // Here, not in ctl_'s destructor: the control thread uses members declared after ctl_.
+  if (ctl_.started()) {
     cancel();
-    control_.join();
+    ctl_.wait(-1);
   }
 }
 
@@ -79,18 +79,22 @@ void SaveJob::start() {
     backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
     backend_name_ = backend_->name();
     pool_->reserve(plan_.chunks.size());
+    reserved_ = true;
+    ctl_.start([this] { run(); });
   } catch (...) {
+    if (reserved_) pool_->unreserve();
+    reserved_ = false;
+    backend_.reset();
     for (auto& f : files_) close_fd(f->fd.load());
     files_.clear();
     throw;
   }
-  control_ = std::thread([this] { run(); });
   if (!device_chunks_.empty()) {
     // Return only once the copy streams wait for the callers' streams: work the
     // caller queues after this call (the next optimizer step) can no longer
     // reach the snapshot.
-    std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [&] { return fenced_ || done_.load(); });
+    std::unique_lock<std::mutex> lk(ctl_.mutex());
+    ctl_.cv().wait(lk, [&] { return fenced_ || ctl_.done(); });
   }
 }
 
@@ -98,18 +102,23 @@ double SaveJob::since_start() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
 }
 
+// Both wake every wait of the job's threads: the copy threads' work_cv_ and
+// any acquire() on the pool (which would otherwise see the flag within 20 ms).
 void SaveJob::fail(std::exception_ptr e) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!error_) error_ = e;
-    cancel_ = true;
-  }
+  ctl_.fail(std::move(e));
+  { std::lock_guard<std::mutex> lk(ctl_.mutex()); }
   work_cv_.notify_all();
+  pool_->wake();
 }
 
 void SaveJob::cancel() {
-  if (!done_.load()) fail(std::make_exception_ptr(std::runtime_error("save cancelled")));
+  ctl_.cancel();
+  { std::lock_guard<std::mutex> lk(ctl_.mutex()); }
+  work_cv_.notify_all();
+  pool_->wake();
 }
+
+bool SaveJob::has_landed() const { return landed_count_.load() > 0; }
 
 // Zeroes the bytes of a slot that no piece fills: the aligned tail, or all of it
 // when the chunk has gaps.
@@ -133,18 +142,26 @@ void SaveJob::copy_host_chunk(size_t ci, char* slot) {
 // Copy threads stage the chunks that live in host memory and checksum the
 // device chunks once their bytes have landed, then queue each chunk's write
 // (the backend never blocks a submit, so the disk never holds up staging).
+//
+// A copy thread waiting for a free slot stops waiting when a device chunk
+// lands: landed chunks are written only by copy threads, and their slots may be
+// the very ones it waits for (with a bounded pool and a state mixing GPU and
+// CPU tensors, every slot can hold such a chunk).
 void SaveJob::copy_worker() {
   const bool gpu = !device_chunks_.empty();
+  std::function<bool()> interrupt;
+  if (gpu) interrupt = [this] { return has_landed(); };
   try {
     for (;;) {
-      if (cancel_.load()) return;
+      if (ctl_.cancelled()) return;
       if (gpu) {
         size_t ci = SIZE_MAX;
         {
-          std::lock_guard<std::mutex> lk(mu_);
+          std::lock_guard<std::mutex> lk(ctl_.mutex());
           if (!landed_.empty()) {
             ci = landed_.front();
             landed_.pop_front();
+            --landed_count_;
           }
         }
         if (ci != SIZE_MAX) {
@@ -158,10 +175,14 @@ void SaveJob::copy_worker() {
           continue;
         }
       }
-      size_t hi = next_chunk_.fetch_add(1);
-      if (hi < host_chunks_.size()) {
-        char* slot = pool_->acquire(&cancel_);
-        if (!slot) return;
+      if (next_chunk_.load() < host_chunks_.size()) {
+        char* slot = pool_->acquire(&ctl_.cancel_flag(), interrupt);
+        if (!slot) continue;  // cancelled, or a landed chunk to write first
+        size_t hi = next_chunk_.fetch_add(1);
+        if (hi >= host_chunks_.size()) {  // another thread took the last one
+          pool_->release(slot);
+          continue;
+        }
         copy_host_chunk(host_chunks_[hi], slot);
         chunk_staged();
         write_chunk(host_chunks_[hi]);
@@ -169,8 +190,8 @@ void SaveJob::copy_worker() {
       }
       if (!gpu) return;
       // Only device chunks are left: wait for the next one to land.
-      std::unique_lock<std::mutex> lk(mu_);
-      work_cv_.wait(lk, [&] { return !landed_.empty() || d2h_done_ || cancel_.load(); });
+      std::unique_lock<std::mutex> lk(ctl_.mutex());
+      work_cv_.wait(lk, [&] { return !landed_.empty() || d2h_done_ || ctl_.cancelled(); });
       if (landed_.empty()) return;
     }
   } catch (...) {
@@ -183,22 +204,22 @@ void SaveJob::stage_device_chunks() {
   try {
     // Enough batches in flight to keep the copy engine busy while the oldest
     // chunks are checksummed and written.
-    pipe = std::make_unique<CopyPipeline>(opt_.copy_streams, CopyDirection::DeviceToHost, 64);
+    pipe = std::make_unique<CopyPipeline>(opt_.copy_streams, CopyDirection::DeviceToHost, defaults::kD2hBatchesInFlight);
     pipe->order_after(opt_.wait_streams);
   } catch (...) {
     fail(std::current_exception());
   }
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     fenced_ = true;
   }
-  cv_.notify_all();
+  ctl_.notify();
   if (pipe) {
     try {
       std::vector<DeviceCopy> copies;
       for (size_t ci : device_chunks_) {
-        if (cancel_.load() || pipe->failed()) break;
-        char* slot = pool_->acquire(&cancel_);
+        if (ctl_.cancelled() || pipe->failed()) break;
+        char* slot = pool_->acquire(&ctl_.cancel_flag());
         if (!slot) break;
         const Chunk& c = plan_.chunks[ci];
         zero_unfilled(c, slot);
@@ -224,7 +245,7 @@ void SaveJob::stage_device_chunks() {
     }
   }
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     d2h_done_ = true;
   }
   work_cv_.notify_all();
@@ -232,16 +253,18 @@ void SaveJob::stage_device_chunks() {
 
 // On the copy pipeline's thread: the chunk's GPU bytes are in its slot.
 void SaveJob::landed(size_t ci, bool ok) {
-  if (!ok || cancel_.load()) {
+  if (!ok || ctl_.cancelled()) {
     pool_->release(requests_[ci].buf);
     return;
   }
   chunk_staged();
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     landed_.push_back(ci);
+    ++landed_count_;
   }
   work_cv_.notify_one();
+  pool_->wake();  // a copy thread waiting for a slot writes this chunk first
 }
 
 void SaveJob::chunk_staged() {
@@ -251,12 +274,12 @@ void SaveJob::chunk_staged() {
 
 void SaveJob::mark_staged() {
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     if (staged_) return;
     staged_s_ = since_start();
     staged_ = true;
   }
-  cv_.notify_all();
+  ctl_.notify();
 }
 
 void SaveJob::write_chunk(size_t ci) {
@@ -310,18 +333,37 @@ void SaveJob::finish_files() {
 }
 
 void SaveJob::run() {
+  // A thread that cannot be started must not escape this one (that would
+  // terminate the process): the save fails, or runs with fewer copy threads.
   std::thread d2h;
-  if (!device_chunks_.empty()) d2h = std::thread([this] { stage_device_chunks(); });
+  if (!device_chunks_.empty()) {
+    try {
+      d2h = std::thread([this] { stage_device_chunks(); });
+    } catch (...) {
+      fail(std::current_exception());
+      std::lock_guard<std::mutex> lk(ctl_.mutex());
+      d2h_done_ = true;
+    }
+  }
   std::vector<std::thread> workers;
-  for (unsigned i = 0; i < opt_.copy_threads; ++i) workers.emplace_back([this] { copy_worker(); });
+  try {
+    for (unsigned i = 0; i < opt_.copy_threads; ++i) workers.emplace_back([this] { copy_worker(); });
+  } catch (...) {
+    if (workers.empty()) fail(std::current_exception());
+  }
+  if (workers.empty()) copy_worker();  // returns at once after a failure
   if (d2h.joinable()) d2h.join();  // every GPU copy has landed or failed
   for (auto& t : workers) t.join();
   {
     // Chunks that landed after a failure stopped the workers give their slots back.
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     for (size_t ci : landed_) pool_->release(requests_[ci].buf);
     landed_.clear();
+    landed_count_ = 0;
   }
+  // Staging is over: nothing of this job acquires again, so trim() may free
+  // the slots once the writes in flight have returned theirs.
+  pool_->unreserve();
   mark_staged();  // also when the save failed: nothing reads the sources any more
 
   backend_->drain();
@@ -337,39 +379,16 @@ void SaveJob::run() {
     close_fd(f->fd.load());
     close_fd(f->direct_fd);
   }
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    done_s_ = since_start();
-    done_ = true;
-  }
-  cv_.notify_all();
+  ctl_.finish([&] { done_s_ = since_start(); });
 }
 
-bool SaveJob::wait_staged(double timeout_s) {
-  if (!control_.joinable() && !done_) return true;  // never started
-  return wait_for_flag(mu_, cv_, staged_, timeout_s);
-}
+bool SaveJob::wait_staged(double timeout_s) { return ctl_.wait_until(staged_, timeout_s); }
 
-bool SaveJob::wait_done(double timeout_s) {
-  if (!control_.joinable() && !done_) return true;
-  bool ok = wait_for_flag(mu_, cv_, done_, timeout_s);
-  if (ok) join_once(control_, join_once_);
-  return ok;
-}
+bool SaveJob::wait_done(double timeout_s) { return ctl_.wait(timeout_s); }
 
-bool SaveJob::failed() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return static_cast<bool>(error_);
-}
+bool SaveJob::failed() const { return ctl_.failed(); }
 
-void SaveJob::rethrow() const {
-  std::exception_ptr e;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    e = error_;
-  }
-  if (e) std::rethrow_exception(e);
-}
+void SaveJob::rethrow() const { ctl_.rethrow(); }
 
 std::vector<std::vector<uint64_t>> SaveJob::checksums() const {
   std::vector<std::vector<uint64_t>> out(user_segments_);
@@ -384,7 +403,7 @@ SaveStats SaveJob::stats() const {
   s.bytes_written = bytes_written_.load();
   s.device_bytes = device_bytes_;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(ctl_.mutex());
     s.staged_s = staged_s_;
     s.done_s = done_s_;
   }

@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/defaults.hpp"
+#include "core/job_control.hpp"
 #include "io/backend.hpp"
 #include "stage/device_copy.hpp"
 #include "stage/staging_pool.hpp"
@@ -38,8 +40,8 @@ struct FileSpec {
 
 struct SaveOptions {
   BackendKind backend = BackendKind::Auto;
-  unsigned queue_depth = 16;
-  unsigned copy_threads = 2;
+  unsigned queue_depth = defaults::kWriteQueueDepth;
+  unsigned copy_threads = defaults::kCopyThreads;
   bool direct = true;
   // Needed when a segment is on a GPU: the engine's copy streams, and the
   // callers' current streams (one per device) the copies are ordered after.
@@ -66,7 +68,7 @@ class SaveJob {
   bool wait_done(double timeout_s);
   void cancel();
   bool staged() const { return staged_.load(); }
-  bool done() const { return done_.load(); }
+  bool done() const { return ctl_.done(); }
   // Rethrows the first error, if any (call after done()).
   void rethrow() const;
   bool failed() const;
@@ -96,6 +98,7 @@ class SaveJob {
   void mark_staged();
   void on_io(IoRequest* req, int64_t res);
   void fail(std::exception_ptr e);
+  bool has_landed() const;
   void finish_files();
   double since_start() const;
 
@@ -117,20 +120,21 @@ class SaveJob {
   std::vector<size_t> host_chunks_, device_chunks_;  // chunks with no / some GPU bytes
   uint64_t device_bytes_ = 0;
   std::atomic<size_t> unstaged_{0};  // chunks whose bytes are not yet all in their slot
-  // Landed device chunks wait here for their checksums.
+  // Fail, cancel, done, wait, join; its mutex guards the state below and its
+  // cv signals staged_ and fenced_.
+  JobControl ctl_{"save cancelled"};
+  // Landed device chunks wait here (under ctl_.mutex()) for their checksums;
+  // landed_count_ mirrors its size for waits that must not take that lock.
   std::deque<size_t> landed_;
+  std::atomic<size_t> landed_count_{0};
   bool d2h_done_ = false, fenced_ = false;
+  bool reserved_ = false;  // holds a reservation on pool_ (control thread drops it)
   std::condition_variable work_cv_;
-  std::atomic<bool> cancel_{false}, staged_{false}, done_{false};
+  std::atomic<bool> staged_{false};
   double staged_s_ = -1, done_s_ = -1;
   std::chrono::steady_clock::time_point t0_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
   std::mutex fallback_mu_;
-  std::exception_ptr error_;
-  std::thread control_;
-  std::once_flag join_once_;
 };
 
 }  // namespace fw

@@ -1,13 +1,20 @@
-"""The engine's tuned defaults, in one place (chosen by the sweeps in benchmarks/README.md).
+"""The engine's tuned defaults (chosen by the sweeps in benchmarks/README.md).
 
-Every module takes its defaults from here; nothing else restates these numbers.
+The numbers live in the native core (csrc/core/defaults.hpp), which uses them as
+its own defaults and exports them as ``_core.DEFAULTS``; this module only names
+them for Python. Nothing restates them.
 """
 from __future__ import annotations
 
-STRIPES = 4
-CHUNK_BYTES = 16 << 20  # 16 MiB beat 1-8 and 32 MiB in both sweeps (to durable and stall)
-WRITE_QUEUE_DEPTH = 32  # 32-64 beat 2-16; 32 keeps in-flight memory at half of 64's
-READ_QUEUE_DEPTH = 32  # matched or beat 16 in both load sweeps
-READ_CHUNK_BYTES = 8 << 20
+from ._core import DEFAULTS as _NATIVE
 
-__all__ = ["STRIPES", "CHUNK_BYTES", "WRITE_QUEUE_DEPTH", "READ_QUEUE_DEPTH", "READ_CHUNK_BYTES"]
+STRIPES: int = _NATIVE["stripes"]
+CHUNK_BYTES: int = _NATIVE["chunk_bytes"]
+WRITE_QUEUE_DEPTH: int = _NATIVE["write_queue_depth"]
+READ_QUEUE_DEPTH: int = _NATIVE["read_queue_depth"]
+READ_CHUNK_BYTES: int = _NATIVE["read_chunk_bytes"]
+COPY_THREADS: int = _NATIVE["copy_threads"]
+VERIFY_THREADS: int = _NATIVE["verify_threads"]
+
+__all__ = ["STRIPES", "CHUNK_BYTES", "WRITE_QUEUE_DEPTH", "READ_QUEUE_DEPTH", "READ_CHUNK_BYTES", "COPY_THREADS",
+           "VERIFY_THREADS"]

@@ -1,0 +1,29 @@
+// The engine's tuned defaults, in one place. The bindings export the public
+// ones to Python as _core.DEFAULTS, which python/flashwrite/defaults.py reads:
+// nothing else restates these numbers. Chosen by the sweeps in
+// benchmarks/README.md unless a comment says otherwise.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace fw::defaults {
+
+// -- exported to Python (_core.DEFAULTS) --
+constexpr unsigned kStripes = 4;
+constexpr uint64_t kChunkBytes = 16ull << 20;      // 16 MiB beat 1-8 and 32 MiB (to durable and stall)
+constexpr unsigned kWriteQueueDepth = 32;          // 32-64 beat 2-16; 32 keeps in-flight memory at half of 64's
+constexpr unsigned kReadQueueDepth = 32;           // matched or beat 16 in both load sweeps
+constexpr uint64_t kReadChunkBytes = 8ull << 20;
+constexpr unsigned kCopyThreads = 2;               // host memcpy + checksum threads per save
+constexpr unsigned kVerifyThreads = 2;             // checksum threads per load
+constexpr size_t kD2hBatchesInFlight = 64;         // device chunks copying while older ones are written
+constexpr size_t kBounceMinSlots = 8;              // pinned bounce slots of a GPU load: at least this many,
+constexpr size_t kBounceExtraSlots = 4;            // and the read queue depth plus this many
+
+// -- internal --
+constexpr unsigned kThreadBackendMaxThreads = 32;  // pread/pwrite threads at most
+constexpr unsigned kPrefaultMaxThreads = 8;        // threads faulting in a new slab
+constexpr int kPoolPollMs = 20;                    // acquire() re-checks its cancel flag this often
+constexpr double kWaitSliceS = 0.05;               // binding waits wake this often for Ctrl-C
+
+}  // namespace fw::defaults

@@ -1,0 +1,101 @@
+#include "engine/engine.hpp"
+
+#include <algorithm>
+#include <map>
+
+#include "core/defaults.hpp"
+#include "shim/cuda.hpp"
+
+namespace fw {
+
+std::vector<StreamRef> wait_streams(const GivenStreams& given, const std::vector<int>& devices) {
+  std::vector<StreamRef> out;
+  for (int d : devices) {
+    uintptr_t handle = 0;
+    for (auto& [gd, gh] : given)
+      if (gd == d) handle = gh;
+    out.push_back(StreamRef{d, handle});
+  }
+  return out;
+}
+
+Engine::Engine(uint64_t chunk_bytes, uint64_t max_staging_bytes)
+    : pool_(std::make_shared<StagingPool>(chunk_bytes, max_staging_bytes)) {}
+
+std::unique_ptr<SaveJob> Engine::start_save(std::vector<FileSpec> files, std::vector<Segment> segments,
+                                            SaveOptions opt, const std::vector<int>& devices,
+                                            const GivenStreams& streams) {
+  if (!devices.empty()) {
+    cuda::require("saving tensors that live on a GPU");
+    opt.copy_streams = copy_streams();
+    opt.wait_streams = wait_streams(streams, devices);
+    pin_pool(devices.front());
+  }
+  auto job = std::make_unique<SaveJob>(pool_, std::move(files), std::move(segments), std::move(opt));
+  job->start();
+  return job;
+}
+
+// Later slabs are pinned as they are created (the hooks stay set).
+void Engine::pin_pool(int device) {
+  std::lock_guard<std::mutex> lk(cuda_mu_);
+  if (pinning_) return;
+  pinning_ = true;
+  pool_->set_pin_hooks(cuda_pin_hooks(device, pin_error_));
+}
+
+std::shared_ptr<CopyStreams> Engine::copy_streams() {
+  std::lock_guard<std::mutex> lk(cuda_mu_);
+  if (!streams_) streams_ = std::make_shared<CopyStreams>();
+  return streams_;
+}
+
+std::string Engine::pin_error() const { return pin_error_->get(); }
+
+size_t bounce_slots(unsigned queue_depth) {
+  return std::max<size_t>(defaults::kBounceMinSlots, size_t{queue_depth} + defaults::kBounceExtraSlots);
+}
+
+namespace {
+
+// Shared for the life of the process: pinning costs far more than a small
+// load. Never destroyed, so nothing calls into CUDA at exit.
+std::shared_ptr<StagingPool> bounce_pool(uint64_t slot_bytes, size_t slots, int device) {
+  static std::mutex mu;
+  static auto* pools = new std::map<std::pair<uint64_t, size_t>, std::shared_ptr<StagingPool>>();
+  std::lock_guard<std::mutex> lk(mu);
+  auto& pool = (*pools)[{slot_bytes, slots}];
+  if (!pool) {
+    auto p = std::make_shared<StagingPool>(slot_bytes, slot_bytes * slots);
+    p->set_pin_hooks(cuda_pin_hooks(device));
+    p->reserve(slots);  // held for good: trim() is never called on these
+    pool = p;
+  }
+  return pool;
+}
+
+std::shared_ptr<CopyStreams> load_streams() {
+  static auto* s = new std::shared_ptr<CopyStreams>(std::make_shared<CopyStreams>());
+  return *s;
+}
+
+}  // namespace
+
+std::unique_ptr<LoadJob> start_load(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> pieces, LoadOptions opt,
+                                    std::vector<DevicePlacement> placements, const GivenStreams& streams) {
+  if (!placements.empty()) {
+    cuda::require("loading tensors to a GPU");
+    std::vector<int> devices;
+    for (auto& p : placements)
+      if (std::find(devices.begin(), devices.end(), p.device) == devices.end()) devices.push_back(p.device);
+    size_t slots = bounce_slots(opt.queue_depth);
+    opt.placer = std::make_shared<DevicePlacer>(std::move(placements), wait_streams(streams, devices),
+                                                bounce_pool(opt.chunk_bytes, slots, devices.front()), load_streams(),
+                                                slots);
+  }
+  auto job = std::make_unique<LoadJob>(std::move(files), std::move(pieces), std::move(opt));
+  job->start();
+  return job;
+}
+
+}  // namespace fw

@@ -1,0 +1,72 @@
+// The policy around jobs, which outlives any one save or load:
+//  - a save Engine owns one staging pool (reused by every save of a Writer),
+//    page-locks it once, on the first save that copies from a GPU (a CPU-only
+//    process never initialises CUDA), and owns the copy streams of its saves;
+//  - loads to GPUs share process-wide pinned bounce pools (one per slot size
+//    and depth) and copy streams, sized from the read queue depth.
+// No Python here: the bindings parse arguments and hand plain structs in.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "read/device_placer.hpp"
+#include "read/load_job.hpp"
+#include "stage/device_copy.hpp"
+#include "stage/staging_pool.hpp"
+#include "write/save_job.hpp"
+
+namespace fw {
+
+// (device, cudaStream_t) pairs the caller names; see wait_streams().
+using GivenStreams = std::vector<std::pair<int, uintptr_t>>;
+
+// The callers' streams the copies wait for: the given ones, and the legacy
+// default stream of any device used without one.
+std::vector<StreamRef> wait_streams(const GivenStreams& given, const std::vector<int>& devices);
+
+class Engine {
+ public:
+  Engine(uint64_t chunk_bytes, uint64_t max_staging_bytes);
+
+  // Starts a save on this engine's pool. `devices`: the GPUs some segments live
+  // on (empty for a host-only save). Returns once the GPU copies are ordered
+  // after `streams` (see SaveJob::start()).
+  std::unique_ptr<SaveJob> start_save(std::vector<FileSpec> files, std::vector<Segment> segments, SaveOptions opt,
+                                      const std::vector<int>& devices, const GivenStreams& streams);
+
+  std::string pin_error() const;  // empty when pinning worked or was never tried
+  uint64_t chunk_bytes() const { return pool_->slot_bytes(); }
+  uint64_t pool_bytes() const { return pool_->capacity_bytes(); }
+  uint64_t max_staging_bytes() const { return pool_->max_slots() * pool_->slot_bytes(); }
+  bool pool_pinned() const { return pool_->pinned(); }
+  uint64_t trim() { return pool_->trim(); }
+
+ private:
+  void pin_pool(int device);
+  std::shared_ptr<CopyStreams> copy_streams();
+
+  std::shared_ptr<StagingPool> pool_;
+  std::mutex cuda_mu_;  // guards pinning_ and streams_
+  bool pinning_ = false;
+  std::shared_ptr<CopyStreams> streams_;
+  const std::shared_ptr<PinError> pin_error_ = std::make_shared<PinError>();
+};
+
+// One byte range of a load that goes to GPU memory.
+using DevicePlacement = DevicePlacer::Placement;
+
+// Starts a load; with placements, through the process-wide bounce pool and
+// streams (CUDA is required then). The placements' destinations must stay
+// valid until the job is done.
+std::unique_ptr<LoadJob> start_load(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> pieces, LoadOptions opt,
+                                    std::vector<DevicePlacement> placements, const GivenStreams& streams);
+
+// Pinned bounce slots a GPU load uses: a full read queue plus chunks being
+// verified and copied.
+size_t bounce_slots(unsigned queue_depth);
+
+}  // namespace fw

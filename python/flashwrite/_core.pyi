@@ -1,0 +1,178 @@
+"""Type stubs for flashwrite's native engine (csrc/python/bindings.cpp).
+
+Every tuple that crosses the boundary is named below. Blocking calls release the
+GIL; waits wake every 50 ms so Ctrl-C interrupts them. Native errors arrive as
+``OSError`` subclasses carrying ``errno``, ``filename``, ``offset`` and ``op``
+(I/O), ``flashwrite.errors.CorruptCheckpointError`` (format / size checks),
+``ValueError`` / ``TypeError`` (bad arguments) or ``RuntimeError`` (CUDA, cancel).
+"""
+
+from collections.abc import Sequence
+from typing import Any, TypedDict
+
+from typing_extensions import Buffer as _BufferLike
+
+__version__: str
+CHECKSUM_ALGORITHM: str  # "xxh3-64"
+ALIGN: int  # 4096: every O_DIRECT offset, length and buffer is a multiple of it
+
+class _Defaults(TypedDict):
+    stripes: int
+    chunk_bytes: int
+    write_queue_depth: int
+    read_queue_depth: int
+    read_chunk_bytes: int
+    copy_threads: int
+    verify_threads: int
+    d2h_batches_in_flight: int
+    bounce_min_slots: int
+    bounce_extra_slots: int
+
+DEFAULTS: _Defaults  # csrc/core/defaults.hpp; python/flashwrite/defaults.py names them
+
+# ---------------------------------------------------------------- tuple layouts
+
+# A save's stripe file: (path, header, size). header: the bytes at offset 0 (any
+# object with the buffer protocol: the padded safetensors header); size: the
+# file's exact final size.
+SaveFile = tuple[str, _BufferLike, int]
+# A source byte range: (address, nbytes, file, offset) in host memory, or
+# (address, nbytes, file, offset, device) where device -1 is host memory and
+# >= 0 a GPU. file indexes the files list, offset is within that file.
+Segment = tuple[int, int, int, int] | tuple[int, int, int, int, int]
+# A caller's stream the GPU copies are ordered after: (device, cudaStream_t as int);
+# a device without one uses its legacy default stream (0).
+Stream = tuple[int, int]
+# A load's file: (path, expected exact size).
+LoadFile = tuple[str, int]
+# A checksummed piece: (file, offset, nbytes, expected xxh3-64). A piece never
+# crosses a read chunk boundary.
+Piece = tuple[int, int, int, int]
+# A byte range that goes to GPU memory: (file, offset, nbytes, device >= 0, address).
+Placement = tuple[int, int, int, int, int]
+# A mismatch found by a load: (index into the pieces list, actual xxh3-64).
+Mismatch = tuple[int, int]
+# plan_chunks: a piece of a chunk: (segment, src_offset, chunk_offset, nbytes, hash_index)
+PlanPiece = tuple[int, int, int, int, int]
+# plan_chunks: a chunk: (file, file_offset, data_len, write_len, has_gaps, pieces)
+PlanChunk = tuple[int, int, int, int, bool, list[PlanPiece]]
+
+class _SaveStats(TypedDict):
+    bytes_total: int
+    bytes_written: int
+    staged_s: float  # -1 until staged
+    done_s: float  # -1 until done
+    backend: str  # "io_uring" or "threads"
+    files_direct: int
+    files_buffered: int
+    device_bytes: int  # bytes copied from GPUs
+
+class _CudaInfo(TypedDict):
+    available: bool
+    reason: str | None
+    library: str | None
+    via: str | None
+    device_count: int
+    runtime_version: int
+    driver_version: int
+
+# ------------------------------------------------------------------- classes
+
+class Buffer:
+    """Page-aligned host memory filled by a load (buffer protocol: 1-D bytes)."""
+
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    @property
+    def address(self) -> int: ...
+
+class SaveJob:
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until every byte is staged (or the job ended). None, inf or any huge
+        timeout waits for good; NaN raises ValueError; negative polls."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until written and fsync'd (or failed); same timeouts as wait_staged."""
+    def release_sources(self) -> None:
+        """Drop the references that kept the source tensors alive; call once staged."""
+    def cancel(self) -> None:
+        """Stop the save (it then fails with "save cancelled"); a no-op once done."""
+    @property
+    def staged(self) -> bool: ...
+    @property
+    def done(self) -> bool: ...
+    @property
+    def failed(self) -> bool: ...
+    def rethrow(self) -> None:
+        """Raise the job's first error, if any."""
+    def checksums(self) -> list[list[int]]:
+        """Per input segment, the xxh3-64 of each chunk_bytes-aligned piece."""
+    def progress(self) -> tuple[int, int]:
+        """(bytes_written, bytes_total)."""
+    def stats(self) -> _SaveStats: ...
+
+class Engine:
+    """Owns a staging pool (reused by every save) and, once a save copies from a
+    GPU, the pool's pinning and the copy streams."""
+
+    def __init__(self, chunk_bytes: int, max_staging_bytes: int = 0) -> None: ...
+    def start_save(self, files: Sequence[SaveFile], segments: Sequence[Segment], keepalive: Any,
+                   backend: str = "auto", queue_depth: int = ..., copy_threads: int = ...,
+                   direct: bool = True, streams: Sequence[Stream] = ...) -> SaveJob:
+        """Open the stripes and start staging + writing; keepalive must own every
+        segment address until staged. Returns once the GPU copies are ordered after
+        `streams`. Defaults: DEFAULTS["write_queue_depth"], DEFAULTS["copy_threads"]."""
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def pool_bytes(self) -> int: ...
+    @property
+    def max_staging_bytes(self) -> int: ...  # 0: unbounded
+    @property
+    def pool_pinned(self) -> bool: ...
+    @property
+    def pin_error(self) -> str | None: ...
+    def trim(self) -> int:
+        """Free the pool (bytes freed); 0 while a save holds or reserves slots."""
+
+class LoadJob:
+    def wait(self, timeout: float | None = None) -> bool: ...
+    def cancel(self) -> None:
+        """Stop the load (it then fails with "load cancelled"); a no-op once done."""
+    def rethrow(self) -> None: ...
+    def buffers(self) -> list[Buffer]:
+        """One buffer per file, in the order of `files`."""
+    def mismatches(self) -> list[Mismatch]: ...
+    @property
+    def elapsed_s(self) -> float: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def files_direct(self) -> int: ...
+
+# ----------------------------------------------------------------- functions
+
+def start_load(files: Sequence[LoadFile], pieces: Sequence[Piece], backend: str = "auto",
+               queue_depth: int = ..., chunk_bytes: int = ..., verify_threads: int = ...,
+               direct: bool = True, placements: Sequence[Placement] = ...,
+               streams: Sequence[Stream] = ...) -> LoadJob:
+    """Read whole files into aligned buffers, verifying pieces as chunks arrive;
+    placements go to GPU memory through pinned bounce buffers. Defaults:
+    DEFAULTS["read_queue_depth"], ["read_chunk_bytes"], ["verify_threads"]."""
+
+def checksum(b: _BufferLike, /) -> int:
+    """XXH3-64 of a contiguous buffer (GIL released)."""
+
+def plan_chunks(sizes: Sequence[int], segments: Sequence[tuple[int, int, int]],
+                chunk_bytes: int) -> tuple[list[PlanChunk], list[int]]:
+    """The chunk arithmetic of a save, for tests. segments: (nbytes, file, offset).
+    Returns (chunks, segment_hash_start)."""
+
+def fsync_dir(path: str, /) -> None: ...
+def rename_exchange(a: str, b: str, /) -> bool:
+    """Atomically swap two paths; False where the file system cannot."""
+def probe_direct(dir: str, /) -> bool:
+    """Whether O_DIRECT writes work in this directory."""
+def io_uring_compiled() -> bool: ...
+def io_uring_probe() -> int:
+    """0 when a ring can be set up here, else the errno."""
+def cuda_info() -> _CudaInfo: ...
