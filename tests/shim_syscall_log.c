@@ -1,7 +1,10 @@
 /* LD_PRELOAD recorder for test_durability_order.py: appends one line per open, fsync,
  * fdatasync and rename (rename, renameat, renameat2, syscall(SYS_renameat2)) to the
  * file named by FW_SYSCALL_LOG, with each fd resolved to its path when it is synced.
- * No root and no ptrace needed; appended to LD_PRELOAD, so it stacks on libasan. */
+ * No root and no ptrace needed; appended to LD_PRELOAD, so it stacks on libasan.
+ * FW_SYSCALL_SLOW_SUFFIX/FW_SYSCALL_SLOW_MS: fsyncs of paths ending so take that much
+ * longer, which makes "the manifest was created before the stripes were durable"
+ * show in the log every time instead of by chance. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -34,12 +37,28 @@ static void record(const char* what, const char* a, const char* b, long n) {
   errno = saved;
 }
 
-static void record_fd(const char* what, int fd) {
-  char link[64], path[PATH_MAX];
+static void fd_path(int fd, char* path) {
+  char link[64];
   snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-  ssize_t n = readlink(link, path, sizeof path - 1);
+  ssize_t n = readlink(link, path, PATH_MAX - 1);
   path[n > 0 ? n : 0] = 0;
-  record(what, path, NULL, fd);
+}
+
+/* Before an fsync: stall it when its file is one the test wants slow. */
+static void maybe_slow(const char* path) {
+  const char* suffix = getenv("FW_SYSCALL_SLOW_SUFFIX");
+  const char* ms = getenv("FW_SYSCALL_SLOW_MS");
+  size_t lp = strlen(path), ls = suffix ? strlen(suffix) : 0;
+  if (suffix && ms && ls && lp >= ls && strcmp(path + lp - ls, suffix) == 0) usleep((useconds_t)atoi(ms) * 1000);
+}
+
+static int synced(int fd, int (*real)(int)) {
+  char path[PATH_MAX];
+  fd_path(fd, path);
+  maybe_slow(path);
+  int rc = real(fd);
+  if (rc == 0) record("fsync", path, NULL, fd);
+  return rc;
 }
 
 #define REAL(name, type) static type real_##name; if (!real_##name) real_##name = (type)dlsym(RTLD_NEXT, #name)
@@ -84,15 +103,11 @@ int openat64(int d, const char* p, int flags, ...) {
 }
 int fsync(int fd) {
   REAL(fsync, fd_t);
-  int rc = real_fsync(fd);
-  if (rc == 0) record_fd("fsync", fd);
-  return rc;
+  return synced(fd, real_fsync);
 }
 int fdatasync(int fd) {
   REAL(fdatasync, fd_t);
-  int rc = real_fdatasync(fd);
-  if (rc == 0) record_fd("fsync", fd);
-  return rc;
+  return synced(fd, real_fdatasync);
 }
 int rename(const char* a, const char* b) {
   REAL(rename, ren_t);
@@ -118,8 +133,13 @@ long syscall(long nr, ...) {
        a5 = va_arg(ap, long), a6 = va_arg(ap, long);
   va_end(ap);
   REAL(syscall, sys_t);
+  char path[PATH_MAX];
+  if (nr == SYS_fsync || nr == SYS_fdatasync) {
+    fd_path((int)a1, path);
+    maybe_slow(path);
+  }
   long rc = real_syscall(nr, a1, a2, a3, a4, a5, a6);
   if (nr == SYS_renameat2 && rc == 0) record("rename", (const char*)a2, (const char*)a4, a5);
-  if ((nr == SYS_fsync || nr == SYS_fdatasync) && rc == 0) record_fd("fsync", (int)a1);
+  if ((nr == SYS_fsync || nr == SYS_fdatasync) && rc == 0) record("fsync", path, NULL, (int)a1);
   return rc;
 }

@@ -63,7 +63,9 @@ def traces(request, recorder, tmp_path_factory):
     split by directory (the parent's own fsync included)."""
     top = tmp_path_factory.mktemp(f"order-{request.param}")
     log = top / "syscalls.log"
-    run_child(_CHILD, preload_env(recorder, FW_SYSCALL_LOG=str(log)), str(top), request.param, *SCENARIOS)
+    # Stripe fsyncs made slow: a commit that does not wait for them shows, every time.
+    env = preload_env(recorder, FW_SYSCALL_LOG=str(log), FW_SYSCALL_SLOW_SUFFIX=".safetensors", FW_SYSCALL_SLOW_MS="150")
+    run_child(_CHILD, env, str(top), request.param, *SCENARIOS)
     lines = [line.split("\t") for line in log.read_text().splitlines()]
     out = {}
     for how in SCENARIOS:

@@ -57,7 +57,9 @@ MUTATIONS = [
              ["tests/test_durability_order.py"]),
     Mutation("commit once staged, before the writes are durable",
              [("python/flashwrite/save.py", "        job.wait()\n        job.rethrow()\n        native = job.stats()",
-               "        job.wait_staged(None)\n        job.rethrow()\n        native = job.stats()")],
+               "        job.wait_staged(None)\n        job.rethrow()\n        native = job.stats()"),
+              ("python/flashwrite/save.py", "                sw.job.wait()\n                fut._release_sources()",
+               "                sw.job.wait_staged(None)\n                fut._release_sources()")],
              ["tests/test_durability_order.py"]),
     Mutation("a short write treated as complete (both backends)",
              [("csrc/io/thread_backend.cpp", "      r->done += static_cast<uint64_t>(n);",
@@ -185,13 +187,15 @@ def run_tests(py: str, src: str, args: list[str], timeout: float) -> tuple[str, 
 
 
 def apply(src: str, m: Mutation, pristine: dict[str, str]) -> str | None:
+    texts: dict[str, str] = {}
     for f, old, new in m.edits:
-        text = pristine[f]
+        text = texts.get(f, pristine[f])
         if text.count(old) != 1:
             return f"mutation does not apply: {f} has the text {text.count(old)} times"
-    for f, old, new in m.edits:
+        texts[f] = text.replace(old, new)
+    for f, text in texts.items():
         with open(os.path.join(src, f), "w") as fh:
-            fh.write(pristine[f].replace(old, new))
+            fh.write(text)
     return None
 
 
