@@ -249,7 +249,7 @@ def main() -> int:
     table = []
     for i, m in rows:
         if m.strict_cuda and opts.skip_strict_cuda:
-            table.append((i, m, "not run", "-", 0.0))
+            table.append((i, m, "not run", "", 0.0))
             continue
         problem = apply(src, m, pristine)
         if problem:
