@@ -1,9 +1,9 @@
 """An altered manifest never loads as a different state.
 
-The manifest carries a checksum of its own content (format 2): any edit is refused,
+The manifest carries a checksum of its own content (format 3): any edit is refused,
 naming the manifest. Under that, every tensor's dtype, shape and byte range is
 cross-checked against its stripe's safetensors header, which catches a manifest
-whose checksum was recomputed after an edit, and is what guards format-1
+whose checksum was recomputed after an edit, and is what guards format 1 and 2
 checkpoints (written before the checksum existed; they must keep loading).
 """
 
@@ -158,21 +158,17 @@ def test_header_cross_check_names_what_disagrees(saved, field, edit, seal):
     assert ei.value.tensor in ("w", "w2") and f"'{ei.value.tensor}'" in str(ei.value), ei.value
 
 
-def _downgraded_v1(src, dst):
-    """What a format-1 writer produced: the same files, the manifest without its seal."""
-    shutil.copytree(src, dst)
-    m = _manifest(dst)
-    del m[fmt.SEAL_FIELD]
-    m["format_version"] = 1
-    (dst / fmt.MANIFEST_NAME).write_text(json.dumps(m, separators=(",", ":")))
-    return dst
-
-
-def test_format_1_checkpoints_still_load(saved, tmp_path):
+@pytest.mark.parametrize("version", [v for v in fmt.READABLE_VERSIONS if v < fmt.SEALED_SINCE])
+def test_unsealed_earlier_versions_still_load(saved, tmp_path, version):
+    """What the writers before the checksum produced (the same files, no seal): loads."""
     path, state = saved
-    v1 = _downgraded_v1(path, tmp_path / "v1")
-    assert_same(fw.load(v1), state)
-    fw.verify(v1)
+    old = shutil.copytree(path, tmp_path / f"v{version}")
+    m = _manifest(old)
+    del m[fmt.SEAL_FIELD]
+    m["format_version"] = version
+    (old / fmt.MANIFEST_NAME).write_text(json.dumps(m, separators=(",", ":")))
+    assert_same(fw.load(old), state)
+    fw.verify(old)
 
 
 @pytest.mark.parametrize("fixture", [d for d in sorted(glob.glob(os.path.join(DATA, "v1-*"))) if os.path.isdir(d)]
@@ -181,7 +177,8 @@ def test_format_1_fixtures_still_load(fixture):
     """Any format-1 checkpoint kept under tests/data/ (written by the format-1 writer)."""
     if fixture == "none" or not os.path.isdir(fixture):
         pytest.skip("no format-1 fixture under tests/data/")
-    assert json.loads(open(os.path.join(fixture, fmt.MANIFEST_NAME)).read())["format_version"] == 1
+    with open(os.path.join(fixture, fmt.MANIFEST_NAME)) as fh:
+        assert json.load(fh)["format_version"] == 1
     loaded = fw.load(fixture)
     twin = fixture + ".expected.pt"
     if os.path.exists(twin):

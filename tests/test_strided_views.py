@@ -33,12 +33,13 @@ def _copyable(dt: torch.dtype) -> bool:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor (strides of size-1 dims may be anything: 1-D
-    restride), without a copy kernel for its dtype."""
-    assert t.is_contiguous()
+    """The bytes of ``t`` in logical (row-major) order. A loaded tensor may itself be a
+    view (views of one storage load sharing one storage), so it is read through its
+    same-size twin dtype, which has a copy kernel where ``t``'s dtype may not."""
     if not t.numel():
         return torch.empty(0, dtype=torch.uint8)
-    return t.as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8)
+    c = t.view(_TWIN[t.element_size()]).contiguous()
+    return c.as_strided((c.numel(),), (1,), c.storage_offset()).view(torch.uint8)
 
 
 @st.composite
