@@ -231,7 +231,7 @@ try:
 except KeyboardInterrupt:
     print("INTERRUPTED %.2f" % (time.perf_counter() - t0))
 """
-    out = subprocess.run(["python", "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "INTERRUPTED" in out.stdout, out.stdout + out.stderr
     leftovers = [n for n in os.listdir(tmp_path) if ".flashwrite-tmp-" in n]
     assert leftovers == [], "an interrupted save must clean its temporary directory"
@@ -284,7 +284,7 @@ assert all(torch.equal(out[k], v) for k, v in sd.items())
 print("RESULT", st.direct, st.files_buffered)
 """
     env = dict(os.environ, LD_PRELOAD=":".join(p for p in (os.environ.get("LD_PRELOAD"), str(lib)) if p))  # append: ASan first
-    out = subprocess.run(["python", "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert "RESULT False 2" in out.stdout, out.stdout + out.stderr
 
 

@@ -89,7 +89,10 @@ def _trial_plan(rng: random.Random) -> list[dict]:
 
 
 def test_kill9_at_random_moments(tmp_path, zygote):
-    seed = int(os.environ.get("FLASHWRITE_FAULT_SEED", time.time_ns() % 2**32))
+    # Replay a run with FLASHWRITE_TEST_SEED=<seed> (FLASHWRITE_FAULT_SEED, the older name, works too).
+    seed = int(os.environ.get("FLASHWRITE_TEST_SEED") or os.environ.get("FLASHWRITE_FAULT_SEED")
+               or time.time_ns() % 2**32)
+    print(f"kill -9 test seed {seed} (replay: FLASHWRITE_TEST_SEED={seed})", flush=True)
     rng = random.Random(seed)
     root = str(tmp_path / "ck")
 
@@ -527,7 +530,7 @@ def _alter(m, what):
 def test_altered_manifest_is_detected(damaged, what):
     path, state, m = damaged
     key = _alter(m, what)
-    data = json.dumps(m).encode()
+    data = fw.format.encode_manifest(m)  # sealed: the targeted check must catch it, not the manifest checksum
     if what == "truncated-json":
         data = data[: len(data) // 2]
     elif what == "not-json":

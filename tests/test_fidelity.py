@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import flashwrite as fw
 from flashwrite import dtypes
 from flashwrite.errors import CorruptCheckpointError
-from flashwrite.format import MANIFEST_NAME
+from flashwrite.format import MANIFEST_NAME, encode_manifest
 
 
 def _tensors(x, out=None):
@@ -211,7 +211,7 @@ def _with_view_node(ckdir, writer, **edit):
     view = items[1][1]
     assert view["t"] == "view"
     view.update(edit)
-    path.write_text(json.dumps(m))
+    path.write_bytes(encode_manifest(m))  # sealed: the view checks must refuse it, not the manifest checksum
     return ckdir / "ck"
 
 

@@ -71,11 +71,13 @@ class Ckpt:
         self.write_manifest(self.m0())
 
     def write_manifest(self, m, raw: bytes | None = None):
+        """Write ``m`` sealed with a fresh manifest checksum (so the targeted lie is what
+        a load meets, not the checksum), or ``raw`` exactly as given."""
         p = self.file("flashwrite.json")
         if os.path.lexists(p) and not os.path.isfile(p):
             os.unlink(p)
         with open(p, "wb") as fh:
-            fh.write(raw if raw is not None else json.dumps(m).encode())
+            fh.write(raw if raw is not None else fmt.encode_manifest(m))
 
     def header(self, name):
         data = _read(self.file(name))
@@ -358,7 +360,8 @@ def test_piece_count_is_not_materialised(ck):
 
 
 @pytest.mark.parametrize("mutate", [
-    lambda m: m.update(format_version=99), lambda m: m.update(format="other"),
+    lambda m: m.update(format_version=99), lambda m: m.update(format_version=fmt.FORMAT_VERSION + 1),
+    lambda m: m.update(format_version=0), lambda m: m.update(format="other"),
     lambda m: m["checksum"].update(algorithm="md5"), lambda m: m["checksum"].update(block_bytes=1000),
     lambda m: m["tensors"]["f64"].update(checksums=["zz"]), lambda m: m["tensors"]["f64"].update(checksums=[]),
     lambda m: m["tensors"]["f64"].update(file=7), lambda m: m["tensors"]["f64"].update(file=-1),
@@ -411,6 +414,7 @@ _ALLOC_PROBE = textwrap.dedent("""
     import json, os, resource, shutil, struct, sys
     import torch
     import flashwrite as fw
+    from flashwrite import format as fmt
     from flashwrite.errors import CorruptCheckpointError
     base, work = sys.argv[1], sys.argv[2]
     m0 = json.load(open(os.path.join(base, "flashwrite.json")))
@@ -421,8 +425,8 @@ _ALLOC_PROBE = textwrap.dedent("""
         m = json.loads(json.dumps(m0))
         if mutate:
             mutate(m)
-        with open(os.path.join(work, "flashwrite.json"), "w") as fh:
-            fh.write(json.dumps(m))
+        with open(os.path.join(work, "flashwrite.json"), "wb") as fh:
+            fh.write(fmt.encode_manifest(m))  # sealed: the bounds checks must refuse, not the checksum
         if manifest_size:
             os.truncate(os.path.join(work, "flashwrite.json"), manifest_size)
         if stripe:
@@ -540,9 +544,14 @@ def _guarded(fn):
         signal.signal(signal.SIGALRM, old)
 
 
-def _load_or_flashwrite_error(path, verify, into=None):
+def _load_or_flashwrite_error(path, verify, into=None, expected=None):
+    """"loaded" or "rejected"; with ``expected``, a load that succeeds must return exactly
+    the saved state (values, dtypes, shapes, structure, leaf types): an altered
+    checkpoint may be refused, never read as a different state."""
     try:
-        fw.load(path, verify=verify, into=into)
+        got = fw.load(path, verify=verify, into=into)
+        if expected is not None:
+            assert_same(got, expected)
         return "loaded"
     except CorruptCheckpointError:  # the family: checksum, unsafe, structure
         return "rejected"
@@ -609,30 +618,49 @@ _mutation_value = st.one_of(_scalars, st.lists(_scalars, max_size=3), st.just(_D
 
 
 def test_fuzz_manifest(shmdir):
-    """Structured mutations of a real manifest, then a full load (both verify modes)."""
+    """Structured mutations of a real manifest, then a full load (both verify modes).
+
+    As written, an altered manifest must be refused or load as exactly the saved state
+    (its checksum covers every value). Re-sealed (the checksum recomputed, as a buggy
+    writer or a deliberate editor would), the stripe headers' cross-check must catch
+    every change of a tensor's dtype, shape or byte range: such a load must also be
+    identical unless the change touched what no header records (the tree, aliases, and
+    a dtype stored as raw bytes)."""
     c = Ckpt(os.path.join(shmdir, "ck"))
     base = c.m0()
     paths = _paths(base)
-    into = _zeros_like_state()
     outcomes = {"loaded": 0, "rejected": 0}
+    sealed = {"loaded": 0, "rejected": 0, "compared": 0}
 
     @settings(max_examples=3500, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(st.tuples(st.integers(0, len(paths) - 1), _mutation_value), min_size=1, max_size=4),
-           st.booleans(), st.integers(0, 9))
-    def case(mutations, verify, mode):
+           st.booleans(), st.integers(0, 9), st.integers(0, 3))
+    def case(mutations, verify, mode, reseal):
         m = json.loads(json.dumps(base))
         for i, v in mutations:
             m = _apply(m, paths[i], v)
         try:
-            raw = json.dumps(m).encode()
+            raw = fmt.encode_manifest(m) if reseal == 0 and isinstance(m, dict) else json.dumps(m).encode()
         except (ValueError, TypeError):
             return
         c.write_manifest(None, raw)
-        outcomes[_guarded(lambda: _load_or_flashwrite_error(c.path, verify, into if mode == 0 else None))] += 1
+        dest = _zeros_like_state() if mode == 0 else None  # fresh: a load may add leaves to it
+        if reseal == 0 and isinstance(m, dict):
+            unrecorded = any(paths[i][:1] in (("tree",), ("aliases",)) or "dtype" in paths[i] for i, _ in mutations)
+            outcome = _guarded(lambda: _load_or_flashwrite_error(c.path, verify, dest,
+                                                                 expected=None if unrecorded else c.state))
+            sealed[outcome] += 1
+            sealed["compared"] += outcome == "loaded" and not unrecorded
+            return
+        outcomes[_guarded(lambda: _load_or_flashwrite_error(c.path, verify, dest, expected=c.state))] += 1
 
     case()
-    FUZZ_COUNTS["manifest"] = sum(outcomes.values())
-    assert FUZZ_COUNTS["manifest"] >= 3400 and outcomes["rejected"] > 1000, outcomes
+    FUZZ_COUNTS["manifest"] = sum(outcomes.values()) + sealed["loaded"] + sealed["rejected"]
+    # Every successful load counted as compared was checked against the saved state (or this failed).
+    print(f"manifest fuzz: {sum(outcomes.values())} altered manifests as written, {outcomes['loaded']} loaded, "
+          f"0 different; {sealed['loaded'] + sealed['rejected']} altered and re-sealed, {sealed['loaded']} loaded, "
+          f"{sealed['compared']} of them compared, 0 different")
+    assert FUZZ_COUNTS["manifest"] >= 3400 and outcomes["rejected"] > 1000, (outcomes, sealed)
 
 
 def test_fuzz_stripe_header(shmdir):
@@ -676,10 +704,11 @@ def test_fuzz_stripe_header(shmdir):
         assert len(data) == 8 + n
         with open(c.file(name), "r+b") as fh:
             fh.write(data)
-        outcomes[_guarded(lambda: _load_or_flashwrite_error(c.path, verify))] += 1
+        outcomes[_guarded(lambda: _load_or_flashwrite_error(c.path, verify, expected=c.state))] += 1
 
     case()
     FUZZ_COUNTS["header"] = sum(outcomes.values())
+    print(f"stripe header fuzz: {FUZZ_COUNTS['header']} altered headers, {outcomes['loaded']} loaded, 0 different")
     assert FUZZ_COUNTS["header"] >= 2900 and outcomes["rejected"] > 1000, outcomes
 
 

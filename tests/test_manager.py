@@ -1,5 +1,6 @@
 """CheckpointManager: schedules, retention, start-up clean-up, restore, logging, SIGTERM."""
 
+import json
 import logging
 import os
 import signal
@@ -140,7 +141,13 @@ def test_commit_log_line(tmp_path, small_writer, caplog):
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     msg = lines[0].getMessage()
     assert "step 7 " in msg and "step-00000007" in msg
-    assert "98.11 kB" == fw.manager._fmt_bytes(stats.bytes) and ", 98.11 kB," in msg
+    # The size is what landed on disk (every stripe), in the unit that keeps 1-3 digits before the point.
+    ck = tmp_path / "step-00000007"
+    on_disk = sum(os.path.getsize(ck / f["name"]) for f in json.loads((ck / "flashwrite.json").read_text())["files"])
+    assert stats.bytes == on_disk
+    unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1)) if on_disk >= s)
+    shown = f"{on_disk / scale:.2f} {unit}" if unit != "B" else f"{on_disk} B"
+    assert fw.manager._fmt_bytes(stats.bytes) == shown and f", {shown}," in msg
     assert f"{stats.gbps:.3g} GB/s" in msg
     for part in ("stall ", "durable after ", "GB/s"):
         assert part in msg

@@ -158,9 +158,9 @@ class _CountParses:
         self.n = 0
         real = fmt.parse_manifest
 
-        def counting(data):
+        def counting(data, **kw):  # sealed=True from read_manifest
             self.n += 1
-            return real(data)
+            return real(data, **kw)
 
         monkeypatch.setattr(fmt, "parse_manifest", counting)
 
@@ -197,9 +197,9 @@ def _load_counting_parses(path: str) -> dict:
     real_parse, real_targets = fmt.parse_manifest, read_module._map_targets
     asked = []
 
-    def counting(data):
+    def counting(data, **kw):  # sealed=True from read_manifest
         parses.append(1)
-        return real_parse(data)
+        return real_parse(data, **kw)
 
     def targets(entries, map_location):
         asked.append(sorted(e.key for e in entries))

@@ -5,6 +5,8 @@ import pytest
 
 from ops_helpers import run, save
 
+from flashwrite import format as fmt
+
 
 @pytest.fixture
 def ck(tmp_path):
@@ -23,7 +25,7 @@ def test_inspect_json_has_the_tree_totals_and_writer(capsys, ck):
     assert r["by_dtype"]["float32"]["bytes"] == 64 * 32 * 4
     assert r["totals"]["bytes"] == sum(t["bytes"] for t in r["tensors"])
     assert r["settings"]["stripes"] == 2 == len(r["stripes"])
-    assert r["metadata"] == {"run": "r1"} and r["format_version"] == 1 and r["writer_version"]
+    assert r["metadata"] == {"run": "r1"} and r["format_version"] == fmt.FORMAT_VERSION and r["writer_version"]
     assert r["leaves"]["optim.step"] == 7 and r["leaves"]["optim.betas.1"] == 0.99
 
 
@@ -50,8 +52,8 @@ def test_inspect_hostile_manifests_fail_cleanly(capsys, ck, edit):
     with open(p) as fh:
         m = json.load(fh)
     edit(m)
-    with open(p, "w") as fh:
-        fh.write(json.dumps(m))
+    with open(p, "wb") as fh:
+        fh.write(fmt.encode_manifest(m))  # sealed: the check each edit aims at must refuse it
     rc, out, err = run(capsys, "inspect", ck)
     if m.get("tree", {}).get("items", [[None, {}]])[0][1].get("t") == "pickle":
         assert rc == 0 and "pickled object" in out  # shown, never unpickled

@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="save + load a synthetic training state, side by side with torch.save/torch.load")
     common(d, "512MiB")
-    d.set_defaults(func=cmd_demo)
+    d.set_defaults(func=cmd_demo, make_dir=True)
 
     b = sub.add_parser("bench", help="the full side-by-side comparison against the device limit and every peer")
     common(b, "1GiB")
@@ -176,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=60, help="training steps for --overhead")
     b.add_argument("--every", type=int, default=10, help="checkpoint every N steps for --overhead")
     b.add_argument("--overhead-rounds", type=int, default=1, help="rounds for --overhead")
-    b.set_defaults(func=cmd_bench)
+    b.set_defaults(func=cmd_bench, make_dir=True)
 
     o = sub.add_parser("overhead", help="training slowdown caused by checkpointing: torch.save, dcp.async_save, "
                                         "flashwrite")
@@ -193,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--quiet", "-q", action="store_true")
     o.add_argument("--markdown", action="store_true")
     o.add_argument("--json", metavar="PATH")
-    o.set_defaults(func=cmd_overhead)
+    o.set_defaults(func=cmd_overhead, make_dir=True)
 
     v = sub.add_parser("verify", help="check a checkpoint offline: manifest, sizes, headers, every checksum")
     v.add_argument("path")
@@ -213,8 +213,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    if isinstance(getattr(a, "dir", None), str):
-        try:  # every command that writes under --dir makes it first
+    if getattr(a, "make_dir", False):
+        try:  # the commands that write under --dir make it first (tune, info, ls take an existing one)
             os.makedirs(a.dir, exist_ok=True)
         except OSError as e:
             print(f"error: cannot create --dir {a.dir}: {e.strerror}", file=sys.stderr)

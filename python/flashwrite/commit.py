@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from . import _core
 from .errors import CheckpointExistsError
-from .format import INDEX_NAME, MANIFEST_NAME
+from .format import INDEX_NAME, MANIFEST_NAME, encode_manifest
 
 log = logging.getLogger("flashwrite")
 
@@ -143,7 +143,7 @@ def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite
         _write_durable(os.path.join(tmp, name), data)
     if index is not None:
         _write_durable(os.path.join(tmp, INDEX_NAME), json.dumps(index, indent=1).encode())
-    _write_durable(os.path.join(tmp, MANIFEST_NAME), json.dumps(manifest, separators=(",", ":")).encode())
+    _write_durable(os.path.join(tmp, MANIFEST_NAME), encode_manifest(manifest))
     _core.fsync_dir(tmp)
     if os.path.lexists(final):
         check_target(final, overwrite)  # it may have appeared or changed while we wrote

@@ -1,5 +1,11 @@
-"""On-disk format, version 2: the manifest (``flashwrite.json``), the Hugging Face
+"""On-disk format, version 3: the manifest (``flashwrite.json``), the Hugging Face
 style index, and the checks that make a checkpoint safe to open.
+
+Version 3 adds one fact to version 2: the manifest carries a SHA-256 of its own
+content (``manifest_checksum``), so an edited manifest cannot load as a different
+state. Manifests of versions 1 and 2 (no checksum) still load; for every version,
+each tensor's dtype, shape and byte range is cross-checked against its stripe's own
+safetensors header.
 
 Everything read from disk is treated as hostile: names cannot leave the
 checkpoint directory, sizes and offsets are bounds-checked before anything is
@@ -8,6 +14,7 @@ allocated, tensors cannot overlap, and dtype/shape must agree with byte lengths.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -26,9 +33,12 @@ from .flatten import referenced_keys
 from .plan import MAX_HEADER_BYTES, PlannedFile
 
 # 2: the tree may hold view, ndarray and npscalar nodes and tensor flags (param, rg).
+# 3: the manifest carries manifest_checksum, a SHA-256 of its own content.
 # Every version ever written stays readable (fixtures under tests/data/).
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+SEALED_SINCE = 3  # manifests of this version and later must carry manifest_checksum
+SEAL_FIELD = "manifest_checksum"
 MANIFEST_NAME = "flashwrite.json"
 INDEX_NAME = "model.safetensors.index.json"
 MAX_MANIFEST_BYTES = 1 << 30
@@ -125,6 +135,45 @@ def build_index(m: dict) -> dict:
     }
 
 
+def _content_digest(raw: dict) -> str:
+    """SHA-256 of the manifest's content without its seal, in one canonical spelling
+    (sorted keys, no spaces), so it covers exactly what the parser reads: JSON
+    whitespace and key order may change, no value can."""
+    body = {k: v for k, v in raw.items() if k != SEAL_FIELD}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def encode_manifest(m: dict) -> bytes:
+    """The bytes of flashwrite.json for manifest ``m``: sealed with its checksum."""
+    sealed = {k: v for k, v in m.items() if k != SEAL_FIELD}
+    sealed[SEAL_FIELD] = {"algorithm": "sha256", "digest": _content_digest(sealed)}
+    return json.dumps(sealed, separators=(",", ":")).encode()
+
+
+def check_manifest_seal(raw: Any) -> None:
+    """A manifest of version >= SEALED_SINCE must carry the checksum of its content, and
+    it must match; manifests of earlier versions have none (their writers made none)."""
+    if not isinstance(raw, dict) or raw.get("format") != "flashwrite":
+        return  # parse_manifest says what is wrong
+    version = raw.get("format_version")
+    seal = raw.get(SEAL_FIELD)
+    if not isinstance(version, int) or isinstance(version, bool) or version < SEALED_SINCE:
+        if seal is not None:
+            raise CorruptCheckpointError(f"manifest: format version {str(version)[:20]!r} carries no "
+                                         f"{SEAL_FIELD}, but this one has one (edited version?)", file=MANIFEST_NAME)
+        return
+    if not isinstance(seal, dict) or seal.get("algorithm") != "sha256" or not isinstance(seal.get("digest"), str):
+        raise CorruptCheckpointError(f"manifest: format version {version} must carry {SEAL_FIELD} "
+                                     "{'algorithm': 'sha256', 'digest': ...}; it is missing or malformed",
+                                     file=MANIFEST_NAME)
+    actual = _content_digest(raw)
+    if seal["digest"] != actual:
+        raise CorruptCheckpointError(f"manifest: content does not match its checksum (expected sha256 "
+                                     f"{seal['digest'][:64]!r}, content hashes to {actual!r}): the manifest was "
+                                     "altered after it was written", file=MANIFEST_NAME)
+
+
 def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise CorruptCheckpointError(f"manifest: {what} must be an integer in [{lo}, {hi}], got {str(v)[:40]!r}",
@@ -161,14 +210,18 @@ def read_manifest(path: str | os.PathLike, *, shown: str | None = None) -> Manif
         data = fh.read(st.st_size + 1)  # read(n) allocates n up front: ask for what is there
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{mpath} is larger than {MAX_MANIFEST_BYTES} bytes", file=MANIFEST_NAME)
-    return parse_manifest(data)
+    return parse_manifest(data, sealed=True)
 
 
-def parse_manifest(data: bytes) -> Manifest:
+def parse_manifest(data: bytes, *, sealed: bool = False) -> Manifest:
+    """Parse and check a manifest. sealed=True (what every load does) also checks its
+    checksum; the writers' own pre-commit check parses the dict before it is sealed."""
     try:
         raw = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"manifest is not valid JSON: {e}"[:300], file=MANIFEST_NAME) from None
+    if sealed:
+        check_manifest_seal(raw)
     bad = lambda msg: CorruptCheckpointError(f"manifest: {msg}", file=MANIFEST_NAME)  # noqa: E731
     if not isinstance(raw, dict) or raw.get("format") != "flashwrite":
         raise bad("not a flashwrite manifest")
@@ -375,10 +428,20 @@ def check_stripe_header(buf: memoryview, fe: FileEntry, entries: list[TensorEntr
         raise bad(f"header tensors differ from the manifest (extra {extra}, missing {missing})")
     for e in entries:
         h = header[e.key]
+        if not isinstance(h, dict):
+            raise bad(f"header entry for {e.key!r} is not an object", e.key)
+        # What the writer put in the header for this manifest entry (plan.py): dtypes
+        # safetensors cannot name are stored as U8 bytes, 1-D.
         dt = dtypes.dtype_from_name(e.dtype)
         code = dtypes.safetensors_code(dt)
-        shape = list(e.shape) if code else [e.nbytes]
         rel = e.offset - fe.header_bytes
-        if not isinstance(h, dict) or h.get("dtype") != (code or "U8") or h.get("shape") != shape \
-                or h.get("data_offsets") != [rel, rel + e.nbytes]:
-            raise bad("header entry disagrees with the manifest", e.key)
+        want_fields = {"dtype": code or "U8", "shape": list(e.shape) if code else [e.nbytes],
+                       "data_offsets": [rel, rel + e.nbytes]}
+        names = {"dtype": "dtype", "shape": "shape", "data_offsets": "byte range"}
+        for field, want_v in want_fields.items():
+            got = h.get(field)
+            if got != want_v or type(got) is not type(want_v) or \
+                    (isinstance(got, list) and any(type(x) is not int for x in got)):
+                shown = f"{e.dtype} {list(e.shape)} at {rel}..{rel + e.nbytes}"
+                raise bad(f"tensor {e.key!r}: {names[field]} disagrees between the manifest ({shown}: header should "
+                          f"say {field}={want_v}) and the stripe header ({field}={str(got)[:80]})", e.key)
