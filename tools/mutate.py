@@ -45,7 +45,7 @@ class Mutation:
         self.native = any(f.startswith("csrc/") for f, _, _ in self.edits)
 
 
-STRICT = "relies on the strict stand-in CUDA runtime (native branch)"
+STRICT = "relies on the strict stand-in CUDA runtime (tests/fake_cudart.cpp)"
 
 MUTATIONS = [
     Mutation("no fsync of the parent directory after the publishing rename",
@@ -86,7 +86,7 @@ MUTATIONS = [
                "kind_(dir == CopyDirection::DeviceToHost ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost)")],
              ["tests/test_cuda.py"], note=STRICT, strict_cuda=True),
     Mutation("load bounce pool never pinned",
-             [("csrc/python/bindings.cpp", "    p->set_pin_hooks(cuda_pin_hooks(device));\n", "")],
+             [("csrc/engine/engine.cpp", "    p->set_pin_hooks(cuda_pin_hooks(device));\n", "")],
              ["tests/test_cuda.py"], note=STRICT, strict_cuda=True),
     Mutation("host memcpy straight from a device pointer",
              [("csrc/write/save_job.cpp", "          if (sg.device < 0)  // a header or a CPU tensor sharing the chunk",
