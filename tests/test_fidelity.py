@@ -7,7 +7,6 @@ numpy and Python RNG states, and clear errors for what cannot be stored.
 import itertools
 import json
 import math
-import random
 import subprocess
 import sys
 import textwrap

@@ -211,8 +211,8 @@ def flatten(state: Any, *, allow_pickle: bool = False,
         return leaf(v, prefix or "<root>")
 
     tree = walk(state, None, 0)
-    del walk, tensor_node  # they reach themselves through their closures: break the cycle so the caller's tensors
-    # go with the caller
+    # They reach themselves through their closures: break the cycle so the caller's tensors go with the caller.
+    walk = tensor_node = None  # type: ignore[assignment]  # noqa: F841
     if any(len(g) > 1 for g in groups.values()):
         tensors = _share(tensors, tensor_nodes, alias_nodes, aliases, groups, unique_key)
     return tree, tensors, aliases
@@ -410,7 +410,7 @@ def unflatten(tree: Any, tensor_for: Callable[[str], torch.Tensor], *, allow_pic
         raise bad("nested too deeply") from None
     finally:
         # Self-referencing closures: left alone they would hold tensor_for (and the read buffers) until gc.
-        del node, tensor_node, view_of
+        node = tensor_node = view_of = None  # type: ignore[assignment]  # noqa: F841
         made.clear()
 
 

@@ -21,7 +21,6 @@ import math
 import os
 import stat
 import struct
-from typing import Any
 
 from . import dtypes
 from .defaults import READ_CHUNK_BYTES
