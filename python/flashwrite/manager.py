@@ -50,11 +50,13 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import _core, commit
+from . import _core, commit, local
 from .errors import CorruptCheckpointError
+from .flatten import flatten, unflatten
 from .format import MANIFEST_NAME
 from .future import SaveFuture, SaveStats
 from .load import load
+from .read import LoadResult, _load_into, tensor_placer
 from .save import Writer
 
 log = logging.getLogger("flashwrite")
@@ -98,12 +100,21 @@ class CheckpointManager:
     cleanup: remove stale temporary directories at start-up (False for read-only observers).
     handle_sigterm / final_state: see ``install_sigterm_handler``.
     allow_pickle: store (and restore) non-tensor objects by pickling. Only for trusted storage.
+    local_snapshots: keep each staged save as a snapshot in node memory (``local_dir``,
+    default /dev/shm) that outlives the process: ``restore()`` then takes the newest step
+    that verifies from memory or storage, and writes a snapshot that never reached
+    storage to root in the background (``wait()`` covers it). See ``flashwrite.local``.
+    keep_local: ``close()`` keeps the newest snapshot in local_dir (for a restart).
+    reserve: a state dict (or a size in bytes) to size the staging pool for now, in the
+    background, so the first save stalls no longer than later ones (``Writer.reserve``).
     """
 
     def __init__(self, root: str | os.PathLike, every_n_steps: int | None = None, every_n_seconds: float | None = None,
                  keep_last: int | None = None, keep_every_n_steps: int | None = None, writer: Writer | None = None, *,
                  if_busy: str = "wait", cleanup: bool = True, handle_sigterm: bool = False,
-                 final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False):
+                 final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False,
+                 local_snapshots: bool = False, local_dir: str | os.PathLike | None = None, keep_local: bool = False,
+                 reserve: Any = None):
         for name, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
                         ("keep_every_n_steps", keep_every_n_steps)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -121,7 +132,11 @@ class CheckpointManager:
         self.allow_pickle = allow_pickle
         self.preempted = False
         self._owns_writer = writer is None
-        self._writer = writer if writer is not None else Writer()
+        if writer is not None and local_snapshots and not writer.local_snapshots:
+            raise ValueError("local_snapshots=True needs a writer made with local_snapshots=True")
+        self._writer = writer if writer is not None else Writer(local_snapshots=local_snapshots, local_dir=local_dir)
+        self.keep_local = keep_local
+        self.local_dir = self._writer._local.dir if self._writer.local_snapshots else None
         self._lock = threading.Lock()
         self._inflight: _Pending | None = None
         self._restoring: dict[int, int] = {}
@@ -136,6 +151,8 @@ class CheckpointManager:
         os.makedirs(self.root, exist_ok=True)
         if cleanup:
             self.cleanup_stale()
+        if reserve is not None:
+            self._writer.reserve(reserve)
         if handle_sigterm:
             self.install_sigterm_handler(final_state)
 
@@ -233,6 +250,8 @@ class CheckpointManager:
             log.info("checkpoint step %d committed: %s, %s, stall %.3f s, durable after %.3f s, %.3g GB/s", p.step,
                      p.path, _fmt_bytes(st.bytes), st.stall_s or 0.0, st.total_s or 0.0, st.gbps or 0.0)
             self._retain(p.step)
+            if self.local_dir is not None:
+                self._clean_local(lambda s: s <= p.step)
         except Exception:
             log.exception("checkpoint step %d: retention failed (the checkpoint itself is committed)", p.step)
         finally:
@@ -285,9 +304,47 @@ class CheckpointManager:
 
     def cleanup_stale(self) -> list[str]:
         """Remove temporary directories left in root by crashed saves and deletions
-        (and put back a checkpoint whose replacement never appeared). Returns the
-        names it removed or restored. Called by the constructor."""
-        return commit.clean_stale(self.root)
+        (and put back a checkpoint whose replacement never appeared), and local
+        snapshots of this root whose owner died that are older than its newest
+        committed step. Returns the names it removed or restored. Called by the
+        constructor."""
+        touched = commit.clean_stale(self.root)
+        if self.local_dir is not None:
+            latest = self.latest_step()
+            if latest is not None:
+                touched += self._clean_local(lambda s: s < latest)
+            local.remove_orphan_pools(self.local_dir)
+        return touched
+
+    def local_snapshots(self) -> dict[int, list[local.Snapshot]]:
+        """Local snapshots of this root's steps (any owner), newest first per step."""
+        out: dict[int, list[local.Snapshot]] = {}
+        if self.local_dir is None:
+            return out
+        for snap in local.scan(self.local_dir):
+            step = self._step_of(snap.path)
+            if step is not None:
+                out.setdefault(step, []).append(snap)
+        return out
+
+    def _step_of(self, path: str) -> int | None:
+        if os.path.dirname(path) != self.root:
+            return None
+        m = _STEP_RE.match(os.path.basename(path))
+        return int(m.group(1)) if m and self.path_for(int(m.group(1))) == path else None
+
+    def _clean_local(self, doomed: Callable[[int], bool]) -> list[str]:
+        """Remove dead owners' snapshots of the steps ``doomed`` picks (never the only
+        copy of the newest step: callers pick only steps older than, or equal to, a
+        committed one)."""
+        removed = []
+        for step, snaps in self.local_snapshots().items():
+            for snap in snaps:
+                if doomed(step) and not snap.alive:
+                    local.remove(snap)
+                    log.info("removed local snapshot of step %d (%s): its process is gone", step, snap.header)
+                    removed.append(os.path.basename(snap.header))
+        return removed
 
     # ---------------------------------------------------------------- restore
 
@@ -302,13 +359,23 @@ class CheckpointManager:
         load_options go to ``flashwrite.load`` (map_location, verify, ...).
         """
         with self._call():
+            committed = self.all_steps()
+            snaps = self.local_snapshots()
             if step is not None:
                 self._check_step(step)
                 candidates = [step]
             else:
-                candidates = list(reversed(self.all_steps()))
+                candidates = sorted(set(committed) | set(snaps), reverse=True)
             first_error: BaseException | None = None
             for s in candidates:
+                for snap in snaps.get(s, []):
+                    got = self._restore_local(s, snap, into, load_options)
+                    if got is not None:
+                        if s not in committed:
+                            self._write_back(s, got[1])
+                        return s, got[0]
+                if s not in committed and step is None:
+                    continue
                 with self._lock:
                     self._restoring[s] = self._restoring.get(s, 0) + 1
                 try:
@@ -328,6 +395,33 @@ class CheckpointManager:
             if first_error is not None:
                 raise first_error
             return None
+
+    def _restore_local(self, step: int, snap: local.Snapshot, into: Any,
+                       options: dict) -> tuple[Any, LoadResult] | None:
+        """(state, what was read) from a local snapshot, or None when it does not verify."""
+        t0 = time.perf_counter()
+        try:
+            m, tensors = local.read_snapshot(snap, verify=options.get("verify", True))
+        except (CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
+            log.error("local snapshot of step %d (%s) cannot be restored (%s); trying other copies", step,
+                      snap.header, e)
+            return None
+        res = LoadResult(m, tensors, time.perf_counter() - t0, "local", False)
+        if into is not None:
+            state = _load_into(res, into, flatten(into, allow_pickle=True), lambda x: x,
+                               options.get("strict", True), self.allow_pickle)
+        else:
+            state = unflatten(m.tree, tensor_placer(res, options.get("map_location", "cpu")),
+                              allow_pickle=self.allow_pickle)
+        log.info("restored step %d from local memory (%s) in %.3f s", step, snap.header, time.perf_counter() - t0)
+        return state, res
+
+    def _write_back(self, step: int, res: LoadResult) -> None:
+        """Save a step that only a local snapshot holds to root; returns once staged
+        (the caller may then change what it was given), commits in the background."""
+        state = unflatten(res.manifest.tree, tensor_placer(res, "cpu"), allow_pickle=self.allow_pickle)
+        log.warning("step %d was never committed to %s: writing it from its local snapshot", step, self.root)
+        self._start(step, state, overwrite=False, policy="wait")
 
     def restore_latest(self, into: Any = None, **load_options: Any) -> tuple[int, Any] | None:
         return self.restore(None, into, **load_options)
@@ -432,7 +526,7 @@ class CheckpointManager:
             if threading.current_thread() is threading.main_thread():
                 self.uninstall_sigterm_handler()
             if self._owns_writer:
-                self._writer.close()
+                self._writer.close(keep_local=self.keep_local)
 
     def __enter__(self) -> CheckpointManager:
         return self
