@@ -233,3 +233,38 @@ def test_kill_while_staging_never_returns_the_half_staged_step(tmp_path):
             shutil.rmtree(shm, ignore_errors=True)
     assert killed_staging >= 1
     print(f"kill while staging: {killed_staging} kills before staged")
+
+
+# ------------------------------------------------------------- many ranks
+
+
+def _ranks(world, tmp, root, shm, mode):
+    init = tmp / f"init-{mode}-{time.monotonic_ns()}"
+    return [subprocess.Popen([sys.executable, os.path.join(HERE, "local_dist_child.py"), str(r), str(world), str(init),
+                              str(root), shm, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode,agreed", [("one_dies", 1), ("all_staged", 2)])
+def test_ranks_agree_on_one_step_after_kill(tmp_path, mode, agreed, world):
+    root, shm = tmp_path / "ck", f"/dev/shm/fwtest-ranks-{os.getpid()}-{mode}"
+    try:
+        procs = _ranks(world, tmp_path, root, shm, mode)
+        live = procs[:-1] if mode == "one_dies" else procs
+        for p in live:
+            _wait_line(p, "STAGED")
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.communicate()
+        assert not os.path.isdir(root / "step-00000002")
+        procs = _ranks(world, tmp_path, root, shm, "restore")
+        outs = [p.communicate(timeout=240) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+            assert f"RESTORED {agreed}" in out
+    finally:
+        import shutil
+        shutil.rmtree(shm, ignore_errors=True)

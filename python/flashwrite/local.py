@@ -33,6 +33,7 @@ import secrets
 import socket
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,7 +232,7 @@ class LocalPool:
                 _unlink(h.header)
                 self._held.remove(h)
 
-    def seal(self, engine: Any, sw: Any, path: str) -> _Held | None:
+    def seal(self, engine: Any, sw: Any, path: str, rank: tuple[int, int] | None = None) -> _Held | None:
         """Once ``sw`` (a StripeWrite started with hold_slots) is staged and checksummed,
         write its header. None when there is no whole image to point at."""
         job = sw.job
@@ -253,6 +254,8 @@ class LocalPool:
         body = {"format": FORMAT, "version": VERSION, "owner": self.owner, "pool": os.path.basename(self.pool_path),
                 "path": path, "state": "staged", "created": time.time(), "chunk_bytes": engine.chunk_bytes,
                 "chunks": [list(c) for c in slots], "manifest": sw.manifest()}
+        if rank is not None:
+            body["rank"], body["world_size"] = rank
         _write_atomic(header, _encode(body))
         held = _Held(header, body, job)
         with self._lock:
@@ -289,6 +292,41 @@ class LocalPool:
         return bool(keep)
 
 
+class LocalSave:
+    """The local snapshot of one save, on both save paths: ``seal()`` once staged (from
+    the caller and from the commit thread, whichever comes first), ``committed()``
+    after the commit, ``end()`` when the save is over either way."""
+
+    def __init__(self, pool: LocalPool, sw: Any, path: str, rank: tuple[int, int] | None = None):
+        self.pool, self.sw, self.path, self.rank = pool, sw, path, rank
+        self._lock = threading.Lock()
+        self._sealed = False
+        self.held: _Held | None = None
+
+    def seal(self) -> None:
+        with self._lock:
+            if self._sealed:
+                return
+            self._sealed = True
+            try:
+                self.held = self.pool.seal(self.sw.engine, self.sw, self.path, self.rank)
+            except Exception as e:  # the snapshot is a bonus: never fail the save for it
+                log.warning("flashwrite: no local snapshot of %s: %s", self.path, e)
+
+    def committed(self) -> None:
+        if self.held is not None:
+            try:
+                self.pool.mark(self.held, "committed")
+            except OSError as e:
+                log.warning("flashwrite: local snapshot of %s not marked committed: %s", self.path, e)
+
+    def end(self) -> None:
+        self.sw.job.wait()  # the slots go back only once no write uses them
+        with self._lock:
+            self._sealed = True  # too late for a header now
+        self.pool.release(self.held, self.sw.job)
+
+
 def _unlink(p: str) -> None:
     try:
         os.unlink(p)
@@ -299,8 +337,11 @@ def _unlink(p: str) -> None:
 # ---------------------------------------------------------------------- restore
 
 
-def _copy_verified(dst: torch.Tensor, src: torch.Tensor, expected: str) -> int | None:
+def _copy_verified(dst: torch.Tensor, src: torch.Tensor, expected: str, verify: bool) -> int | None:
+    """Copy src to dst; the checksum of the bytes when it is not ``expected`` (else None)."""
     dst.copy_(src)
+    if not verify:
+        return None
     actual = _core.checksum(dst.numpy())
     return None if f"{actual:016x}" == expected else actual
 
@@ -323,11 +364,14 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
                 raise CorruptCheckpointError(f"snapshot {snap.header}: chunk at {off} of stripe {f} lies outside "
                                              f"{snap.pool}", file=snap.header)
             where[(f, off)] = (pool_off, n)
-        # A private copy-on-write mapping: writable for torch, never written, the file untouched.
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        # Read-only and populated in one call (a page fault per 4 KiB costs more than the copy).
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       prot=mmap.PROT_READ) if size else None
     finally:
         os.close(fd)
-    pool = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not writable": it is only ever read from here
+        pool = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
     tensors: dict[str, torch.Tensor] = {}
     jobs = []
     for key, e in m.tensors.items():
@@ -343,8 +387,7 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
         tensors[key] = raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
     workers = threads or max(1, min(8, len(os.sched_getaffinity(0))))
     with concurrent.futures.ThreadPoolExecutor(workers) as ex:
-        results = list(ex.map(lambda j: _copy_verified(j[2], j[3], j[4]) if verify else j[2].copy_(j[3]) and None,
-                              jobs))
+        results = list(ex.map(lambda j: _copy_verified(j[2], j[3], j[4], verify), jobs))
     for (key, pos, _, _, expected), bad in zip(jobs, results):
         if bad is not None:
             e = m.tensors[key]

@@ -107,6 +107,11 @@ class CheckpointManager:
     keep_local: ``close()`` keeps the newest snapshot in local_dir (for a restart).
     reserve: a state dict (or a size in bytes) to size the staging pool for now, in the
     background, so the first save stalls no longer than later ones (``Writer.reserve``).
+    process_group: every rank of the group runs a manager on the same root; each save is
+    one multi-rank checkpoint (``save_async(process_group=)``), each rank keeps its own
+    local snapshot, and ``restore()`` agrees across ranks on the newest step that every
+    rank can restore, from memory or storage (never mixing steps). Rank 0 cleans up and
+    applies retention in root.
     """
 
     def __init__(self, root: str | os.PathLike, every_n_steps: int | None = None, every_n_seconds: float | None = None,
@@ -114,7 +119,7 @@ class CheckpointManager:
                  if_busy: str = "wait", cleanup: bool = True, handle_sigterm: bool = False,
                  final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False,
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None, keep_local: bool = False,
-                 reserve: Any = None):
+                 reserve: Any = None, process_group: Any = None):
         for name, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
                         ("keep_every_n_steps", keep_every_n_steps)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -137,6 +142,11 @@ class CheckpointManager:
         self._writer = writer if writer is not None else Writer(local_snapshots=local_snapshots, local_dir=local_dir)
         self.keep_local = keep_local
         self.local_dir = self._writer._local.dir if self._writer.local_snapshots else None
+        self.process_group = process_group
+        self._rank: tuple[int, int] | None = None  # (rank, size) in a multi-rank run
+        if process_group is not None:
+            import torch.distributed as dist
+            self._rank = (dist.get_rank(process_group), dist.get_world_size(process_group))
         self._lock = threading.Lock()
         self._inflight: _Pending | None = None
         self._restoring: dict[int, int] = {}
@@ -231,7 +241,7 @@ class CheckpointManager:
         path = self.path_for(step)
         self._last_start = time.monotonic()
         fut = self._writer.save_async(state_dict, path, overwrite=overwrite, allow_pickle=self.allow_pickle,
-                                      metadata={"step": str(step)})
+                                      metadata={"step": str(step)}, process_group=self.process_group)
         pending = _Pending(step, path, fut)
         with self._lock:
             self._inflight = pending
@@ -276,7 +286,7 @@ class CheckpointManager:
     # -------------------------------------------------------------- retention
 
     def _retain(self, committed: int) -> None:
-        if self.keep_last is None:
+        if self.keep_last is None or (self._rank is not None and self._rank[0] != 0):
             return
         steps = self.all_steps()
         if not steps:
@@ -308,7 +318,7 @@ class CheckpointManager:
         snapshots of this root whose owner died that are older than its newest
         committed step. Returns the names it removed or restored. Called by the
         constructor."""
-        touched = commit.clean_stale(self.root)
+        touched = commit.clean_stale(self.root) if self._rank is None or self._rank[0] == 0 else []
         if self.local_dir is not None:
             latest = self.latest_step()
             if latest is not None:
@@ -323,7 +333,8 @@ class CheckpointManager:
             return out
         for snap in local.scan(self.local_dir):
             step = self._step_of(snap.path)
-            if step is not None:
+            mine = (snap.body.get("rank"), snap.body.get("world_size")) == (self._rank or (None, None))
+            if step is not None and mine:
                 out.setdefault(step, []).append(snap)
         return out
 
@@ -359,6 +370,11 @@ class CheckpointManager:
         load_options go to ``flashwrite.load`` (map_location, verify, ...).
         """
         with self._call():
+            if self.process_group is not None:
+                if step is not None:
+                    return step, load(self.path_for(step), into=into, allow_pickle=self.allow_pickle,
+                                      process_group=self.process_group, **load_options)
+                return self._restore_agreed(into, load_options)
             committed = self.all_steps()
             snaps = self.local_snapshots()
             if step is not None:
@@ -396,9 +412,8 @@ class CheckpointManager:
                 raise first_error
             return None
 
-    def _restore_local(self, step: int, snap: local.Snapshot, into: Any,
-                       options: dict) -> tuple[Any, LoadResult] | None:
-        """(state, what was read) from a local snapshot, or None when it does not verify."""
+    def _read_local(self, step: int, snap: local.Snapshot, options: dict) -> LoadResult | None:
+        """What a local snapshot holds, verified; None (logged) when it does not verify."""
         t0 = time.perf_counter()
         try:
             m, tensors = local.read_snapshot(snap, verify=options.get("verify", True))
@@ -406,20 +421,63 @@ class CheckpointManager:
             log.error("local snapshot of step %d (%s) cannot be restored (%s); trying other copies", step,
                       snap.header, e)
             return None
-        res = LoadResult(m, tensors, time.perf_counter() - t0, "local", False)
-        if into is not None:
-            state = _load_into(res, into, flatten(into, allow_pickle=True), lambda x: x,
-                               options.get("strict", True), self.allow_pickle)
-        else:
-            state = unflatten(m.tree, tensor_placer(res, options.get("map_location", "cpu")),
-                              allow_pickle=self.allow_pickle)
         log.info("restored step %d from local memory (%s) in %.3f s", step, snap.header, time.perf_counter() - t0)
-        return state, res
+        return LoadResult(m, tensors, time.perf_counter() - t0, "local", False)
+
+    def _state_of(self, res: LoadResult, into: Any, options: dict) -> Any:
+        # A rank's snapshot holds {rank: state}, like its part of a multi-rank checkpoint.
+        wrap: Callable[[Any], Any] = (lambda x: x) if self._rank is None else (lambda x: {self._rank[0]: x})
+        if into is not None:
+            return _load_into(res, into, flatten(wrap(into), allow_pickle=True), wrap, options.get("strict", True),
+                              self.allow_pickle)
+        state = unflatten(res.manifest.tree, tensor_placer(res, options.get("map_location", "cpu")),
+                          allow_pickle=self.allow_pickle)
+        return state if self._rank is None else state[self._rank[0]]
+
+    def _restore_local(self, step: int, snap: local.Snapshot, into: Any,
+                       options: dict) -> tuple[Any, LoadResult] | None:
+        """(state, what was read) from a local snapshot, or None when it does not verify."""
+        res = self._read_local(step, snap, options)
+        return None if res is None else (self._state_of(res, into, options), res)
+
+    def _restore_agreed(self, into: Any, options: dict) -> tuple[int, Any] | None:
+        """restore() on every rank of process_group: each rank offers the committed steps
+        and the steps its own snapshots verify; all take the newest step in every offer."""
+        import torch.distributed as dist
+        from .coord import collective, coordinator
+
+        committed = self.all_steps()
+        newest = committed[-1] if committed else -1
+        verified: dict[int, LoadResult] = {}
+        for s, snaps in sorted(self.local_snapshots().items(), reverse=True):
+            if s < newest:
+                break  # storage has a newer step for every rank
+            for snap in snaps:
+                res = self._read_local(s, snap, options)
+                if res is not None:
+                    verified[s] = res
+                    break
+        offer = sorted(set(committed) | set(verified))
+        coord = coordinator(self.process_group)
+        offers: list = [None] * coord.size
+        coord.run(collective, dist.all_gather_object, offers, offer, group=coord.group).result()
+        common = set(offers[0]).intersection(*map(set, offers[1:]))
+        log.info("rank %d offers steps %s; the ranks agree on %s", coord.rank, offer[-3:], max(common, default=None))
+        if not common:
+            return None
+        s = max(common)
+        if s in verified:
+            state = self._state_of(verified[s], into, options)
+            if s not in committed:
+                self._write_back(s, verified[s])  # every rank: none has it on storage
+            return s, state
+        return s, load(self.path_for(s), into=into, allow_pickle=self.allow_pickle, process_group=self.process_group,
+                       **options)
 
     def _write_back(self, step: int, res: LoadResult) -> None:
         """Save a step that only a local snapshot holds to root; returns once staged
         (the caller may then change what it was given), commits in the background."""
-        state = unflatten(res.manifest.tree, tensor_placer(res, "cpu"), allow_pickle=self.allow_pickle)
+        state = self._state_of(res, None, {})
         log.warning("step %d was never committed to %s: writing it from its local snapshot", step, self.root)
         self._start(step, state, overwrite=False, policy="wait")
 

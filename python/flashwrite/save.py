@@ -240,37 +240,22 @@ class Writer:
             raise
         sw.stats.path = path
         fut = SaveFuture(path, sw.job, sw.stats, t0)
-        sealed: list = []  # [the local snapshot or None], once its header is written (or not)
-        seal_lock = threading.Lock()
-
-        def seal() -> None:
-            with seal_lock:
-                if sealed:
-                    return
-                try:
-                    sealed.append(snap.seal(sw.engine, sw, path))
-                except Exception as e:  # the snapshot is a bonus: never fail the save for it
-                    sealed.append(None)
-                    log.warning("flashwrite: no local snapshot of %s: %s", path, e)
+        ls = local.LocalSave(snap, sw, path) if snap is not None else None
 
         def finish(commit_gate: Callable[[], None]) -> SaveStats:
             try:
-                if snap is not None:
-                    seal()
+                if ls is not None:
+                    ls.seal()
                 sw.job.wait()
                 commit_gate()
                 manifest = sw.wait_durable()
                 commit.finalize(tmp, path, manifest, build_index(manifest), overwrite,
                                 extra={hf.CONFIG_NAME: config} if config is not None else None)
-                if snap is not None and sealed[0] is not None:
-                    try:
-                        snap.mark(sealed[0], "committed")
-                    except OSError as e:
-                        log.warning("flashwrite: local snapshot of %s not marked committed: %s", path, e)
+                if ls is not None:
+                    ls.committed()
             finally:
-                if snap is not None:
-                    sw.job.wait()  # the slots go back only once no write uses them
-                    snap.release(sealed[0] if sealed else None, sw.job)
+                if ls is not None:
+                    ls.end()
             sw.stats.total_s = time.perf_counter() - t0
             log.debug("saved %s: %.3f GB in %.3f s (stall %.3f s, %s, direct=%s)", path, sw.stats.bytes / 1e9,
                       sw.stats.total_s, sw.stats.stall_s or 0, sw.stats.backend, sw.stats.direct)
@@ -278,9 +263,9 @@ class Writer:
 
         fut._launch(finish, lambda run: self._committer().submit(run), block=block,
                     cleanup=lambda: commit.discard(tmp))
-        if snap is not None and block:
+        if ls is not None and block:
             # Returning "staged" means the snapshot outlives this process from here on.
-            seal()
+            ls.seal()
             fut._stats.stall_s = time.perf_counter() - t0
         return fut
 
