@@ -61,7 +61,9 @@ def first_and_later(state: dict, d: str, reserve: bool, rounds: int) -> dict:
 def restores(state: dict, d: str, rounds: int) -> dict:
     shm = os.path.join("/dev/shm", f"fw-tiers-bench-{os.getpid()}")
     root = os.path.join(d, "ck")
-    out: dict = {"local_s": [], "flashwrite_cold_s": [], "torch_cold_s": []}
+    out: dict = {"local_s": [], "local_into_s": [], "flashwrite_cold_s": [], "flashwrite_cold_into_s": [],
+                 "torch_cold_s": []}
+    dest = {"model": {k: torch.empty_like(v).fill_(0) for k, v in state["model"].items()}, "step": 0}
     try:
         with fw.CheckpointManager(root, local_snapshots=True, local_dir=shm, keep_local=True) as m:
             m.save(1, state)
@@ -72,9 +74,12 @@ def restores(state: dict, d: str, rounds: int) -> dict:
             m2 = fw.CheckpointManager(root, local_snapshots=True, local_dir=shm, cleanup=False)
             t = timed(lambda: m2.restore())
             out["local_s"].append(t)
+            out["local_into_s"].append(timed(lambda: m2.restore(into=dest)))
             m2._writer.close(keep_local=True)  # nothing of its own; the dead-owner rule is not in play
             drop_caches()
             out["flashwrite_cold_s"].append(timed(lambda: fw.load(m2.path_for(1))))
+            drop_caches()
+            out["flashwrite_cold_into_s"].append(timed(lambda: fw.load(m2.path_for(1), into=dest)))
             drop_caches()
             out["torch_cold_s"].append(timed(lambda: torch.load(tpath, weights_only=True)))
         res = {k: statistics.median(v) for k, v in out.items()}
@@ -108,7 +113,9 @@ def main() -> None:
               f"({r['reserve_s']:.3f} s in the background)")
         print(f"{gib:g} GiB  restore: local memory {rs['local_s']:.3f} s, flashwrite.load cold "
               f"{rs['flashwrite_cold_s']:.3f} s ({rs['flashwrite_cold_s'] / rs['local_s']:.1f}x), torch.load cold "
-              f"{rs['torch_cold_s']:.3f} s ({rs['torch_cold_s'] / rs['local_s']:.1f}x); shm pool "
+              f"{rs['torch_cold_s']:.3f} s ({rs['torch_cold_s'] / rs['local_s']:.1f}x); into existing tensors: "
+              f"local {rs['local_into_s']:.3f} s, flashwrite.load cold {rs['flashwrite_cold_into_s']:.3f} s "
+              f"({rs['flashwrite_cold_into_s'] / rs['local_into_s']:.1f}x); shm pool "
               f"{rs['shm_pool_bytes'] / 2**30:.2f} GiB for {nbytes / 2**30:.2f} GiB of state")
         del state
     if a.json:

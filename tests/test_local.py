@@ -125,13 +125,16 @@ def test_restart_removes_dead_owners_older_snapshots(tmp_path, shmdir):
             f"w.save(u.make_state(1), {str(root / 'step-00000001')!r}); "
             f"w2.save(u.make_state(3), {str(root / 'step-00000003')!r}); "
             f"import os; os._exit(0)")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    child = subprocess.Popen([sys.executable, "-c", code])
+    assert child.wait() == 0
+    half = os.path.join(shmdir, f"{local.PREFIX}{child.pid}-0-000009{local.HEADER_SUFFIX}.tmp-0000")
+    open(half, "wb").close()  # a header it was writing when it died
     fw.save(make_state(2), root / "step-00000002")
     import shutil
     shutil.rmtree(root / "step-00000003")  # step 3 never reached storage
     m = CheckpointManager(root, local_snapshots=True, local_dir=shmdir)
     steps = sorted(m.local_snapshots())
-    assert steps == [3]
+    assert steps == [3] and not os.path.exists(half)
     step, state = m.restore()
     assert step == 3
     assert_same(state, make_state(3))

@@ -175,14 +175,16 @@ def remove(snap: Snapshot) -> None:
 
 
 def remove_orphan_pools(local_dir: str) -> None:
-    """Pool files of dead owners that no header points into (a crash before any snapshot)."""
+    """Pool files of dead owners that no header points into (a crash before any snapshot),
+    and their half-written headers."""
     try:
         names = os.listdir(local_dir)
     except FileNotFoundError:
         return
     used = {s.pool for s in scan(local_dir)}
     for name in names:
-        if not (name.startswith(PREFIX) and name.endswith(POOL_SUFFIX)):
+        # A pool, or a header that was being written when its process died.
+        if not (name.startswith(PREFIX) and (name.endswith(POOL_SUFFIX) or f"{HEADER_SUFFIX}.tmp-" in name)):
             continue
         p = os.path.join(local_dir, name)
         try:
