@@ -271,3 +271,16 @@ def test_ranks_agree_on_one_step_after_kill(tmp_path, mode, agreed, world):
     finally:
         import shutil
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_restore_into_fills_existing_tensors_from_memory(tmp_path, shmdir):
+    root = tmp_path / "ck"
+    with CheckpointManager(root, local_snapshots=True, local_dir=shmdir, keep_local=True) as m:
+        m.save(3, make_state(3))
+    dest = make_state(0)
+    w = dest["model"]["w"]
+    m2 = CheckpointManager(root, local_snapshots=True, local_dir=shmdir)
+    step, got = m2.restore(into=dest)
+    assert step == 3 and got is dest and dest["model"]["w"] is w
+    assert_same(dest, make_state(3))
+    m2.close()

@@ -348,9 +348,14 @@ def _copy_verified(dst: torch.Tensor, src: torch.Tensor, expected: str, verify: 
     return None if f"{actual:016x}" == expected else actual
 
 
-def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = None) -> tuple[Manifest, dict]:
+def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = None,
+                  targets: dict[str, torch.Tensor] | None = None) -> tuple[Manifest, dict]:
     """(manifest, {key: CPU tensor owning its bytes}) of a snapshot, every piece checked
-    against the manifest's checksum. Raises CorruptCheckpointError (naming the tensor)."""
+    against the manifest's checksum. Raises CorruptCheckpointError (naming the tensor).
+
+    targets: existing CPU tensors to fill instead, by key (used where contiguous, of the
+    stored dtype and shape; returned as themselves). If a piece fails its check, the
+    targets may already hold some new bytes."""
     body = snap.body
     m = parse_manifest(json.dumps(body["manifest"]).encode())
     block = m.block_bytes
@@ -377,7 +382,13 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
     tensors: dict[str, torch.Tensor] = {}
     jobs = []
     for key, e in m.tensors.items():
-        raw = torch.empty(e.nbytes, dtype=torch.uint8)
+        dt = dtypes.dtype_from_name(e.dtype)
+        dst = (targets or {}).get(key)
+        if (dst is not None and dst.device.type == "cpu" and dst.dtype == dt and tuple(dst.shape) == e.shape
+                and dst.is_contiguous() and e.nbytes):
+            raw = dst.detach().reshape(-1).view(torch.uint8)
+        else:
+            dst, raw = None, torch.empty(e.nbytes, dtype=torch.uint8)
         for (pos, n), expected in zip(piece_ranges(e.offset, e.nbytes, block), e.checksums):
             base = pos - pos % block
             loc = where.get((e.file, base))
@@ -386,7 +397,7 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
                                              file=snap.header, tensor=key)
             src = pool[loc[0] + pos - base: loc[0] + pos - base + n]
             jobs.append((key, pos, raw[pos - e.offset: pos - e.offset + n], src, expected))
-        tensors[key] = raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
+        tensors[key] = dst if dst is not None else raw.view(dt).view(e.shape)
     workers = threads or max(1, min(8, len(os.sched_getaffinity(0))))
     with concurrent.futures.ThreadPoolExecutor(workers) as ex:
         results = list(ex.map(lambda j: _copy_verified(j[2], j[3], j[4], verify), jobs))

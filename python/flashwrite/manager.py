@@ -412,11 +412,16 @@ class CheckpointManager:
                 raise first_error
             return None
 
-    def _read_local(self, step: int, snap: local.Snapshot, options: dict) -> LoadResult | None:
-        """What a local snapshot holds, verified; None (logged) when it does not verify."""
+    def _read_local(self, step: int, snap: local.Snapshot, options: dict, into: Any = None) -> LoadResult | None:
+        """What a local snapshot holds, verified; None (logged) when it does not verify.
+        into: its CPU tensors are filled in place where they fit (no second copy)."""
         t0 = time.perf_counter()
+        targets = None
+        if into is not None:
+            wrapped = into if self._rank is None else {self._rank[0]: into}
+            targets = {ft.key: ft.tensor for ft in flatten(wrapped, allow_pickle=True)[1]}
         try:
-            m, tensors = local.read_snapshot(snap, verify=options.get("verify", True))
+            m, tensors = local.read_snapshot(snap, verify=options.get("verify", True), targets=targets)
         except (CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
             log.error("local snapshot of step %d (%s) cannot be restored (%s); trying other copies", step,
                       snap.header, e)
@@ -437,7 +442,7 @@ class CheckpointManager:
     def _restore_local(self, step: int, snap: local.Snapshot, into: Any,
                        options: dict) -> tuple[Any, LoadResult] | None:
         """(state, what was read) from a local snapshot, or None when it does not verify."""
-        res = self._read_local(step, snap, options)
+        res = self._read_local(step, snap, options, into)
         return None if res is None else (self._state_of(res, into, options), res)
 
     def _restore_agreed(self, into: Any, options: dict) -> tuple[int, Any] | None:
