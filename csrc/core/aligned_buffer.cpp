@@ -23,6 +23,18 @@ AlignedBuffer::AlignedBuffer(size_t bytes, bool populate) : size_(bytes), cap_(r
   if (populate) prefault(0, cap_);
 }
 
+AlignedBuffer AlignedBuffer::map_shared(int fd, uint64_t file_offset, size_t bytes) {
+  AlignedBuffer b;
+  b.size_ = bytes;
+  b.cap_ = b.map_len_ = round_up(bytes ? bytes : 1, kAlign);
+  void* p = mmap(nullptr, b.map_len_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(file_offset));
+  if (p == MAP_FAILED) throw_errno(errno, "mmap shared staging file", "", static_cast<int64_t>(file_offset),
+                                   static_cast<int64_t>(b.map_len_));
+  b.map_ = p;
+  b.ptr_ = static_cast<char*>(p);
+  return b;
+}
+
 void AlignedBuffer::prefault(size_t offset, size_t len) const noexcept {
   if (!ptr_ || offset >= cap_) return;
   len = std::min(len, cap_ - offset);

@@ -18,6 +18,11 @@ class AlignedBuffer {
   AlignedBuffer() = default;
   // populate=true pre-faults the pages so the first use does not pay for them.
   explicit AlignedBuffer(size_t bytes, bool populate = false);
+  // bytes of file `fd` from `file_offset` (a multiple of 4096), mapped shared:
+  // what is written here is in the file, and outlives the process when the file
+  // is on tmpfs. The file must already hold those bytes (fallocate), or a
+  // fault past its end raises SIGBUS.
+  static AlignedBuffer map_shared(int fd, uint64_t file_offset, size_t bytes);
   ~AlignedBuffer();
   AlignedBuffer(AlignedBuffer&& o) noexcept;
   AlignedBuffer& operator=(AlignedBuffer&& o) noexcept;

@@ -36,6 +36,16 @@ std::unique_ptr<SaveJob> Engine::start_save(std::vector<FileSpec> files, std::ve
   return job;
 }
 
+void Engine::reserve(uint64_t bytes, int device) {
+  if (device >= 0) {
+    cuda::require("pinning the staging pool");
+    pin_pool(device);
+  }
+  const uint64_t slot = pool_->slot_bytes();
+  pool_->reserve(static_cast<size_t>((bytes + slot - 1) / slot));
+  pool_->unreserve();  // the slots stay; only the hold against trim() goes
+}
+
 // Later slabs are pinned as they are created (the hooks stay set).
 void Engine::pin_pool(int device) {
   std::lock_guard<std::mutex> lk(cuda_mu_);

@@ -38,6 +38,14 @@ class Engine {
   std::unique_ptr<SaveJob> start_save(std::vector<FileSpec> files, std::vector<Segment> segments, SaveOptions opt,
                                       const std::vector<int>& devices, const GivenStreams& streams);
 
+  // Allocates, faults in (and, with device >= 0, page-locks) slots for
+  // `bytes` now, so the first save finds them ready. Blocking; thread-safe.
+  void reserve(uint64_t bytes, int device);
+  // Slabs from now on are mapped from this file (see StagingPool).
+  void set_backing_file(const std::string& path) { pool_->set_backing_file(path); }
+  bool file_backed() const { return pool_->file_backed(); }
+  std::string backing_error() const { return pool_->backing_error(); }
+
   std::string pin_error() const;  // empty when pinning worked or was never tried
   uint64_t chunk_bytes() const { return pool_->slot_bytes(); }
   uint64_t pool_bytes() const { return pool_->capacity_bytes(); }

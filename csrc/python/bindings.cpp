@@ -101,7 +101,8 @@ std::vector<Segment> parse_segments(const py::sequence& segments, std::vector<in
 // Engine.start_save's arguments, parsed with the GIL held.
 std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<std::string, py::object, uint64_t>>& files,
                                       const py::sequence& segments, py::object keepalive, const std::string& backend,
-                                      unsigned queue_depth, unsigned copy_threads, bool direct, const GivenStreams& streams) {
+                                      unsigned queue_depth, unsigned copy_threads, bool direct, const GivenStreams& streams,
+                                      bool hold_slots) {
   std::vector<FileSpec> fs;
   for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
   std::vector<int> devices;
@@ -111,6 +112,7 @@ std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<
   opt.queue_depth = queue_depth;
   opt.copy_threads = copy_threads;
   opt.direct = direct;
+  opt.hold_slots = hold_slots;
   auto out = std::make_unique<PySaveJob>();
   out->keepalive = std::move(keepalive);
   py::gil_scoped_release nogil;
@@ -213,6 +215,27 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("failed", [](const PySaveJob& s) { return s.job->failed(); })
       .def("rethrow", [](const PySaveJob& s) { s.job->rethrow(); })
       .def("checksums", [](const PySaveJob& s) { return s.job->checksums(); })
+      .def("wait_checksummed",
+           [](PySaveJob& s, std::optional<double> timeout) {
+             return wait_interruptible([&](double t) { return s.job->wait_checksummed(t); }, timeout);
+           },
+           py::arg("timeout") = py::none(),
+           "Wait until every chunk is staged and checksummed, or the job ended; see `checksummed`.")
+      .def_property_readonly("checksummed", [](const PySaveJob& s) { return s.job->checksummed(); })
+      .def_property_readonly("holds_slots", [](const PySaveJob& s) { return s.job->holds_slots(); })
+      .def("chunk_slots",
+           [](const PySaveJob& s) {
+             std::vector<std::tuple<uint32_t, uint64_t, uint64_t, int64_t>> out;
+             for (auto& c : s.job->chunk_slots()) out.emplace_back(c.file, c.file_offset, c.data_len, c.pool_offset);
+             return out;
+           },
+           "[(stripe, offset in it, bytes, offset of its slot in the pool file or -1)] per chunk (held saves).")
+      .def("release_slots",
+           [](PySaveJob& s) {
+             py::gil_scoped_release nogil;
+             s.job->release_slots();
+           },
+           "Give a held save's slots back to the pool (after the job is done).")
       .def("progress", [](const PySaveJob& s) { return std::make_pair(s.job->bytes_written(), s.job->bytes_total()); })
       .def("stats", [](const PySaveJob& s) { return save_stats(*s.job); });
 
@@ -222,11 +245,30 @@ PYBIND11_MODULE(_core, m) {
            py::arg("backend") = "auto", py::arg("queue_depth") = defaults::kWriteQueueDepth,
            py::arg("copy_threads") = defaults::kCopyThreads,
            py::arg("direct") = true, py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
+           py::arg("hold_slots") = false,
            "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "
            "[(address, nbytes, file, offset[, device])] with device -1 for host memory; keepalive must own "
            "every address until staged. streams: [(device, cudaStream_t)] the GPU copies are ordered after "
            "(PyTorch's current streams; a device without one uses its legacy default stream). Returns once "
-           "that ordering is in place.")
+           "that ordering is in place. hold_slots: keep the staged image whole in the pool until "
+           "SaveJob.release_slots() (a local snapshot).")
+      .def("reserve",
+           [](Engine& e, uint64_t bytes, int device) {
+             py::gil_scoped_release nogil;
+             e.reserve(bytes, device);
+           },
+           py::arg("nbytes"), py::arg("device") = -1,
+           "Allocate and fault in (device >= 0: also page-lock) pool slots for nbytes now (GIL released).")
+      .def("set_backing_file", &Engine::set_backing_file, py::arg("path"),
+           "Map the pool's slabs from this file from now on (created when the first slab is).")
+      .def_property_readonly("file_backed", &Engine::file_backed)
+      .def_property_readonly(
+          "backing_error",
+          [](const Engine& e) {
+            std::string err = e.backing_error();
+            return err.empty() ? py::none() : py::object(py::str(err));
+          },
+          "Why the pool's backing file could not grow (the pool then uses private memory), or None.")
       .def_property_readonly("chunk_bytes", &Engine::chunk_bytes)
       .def_property_readonly("pool_bytes", &Engine::pool_bytes)
       .def_property_readonly("max_staging_bytes", &Engine::max_staging_bytes)

@@ -1,6 +1,13 @@
 #include "stage/staging_pool.hpp"
 
 #include "core/defaults.hpp"
+#include "core/error.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <chrono>
 #include <stdexcept>
@@ -19,6 +26,66 @@ StagingPool::~StagingPool() {
   std::lock_guard<std::mutex> lk(mu_);
   for (auto& s : slabs_)
     if (s->pinned && hooks_.unpin) hooks_.unpin(s->mem.data());
+  if (backing_fd_ >= 0) ::close(backing_fd_);
+}
+
+void StagingPool::set_backing_file(std::string path) {
+  std::lock_guard<std::mutex> lk(mu_);
+  backing_path_ = std::move(path);
+}
+
+std::string StagingPool::backing_error() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return backing_error_;
+}
+
+bool StagingPool::file_backed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (backing_path_.empty() || slabs_.empty()) return false;
+  for (auto& s : slabs_)
+    if (s->file_offset < 0) return false;
+  return true;
+}
+
+int64_t StagingPool::slot_file_offset(const char* slot) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& s : slabs_) {
+    const char* base = s->mem.data();
+    if (slot >= base && slot < base + s->mem.capacity())
+      return s->file_offset < 0 ? -1 : s->file_offset + (slot - base);
+  }
+  return -1;
+}
+
+// Called under mu_. The file's blocks are allocated up front (fallocate): a
+// full tmpfs then says ENOSPC here instead of SIGBUS on the first fault.
+AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
+  file_offset = -1;
+  if (!backing_path_.empty() && backing_error_.empty()) {
+    const std::string& path = backing_path_;
+    try {
+      if (backing_fd_ < 0) {
+        backing_fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        if (backing_fd_ < 0) throw_errno(errno, "create shared staging file", path);
+      }
+      const uint64_t off = backing_bytes_;
+      int rc;
+      do rc = ::posix_fallocate(backing_fd_, static_cast<off_t>(off), static_cast<off_t>(bytes));
+      while (rc == EINTR);
+      if (rc != 0) {
+        // Give back what a partial allocation took (tmpfs may keep it).
+        if (::ftruncate(backing_fd_, static_cast<off_t>(off)) != 0) { /* best effort */ }
+        throw_errno(rc, "allocate shared staging memory", path, static_cast<int64_t>(off), static_cast<int64_t>(bytes));
+      }
+      AlignedBuffer mem = AlignedBuffer::map_shared(backing_fd_, off, bytes);
+      backing_bytes_ = off + bytes;
+      file_offset = static_cast<int64_t>(off);
+      return mem;
+    } catch (const std::exception& e) {
+      backing_error_ = e.what();
+    }
+  }
+  return AlignedBuffer(bytes);
 }
 
 size_t StagingPool::capacity_bytes() const {
@@ -54,7 +121,7 @@ void StagingPool::reserve(size_t slots) {
   // Faulted in now, in parallel: every slot is then resident for good, so
   // later saves neither pay for page faults nor grow the process (slots are
   // reused last-in-first-out, and a save may touch only some of them).
-  slab->mem = AlignedBuffer(add * slot_bytes_);
+  slab->mem = new_slab_memory(add * slot_bytes_, slab->file_offset);
   {
     const size_t bytes = slab->mem.capacity();
     const unsigned n = static_cast<unsigned>(std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), defaults::kPrefaultMaxThreads));
@@ -122,6 +189,8 @@ size_t StagingPool::trim() {
   slabs_.clear();
   free_.clear();
   total_slots_ = 0;
+  // The file's pages are the memory (tmpfs): give them back too.
+  if (backing_fd_ >= 0 && backing_bytes_ && ::ftruncate(backing_fd_, 0) == 0) backing_bytes_ = 0;
   return freed;
 }
 

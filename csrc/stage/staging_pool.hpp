@@ -6,6 +6,12 @@
 // staging never waits for the disk. Bounded: at most max_bytes of slots exist;
 // staging waits for written slots to come back, overlapping copy and write.
 //
+// Backing file (set_backing_file): slabs are then mapped shared from one file
+// (on tmpfs: named shared memory), each at its own offset, so staged bytes
+// outlive the process and slot_file_offset() says where a slot's bytes are.
+// When the file cannot grow (a small /dev/shm), the pool says why once
+// (backing_error()) and allocates private memory from then on.
+//
 // Thread-safe. Slabs can be page-locked through a hook (the CUDA runtime's
 // cudaHostRegister) once, when they are created or when pinning is enabled.
 #pragma once
@@ -15,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "core/aligned_buffer.hpp"
@@ -57,11 +64,21 @@ class StagingPool {
 
   void set_pin_hooks(PinHooks hooks);
 
+  // Call before the first reserve(). The file is created (mode 0600) when the
+  // first slab is; the caller names it and removes it.
+  void set_backing_file(std::string path);
+  // Offset in the backing file of `slot`'s bytes, or -1 when its slab is private.
+  int64_t slot_file_offset(const char* slot) const;
+  bool file_backed() const;         // every slab is in the backing file (and there is one)
+  std::string backing_error() const;  // why the file could not grow, or empty
+
  private:
   struct Slab {
     AlignedBuffer mem;
     bool pinned = false;
+    int64_t file_offset = -1;  // -1: private memory
   };
+  AlignedBuffer new_slab_memory(size_t bytes, int64_t& file_offset);
   void pin_slab(Slab& s);
 
   const size_t slot_bytes_;
@@ -73,6 +90,9 @@ class StagingPool {
   size_t total_slots_ = 0;
   size_t reservations_ = 0;
   PinHooks hooks_;
+  std::string backing_path_, backing_error_;
+  int backing_fd_ = -1;
+  uint64_t backing_bytes_ = 0;  // the file's allocated length
 };
 
 }  // namespace fw

@@ -40,6 +40,8 @@ SaveJob::SaveJob(std::shared_ptr<StagingPool> pool, std::vector<FileSpec> files,
     (on_device ? device_chunks_ : host_chunks_).push_back(ci);
   }
   unstaged_ = plan_.chunks.size();
+  // A bounded pool smaller than the save reuses slots within it: no whole image.
+  hold_ = opt_.hold_slots && (pool_->max_slots() == 0 || plan_.chunks.size() <= pool_->max_slots());
   if (!device_chunks_.empty() && !opt_.copy_streams)
     throw std::invalid_argument("segments on a GPU need the engine's CUDA copy streams");
 }
@@ -50,6 +52,31 @@ SaveJob::~SaveJob() {
     cancel();
     ctl_.wait(-1);
   }
+  release_slots();
+}
+
+void SaveJob::release_slots() {
+  std::vector<char*> held;
+  {
+    std::lock_guard<std::mutex> lk(held_mu_);
+    held.swap(held_);
+  }
+  for (char* p : held) pool_->release(p);
+}
+
+bool SaveJob::wait_checksummed(double timeout_s) {
+  if (!ctl_.wait_until(checksummed_, timeout_s)) return false;
+  return true;
+}
+
+std::vector<ChunkSlot> SaveJob::chunk_slots() const {
+  std::vector<ChunkSlot> out;
+  out.reserve(plan_.chunks.size());
+  for (size_t ci = 0; ci < plan_.chunks.size(); ++ci) {
+    const Chunk& c = plan_.chunks[ci];
+    out.push_back(ChunkSlot{c.file, c.file_offset, c.data_len, pool_->slot_file_offset(requests_[ci].buf)});
+  }
+  return out;
 }
 
 void SaveJob::start() {
@@ -321,6 +348,11 @@ void SaveJob::on_io(IoRequest* r, int64_t res) {
                                          static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
   } else {
     bytes_written_ += c.data_len;
+    if (hold_) {
+      std::lock_guard<std::mutex> lk(held_mu_);
+      held_.push_back(r->buf);
+      return;
+    }
   }
   pool_->release(r->buf);
 }
@@ -360,6 +392,14 @@ void SaveJob::run() {
     for (size_t ci : landed_) pool_->release(requests_[ci].buf);
     landed_.clear();
     landed_count_ = 0;
+  }
+  if (!failed() && !ctl_.cancelled()) {
+    // The copy threads computed every checksum before they returned.
+    {
+      std::lock_guard<std::mutex> lk(ctl_.mutex());
+      checksummed_ = true;
+    }
+    ctl_.notify();
   }
   // Staging is over: nothing of this job acquires again, so trim() may free
   // the slots once the writes in flight have returned theirs.

@@ -47,6 +47,18 @@ struct SaveOptions {
   // callers' current streams (one per device) the copies are ordered after.
   std::shared_ptr<CopyStreams> copy_streams;
   std::vector<StreamRef> wait_streams;
+  // Keep every chunk's slot until release_slots() instead of giving it back
+  // once written, so the staged image stays whole in the pool (a local
+  // snapshot). Ignored when the pool is bounded below the save's chunk count.
+  bool hold_slots = false;
+};
+
+// Where one chunk of a held save lies: stripe, offset in it, bytes, and the
+// offset of its slot in the pool's backing file (-1: private memory).
+struct ChunkSlot {
+  uint32_t file;
+  uint64_t file_offset, data_len;
+  int64_t pool_offset;
 };
 
 struct SaveStats {
@@ -72,6 +84,17 @@ class SaveJob {
   // Rethrows the first error, if any (call after done()).
   void rethrow() const;
   bool failed() const;
+
+  // True once every chunk is in its slot and checksummed (or the job ended);
+  // checksummed() says which.
+  bool wait_checksummed(double timeout_s);
+  bool checksummed() const { return checksummed_.load(); }
+  bool holds_slots() const { return hold_; }
+  // Valid once checksummed, while the slots are held.
+  std::vector<ChunkSlot> chunk_slots() const;
+  // Give the held slots back to the pool (their bytes stay until reused).
+  // Idempotent; also done by the destructor. Only after the job is done.
+  void release_slots();
 
   // Checksums per input segment, one per chunk_bytes-aligned piece.
   std::vector<std::vector<uint64_t>> checksums() const;
@@ -131,6 +154,10 @@ class SaveJob {
   bool reserved_ = false;  // holds a reservation on pool_ (control thread drops it)
   std::condition_variable work_cv_;
   std::atomic<bool> staged_{false};
+  std::atomic<bool> checksummed_{false};
+  bool hold_ = false;
+  std::mutex held_mu_;
+  std::vector<char*> held_;  // written slots kept for the snapshot
   double staged_s_ = -1, done_s_ = -1;
   std::chrono::steady_clock::time_point t0_;
 

@@ -86,6 +86,9 @@ class Buffer:
     @property
     def address(self) -> int: ...
 
+# A chunk of a held save: (stripe, offset in it, bytes, offset of its slot in the pool file or -1).
+ChunkSlot = tuple[int, int, int, int]
+
 class SaveJob:
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Wait until every byte is staged (or the job ended). None, inf or any huge
@@ -109,6 +112,16 @@ class SaveJob:
     def progress(self) -> tuple[int, int]:
         """(bytes_written, bytes_total)."""
     def stats(self) -> _SaveStats: ...
+    def wait_checksummed(self, timeout: float | None = None) -> bool:
+        """Wait until every chunk is staged and checksummed, or the job ended."""
+    @property
+    def checksummed(self) -> bool: ...
+    @property
+    def holds_slots(self) -> bool:
+        """Started with hold_slots=True and the pool can hold the whole save."""
+    def chunk_slots(self) -> list[ChunkSlot]: ...
+    def release_slots(self) -> None:
+        """Give a held save's slots back to the pool (after the job is done)."""
 
 class Engine:
     """Owns a staging pool (reused by every save) and, once a save copies from a
@@ -117,7 +130,7 @@ class Engine:
     def __init__(self, chunk_bytes: int, max_staging_bytes: int = 0) -> None: ...
     def start_save(self, files: Sequence[SaveFile], segments: Sequence[Segment], keepalive: Any,
                    backend: str = "auto", queue_depth: int = ..., copy_threads: int = ...,
-                   direct: bool = True, streams: Sequence[Stream] = ...) -> SaveJob:
+                   direct: bool = True, streams: Sequence[Stream] = ..., hold_slots: bool = False) -> SaveJob:
         """Open the stripes and start staging + writing; keepalive must own every
         segment address until staged. Returns once the GPU copies are ordered after
         `streams`. Defaults: DEFAULTS["write_queue_depth"], DEFAULTS["copy_threads"]."""
@@ -133,6 +146,15 @@ class Engine:
     def pin_error(self) -> str | None: ...
     def trim(self) -> int:
         """Free the pool (bytes freed); 0 while a save holds or reserves slots."""
+    def reserve(self, nbytes: int, device: int = -1) -> None:
+        """Allocate and fault in (device >= 0: also page-lock) slots for nbytes now."""
+    def set_backing_file(self, path: str) -> None:
+        """Map the pool's slabs from this file from now on (e.g. on /dev/shm)."""
+    @property
+    def file_backed(self) -> bool: ...
+    @property
+    def backing_error(self) -> str | None:
+        """Why the backing file could not grow (the pool then uses private memory)."""
 
 class LoadJob:
     def wait(self, timeout: float | None = None) -> bool: ...

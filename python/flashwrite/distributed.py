@@ -52,7 +52,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import commit, defaults
+from . import commit, defaults, local
 from .coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
 from .errors import DistributedSaveError, FlashwriteError
 from .format import build_index, merge_manifests, parse_manifest
@@ -90,23 +90,40 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
         # Tell the peers now instead of letting them wait for the timeout.
         coord.run(_report_failure, coord, final, tmp, e, overwrite, t0)
 
+    pool = getattr(writer, "_local", None)  # this rank's local tier (Writer(local_snapshots=True))
     try:
         commit.check_target(final, overwrite)
         os.makedirs(tmp, exist_ok=True)  # every rank: the name is agreed, so whoever comes first creates it
+        if pool is not None:
+            pool.before_save()
         sw = writer.write_stripes({rank: state_dict}, tmp, t0, prefix=rank_prefix(rank), allow_pickle=allow_pickle,
-                                  metadata=metadata)
+                                  metadata=metadata, **({"hold_slots": True} if pool is not None else {}))
     except BaseException as e:
         tell_peers(e)
         raise
     sw.stats.path = final
     sw.stats.extra.update(rank=rank, world_size=coord.size)
     fut = SaveFuture(final, sw.job, sw.stats, t0)
+    # Each rank keeps its own part as a local snapshot (its manifest's tree is {rank: state}).
+    ls = local.LocalSave(pool, sw, final, (rank, coord.size)) if pool is not None else None
 
     def finish(commit_gate: Callable[[], None]) -> SaveStats:
-        return _agree_and_commit(coord, final, tmp, sw, None, overwrite, t0, fut, commit_gate)
+        try:
+            if ls is not None:
+                ls.seal()
+            stats = _agree_and_commit(coord, final, tmp, sw, None, overwrite, t0, fut, commit_gate)
+            if ls is not None:
+                ls.committed()
+            return stats
+        finally:
+            if ls is not None:
+                ls.end()
 
     # Rank 0 removes the directory on failure, once every rank has stopped (see _agree_and_commit).
-    return fut._launch(finish, coord.run, block=block, cleanup=lambda: None, abandon=tell_peers)
+    fut._launch(finish, coord.run, block=block, cleanup=lambda: None, abandon=tell_peers)
+    if ls is not None and block:
+        ls.seal()
+    return fut
 
 
 def _report_failure(coord: Coordinator, final: str, tmp: str, error: BaseException, overwrite: bool,

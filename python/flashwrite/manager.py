@@ -50,11 +50,13 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import _core, commit
+from . import _core, commit, local
 from .errors import CorruptCheckpointError
+from .flatten import flatten, unflatten
 from .format import MANIFEST_NAME
 from .future import SaveFuture, SaveStats
 from .load import load
+from .read import LoadResult, _load_into, tensor_placer
 from .save import Writer
 
 log = logging.getLogger("flashwrite")
@@ -98,12 +100,26 @@ class CheckpointManager:
     cleanup: remove stale temporary directories at start-up (False for read-only observers).
     handle_sigterm / final_state: see ``install_sigterm_handler``.
     allow_pickle: store (and restore) non-tensor objects by pickling. Only for trusted storage.
+    local_snapshots: keep each staged save as a snapshot in node memory (``local_dir``,
+    default /dev/shm) that outlives the process: ``restore()`` then takes the newest step
+    that verifies from memory or storage, and writes a snapshot that never reached
+    storage to root in the background (``wait()`` covers it). See ``flashwrite.local``.
+    keep_local: ``close()`` keeps the newest snapshot in local_dir (for a restart).
+    reserve: a state dict (or a size in bytes) to size the staging pool for now, in the
+    background, so the first save stalls no longer than later ones (``Writer.reserve``).
+    process_group: every rank of the group runs a manager on the same root; each save is
+    one multi-rank checkpoint (``save_async(process_group=)``), each rank keeps its own
+    local snapshot, and ``restore()`` agrees across ranks on the newest step that every
+    rank can restore, from memory or storage (never mixing steps). Rank 0 cleans up and
+    applies retention in root.
     """
 
     def __init__(self, root: str | os.PathLike, every_n_steps: int | None = None, every_n_seconds: float | None = None,
                  keep_last: int | None = None, keep_every_n_steps: int | None = None, writer: Writer | None = None, *,
                  if_busy: str = "wait", cleanup: bool = True, handle_sigterm: bool = False,
-                 final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False):
+                 final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False,
+                 local_snapshots: bool = False, local_dir: str | os.PathLike | None = None, keep_local: bool = False,
+                 reserve: Any = None, process_group: Any = None):
         for name, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
                         ("keep_every_n_steps", keep_every_n_steps)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -121,7 +137,16 @@ class CheckpointManager:
         self.allow_pickle = allow_pickle
         self.preempted = False
         self._owns_writer = writer is None
-        self._writer = writer if writer is not None else Writer()
+        if writer is not None and local_snapshots and not writer.local_snapshots:
+            raise ValueError("local_snapshots=True needs a writer made with local_snapshots=True")
+        self._writer = writer if writer is not None else Writer(local_snapshots=local_snapshots, local_dir=local_dir)
+        self.keep_local = keep_local
+        self.local_dir = self._writer._local.dir if self._writer.local_snapshots else None
+        self.process_group = process_group
+        self._rank: tuple[int, int] | None = None  # (rank, size) in a multi-rank run
+        if process_group is not None:
+            import torch.distributed as dist
+            self._rank = (dist.get_rank(process_group), dist.get_world_size(process_group))
         self._lock = threading.Lock()
         self._inflight: _Pending | None = None
         self._restoring: dict[int, int] = {}
@@ -136,6 +161,8 @@ class CheckpointManager:
         os.makedirs(self.root, exist_ok=True)
         if cleanup:
             self.cleanup_stale()
+        if reserve is not None:
+            self._writer.reserve(reserve)
         if handle_sigterm:
             self.install_sigterm_handler(final_state)
 
@@ -214,7 +241,7 @@ class CheckpointManager:
         path = self.path_for(step)
         self._last_start = time.monotonic()
         fut = self._writer.save_async(state_dict, path, overwrite=overwrite, allow_pickle=self.allow_pickle,
-                                      metadata={"step": str(step)})
+                                      metadata={"step": str(step)}, process_group=self.process_group)
         pending = _Pending(step, path, fut)
         with self._lock:
             self._inflight = pending
@@ -233,6 +260,8 @@ class CheckpointManager:
             log.info("checkpoint step %d committed: %s, %s, stall %.3f s, durable after %.3f s, %.3g GB/s", p.step,
                      p.path, _fmt_bytes(st.bytes), st.stall_s or 0.0, st.total_s or 0.0, st.gbps or 0.0)
             self._retain(p.step)
+            if self.local_dir is not None:
+                self._clean_local(lambda s: s <= p.step)
         except Exception:
             log.exception("checkpoint step %d: retention failed (the checkpoint itself is committed)", p.step)
         finally:
@@ -257,7 +286,7 @@ class CheckpointManager:
     # -------------------------------------------------------------- retention
 
     def _retain(self, committed: int) -> None:
-        if self.keep_last is None:
+        if self.keep_last is None or (self._rank is not None and self._rank[0] != 0):
             return
         steps = self.all_steps()
         if not steps:
@@ -285,9 +314,48 @@ class CheckpointManager:
 
     def cleanup_stale(self) -> list[str]:
         """Remove temporary directories left in root by crashed saves and deletions
-        (and put back a checkpoint whose replacement never appeared). Returns the
-        names it removed or restored. Called by the constructor."""
-        return commit.clean_stale(self.root)
+        (and put back a checkpoint whose replacement never appeared), and local
+        snapshots of this root whose owner died that are older than its newest
+        committed step. Returns the names it removed or restored. Called by the
+        constructor."""
+        touched = commit.clean_stale(self.root) if self._rank is None or self._rank[0] == 0 else []
+        if self.local_dir is not None:
+            latest = self.latest_step()
+            if latest is not None:
+                touched += self._clean_local(lambda s: s < latest)
+            local.remove_orphan_pools(self.local_dir)
+        return touched
+
+    def local_snapshots(self) -> dict[int, list[local.Snapshot]]:
+        """Local snapshots of this root's steps (any owner), newest first per step."""
+        out: dict[int, list[local.Snapshot]] = {}
+        if self.local_dir is None:
+            return out
+        for snap in local.scan(self.local_dir):
+            step = self._step_of(snap.path)
+            mine = (snap.body.get("rank"), snap.body.get("world_size")) == (self._rank or (None, None))
+            if step is not None and mine:
+                out.setdefault(step, []).append(snap)
+        return out
+
+    def _step_of(self, path: str) -> int | None:
+        if os.path.dirname(path) != self.root:
+            return None
+        m = _STEP_RE.match(os.path.basename(path))
+        return int(m.group(1)) if m and self.path_for(int(m.group(1))) == path else None
+
+    def _clean_local(self, doomed: Callable[[int], bool]) -> list[str]:
+        """Remove dead owners' snapshots of the steps ``doomed`` picks (never the only
+        copy of the newest step: callers pick only steps older than, or equal to, a
+        committed one)."""
+        removed = []
+        for step, snaps in self.local_snapshots().items():
+            for snap in snaps:
+                if doomed(step) and not snap.alive:
+                    local.remove(snap)
+                    log.info("removed local snapshot of step %d (%s): its process is gone", step, snap.header)
+                    removed.append(os.path.basename(snap.header))
+        return removed
 
     # ---------------------------------------------------------------- restore
 
@@ -302,13 +370,28 @@ class CheckpointManager:
         load_options go to ``flashwrite.load`` (map_location, verify, ...).
         """
         with self._call():
+            if self.process_group is not None:
+                if step is not None:
+                    return step, load(self.path_for(step), into=into, allow_pickle=self.allow_pickle,
+                                      process_group=self.process_group, **load_options)
+                return self._restore_agreed(into, load_options)
+            committed = self.all_steps()
+            snaps = self.local_snapshots()
             if step is not None:
                 self._check_step(step)
                 candidates = [step]
             else:
-                candidates = list(reversed(self.all_steps()))
+                candidates = sorted(set(committed) | set(snaps), reverse=True)
             first_error: BaseException | None = None
             for s in candidates:
+                for snap in snaps.get(s, []):
+                    got = self._restore_local(s, snap, into, load_options)
+                    if got is not None:
+                        if s not in committed:
+                            self._write_back(s, got[1])
+                        return s, got[0]
+                if s not in committed and step is None:
+                    continue
                 with self._lock:
                     self._restoring[s] = self._restoring.get(s, 0) + 1
                 try:
@@ -328,6 +411,80 @@ class CheckpointManager:
             if first_error is not None:
                 raise first_error
             return None
+
+    def _read_local(self, step: int, snap: local.Snapshot, options: dict, into: Any = None) -> LoadResult | None:
+        """What a local snapshot holds, verified; None (logged) when it does not verify.
+        into: its CPU tensors are filled in place where they fit (no second copy)."""
+        t0 = time.perf_counter()
+        targets = None
+        if into is not None:
+            wrapped = into if self._rank is None else {self._rank[0]: into}
+            targets = {ft.key: ft.tensor for ft in flatten(wrapped, allow_pickle=True)[1]}
+        try:
+            m, tensors = local.read_snapshot(snap, verify=options.get("verify", True), targets=targets)
+        except (CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
+            log.error("local snapshot of step %d (%s) cannot be restored (%s); trying other copies", step,
+                      snap.header, e)
+            return None
+        log.info("restored step %d from local memory (%s) in %.3f s", step, snap.header, time.perf_counter() - t0)
+        return LoadResult(m, tensors, time.perf_counter() - t0, "local", False)
+
+    def _state_of(self, res: LoadResult, into: Any, options: dict) -> Any:
+        # A rank's snapshot holds {rank: state}, like its part of a multi-rank checkpoint.
+        wrap: Callable[[Any], Any] = (lambda x: x) if self._rank is None else (lambda x: {self._rank[0]: x})
+        if into is not None:
+            return _load_into(res, into, flatten(wrap(into), allow_pickle=True), wrap, options.get("strict", True),
+                              self.allow_pickle)
+        state = unflatten(res.manifest.tree, tensor_placer(res, options.get("map_location", "cpu")),
+                          allow_pickle=self.allow_pickle)
+        return state if self._rank is None else state[self._rank[0]]
+
+    def _restore_local(self, step: int, snap: local.Snapshot, into: Any,
+                       options: dict) -> tuple[Any, LoadResult] | None:
+        """(state, what was read) from a local snapshot, or None when it does not verify."""
+        res = self._read_local(step, snap, options, into)
+        return None if res is None else (self._state_of(res, into, options), res)
+
+    def _restore_agreed(self, into: Any, options: dict) -> tuple[int, Any] | None:
+        """restore() on every rank of process_group: each rank offers the committed steps
+        and the steps its own snapshots verify; all take the newest step in every offer."""
+        import torch.distributed as dist
+        from .coord import collective, coordinator
+
+        committed = self.all_steps()
+        newest = committed[-1] if committed else -1
+        verified: dict[int, LoadResult] = {}
+        for s, snaps in sorted(self.local_snapshots().items(), reverse=True):
+            if s < newest:
+                break  # storage has a newer step for every rank
+            for snap in snaps:
+                res = self._read_local(s, snap, options)
+                if res is not None:
+                    verified[s] = res
+                    break
+        offer = sorted(set(committed) | set(verified))
+        coord = coordinator(self.process_group)
+        offers: list = [None] * coord.size
+        coord.run(collective, dist.all_gather_object, offers, offer, group=coord.group).result()
+        common = set(offers[0]).intersection(*map(set, offers[1:]))
+        log.info("rank %d offers steps %s; the ranks agree on %s", coord.rank, offer[-3:], max(common, default=None))
+        if not common:
+            return None
+        s = max(common)
+        if s in verified:
+            state = self._state_of(verified[s], into, options)
+            if s not in committed:
+                self._write_back(s, verified[s])  # every rank: none has it on storage
+            return s, state
+        return s, load(self.path_for(s), into=into, allow_pickle=self.allow_pickle, process_group=self.process_group,
+                       **options)
+
+    def _write_back(self, step: int, res: LoadResult) -> None:
+        """Save a step that only a local snapshot holds to root; returns once staged
+        (the caller may then change what it was given), commits in the background."""
+        state = self._state_of(res, None, {})
+        log.warning("step %d was never committed to %s: writing it from its local snapshot", step, self.root)
+        self._start(step, state, overwrite=False, policy="wait")
 
     def restore_latest(self, into: Any = None, **load_options: Any) -> tuple[int, Any] | None:
         return self.restore(None, into, **load_options)
@@ -432,7 +589,7 @@ class CheckpointManager:
             if threading.current_thread() is threading.main_thread():
                 self.uninstall_sigterm_handler()
             if self._owns_writer:
-                self._writer.close()
+                self._writer.close(keep_local=self.keep_local)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -16,8 +16,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import _core, commit, defaults, distributed, hf, tuning
+import torch
+
+from . import _core, commit, defaults, distributed, hf, local, tuning
 from . import write as _write
+from .flatten import flatten
+from .plan import plan_files
 from .format import build_index
 from .future import SaveFuture, SaveStats
 from .write import StripeWrite
@@ -44,11 +48,17 @@ class Writer:
     direct: use O_DIRECT (falls back per file where the file system refuses it).
     max_staging_bytes: bound the pool; staging then overlaps writing and the
     caller waits for part of the write. copy_threads: parallel memcpy threads.
+    local_snapshots: back the pool with a file in ``local_dir`` (default /dev/shm)
+    and leave a checkable snapshot of each staged save there, which outlives the
+    process (``flashwrite.local``; ``CheckpointManager.restore`` uses it). A save
+    larger than max_staging_bytes gets none; when local_dir is too small the pool
+    says so once and uses private memory.
     """
 
     def __init__(self, stripes: int | None = None, queue_depth: int | None = None,
                  chunk_bytes: int | None = None, backend: str = "auto", direct: bool = True,
-                 max_staging_bytes: int | None = None, copy_threads: int | None = None):
+                 max_staging_bytes: int | None = None, copy_threads: int | None = None, *,
+                 local_snapshots: bool = False, local_dir: str | os.PathLike | None = None):
         # Settings not given here come, per save, from a tuning saved for the target's
         # file system (`flashwrite tune --save`), else from defaults.py.
         self._explicit = {k for k, v in (("stripes", stripes), ("queue_depth", queue_depth),
@@ -73,11 +83,67 @@ class Writer:
         self.backend = backend
         self.direct = direct
         self.copy_threads = copy_threads or _default_copy_threads()
-        self._engine = _core.Engine(chunk_bytes, max_staging_bytes or 0)
+        self._local = local.LocalPool(local_dir) if local_snapshots else None
+        self._engine = self._new_engine(chunk_bytes, max_staging_bytes or 0)
         self._engine_used = False
+        self._reserving: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+
+    def _new_engine(self, chunk_bytes: int, max_staging_bytes: int) -> Any:
+        engine = _core.Engine(chunk_bytes, max_staging_bytes)
+        if self._local is not None:
+            engine.set_backing_file(self._local.pool_path)
+        return engine
+
+    @property
+    def local_snapshots(self) -> bool:
+        return self._local is not None
+
+    def reserve(self, nbytes: int | Any, *, device: int | str | torch.device | None = None,
+                block: bool = False) -> concurrent.futures.Future:
+        """Allocate, fault in and (for GPU states) page-lock the staging pool now, in the
+        background, so the first save stalls no longer than later ones.
+
+        nbytes: a size in bytes, or the state dict to be saved (sized exactly, as its save
+        will be planned). device: the GPU the pool is pinned for (default: that of the
+        state's first CUDA tensor; none for a size or a CPU state). The pool's chunk size
+        is fixed from here on (a tuned one is no longer picked by the first save).
+        Returns a future that completes when the pool is ready (block=True waits for it).
+        """
+        if not isinstance(nbytes, int):
+            nbytes, found = _planned_bytes(nbytes, self.stripes, self.chunk_bytes)
+            device = found if device is None else device
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        dev = -1
+        if device is not None:
+            d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+            if d.type == "cuda":
+                dev = d.index if d.index is not None else torch.cuda.current_device()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("Writer is closed")
+            self._engine_used = True
+            engine = self._engine
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                t0 = time.perf_counter()
+                engine.reserve(nbytes, dev)
+                log.debug("reserved %d bytes of staging pool in %.3f s", engine.pool_bytes, time.perf_counter() - t0)
+                fut.set_result(engine.pool_bytes)
+            except BaseException as e:
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="flashwrite-reserve", daemon=True).start()
+        self._reserving = fut
+        if block:
+            fut.result()
+        return fut
 
     @property
     def max_staging_bytes(self) -> int | None:
@@ -98,14 +164,15 @@ class Writer:
 
     def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
                       allow_pickle: bool = False, metadata: dict[str, str] | None = None,
-                      hf_model: str | None = None) -> StripeWrite:
+                      hf_model: str | None = None, hold_slots: bool = False) -> StripeWrite:
         """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
         must exist; nothing is committed). The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
         settings = self._settings_for(directory)
         sw = _write.start(self._engine, state_dict, directory, t0, stripes=settings["stripes"], backend=self.backend,
                           queue_depth=settings["queue_depth"], copy_threads=self.copy_threads, direct=self.direct,
-                          prefix=prefix, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model)
+                          prefix=prefix, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model,
+                          hold_slots=hold_slots)
         sw.stats.settings = settings
         return sw
 
@@ -118,7 +185,7 @@ class Writer:
                 if self._engine_used:
                     s["chunk_bytes"], s["source"]["chunk_bytes"] = self.chunk_bytes, "pool (sized by the first save)"
                 else:
-                    self._engine = _core.Engine(s["chunk_bytes"], self._engine.max_staging_bytes)
+                    self._engine = self._new_engine(s["chunk_bytes"], self._engine.max_staging_bytes)
                     self.chunk_bytes = s["chunk_bytes"]
             self._engine_used = True
         return s
@@ -162,41 +229,69 @@ class Writer:
             raise RuntimeError("Writer is closed")
         path = os.path.abspath(os.fspath(path))
         tmp = commit.prepare(path, overwrite)
+        snap = self._local
+        if snap is not None:
+            snap.before_save()
         try:
             sw = self.write_stripes(state_dict, tmp, t0, allow_pickle=allow_pickle, metadata=metadata,
-                                    hf_model=hf_model)
+                                    hf_model=hf_model, hold_slots=snap is not None)
         except BaseException:
             commit.discard(tmp)
             raise
         sw.stats.path = path
         fut = SaveFuture(path, sw.job, sw.stats, t0)
+        ls = local.LocalSave(snap, sw, path) if snap is not None else None
 
         def finish(commit_gate: Callable[[], None]) -> SaveStats:
-            sw.job.wait()
-            commit_gate()
-            manifest = sw.wait_durable()
-            commit.finalize(tmp, path, manifest, build_index(manifest), overwrite,
-                            extra={hf.CONFIG_NAME: config} if config is not None else None)
+            try:
+                if ls is not None:
+                    ls.seal()
+                sw.job.wait()
+                commit_gate()
+                manifest = sw.wait_durable()
+                commit.finalize(tmp, path, manifest, build_index(manifest), overwrite,
+                                extra={hf.CONFIG_NAME: config} if config is not None else None)
+                if ls is not None:
+                    ls.committed()
+            finally:
+                if ls is not None:
+                    ls.end()
             sw.stats.total_s = time.perf_counter() - t0
             log.debug("saved %s: %.3f GB in %.3f s (stall %.3f s, %s, direct=%s)", path, sw.stats.bytes / 1e9,
                       sw.stats.total_s, sw.stats.stall_s or 0, sw.stats.backend, sw.stats.direct)
             return sw.stats
 
-        return fut._launch(finish, lambda run: self._committer().submit(run), block=block,
-                           cleanup=lambda: commit.discard(tmp))
+        fut._launch(finish, lambda run: self._committer().submit(run), block=block,
+                    cleanup=lambda: commit.discard(tmp))
+        if ls is not None and block:
+            # Returning "staged" means the snapshot outlives this process from here on.
+            ls.seal()
+            fut._stats.stall_s = time.perf_counter() - t0
+        return fut
 
     def save(self, state_dict: Any, path: str | os.PathLike, **kwargs: Any) -> SaveStats:
         """Blocking save: returns once the checkpoint is durable and committed."""
         return self.save_async(state_dict, path, **kwargs).result()
 
-    def close(self) -> None:
-        """Wait for saves in flight, then free the staging pool."""
+    def close(self, keep_local: bool = False) -> None:
+        """Wait for saves in flight, then free the staging pool. With local snapshots,
+        their files go too, except (keep_local=True) the newest snapshot's and those of
+        saves that never reached storage."""
         with self._lock:
             self._closed = True
             ex, self._executor = self._executor, None
         if ex is not None:
             ex.shutdown(wait=True)
+        if self._reserving is not None:
+            self._reserving.exception()  # a reservation in flight ends before the pool goes
+        if self._local is not None and self._local.close(keep_newest=keep_local):
+            return  # the pool file holds a snapshot: its pages stay (unmapped at exit)
         self._engine.trim()
+        if self._local is not None:
+            try:
+                os.unlink(self._local.pool_path)
+            except FileNotFoundError:
+                pass
 
     def __enter__(self) -> Writer:
         return self
@@ -209,9 +304,19 @@ class Writer:
                 f"backend={self.backend!r}, direct={self.direct}, max_staging_bytes={self.max_staging_bytes})")
 
 
+def _planned_bytes(state: Any, stripes: int, chunk_bytes: int) -> tuple[int, Any]:
+    """(pool bytes the save of ``state`` needs, the device of its first CUDA tensor or None):
+    planned as a save plans it, so the count of chunks is exact."""
+    _, tensors, _ = flatten(state, allow_pickle=True, share_storage=True)
+    device = next((t.tensor.device for t in tensors if t.tensor.device.type == "cuda"), None)
+    files = plan_files(tensors, stripes)
+    return sum(-(-f.size // chunk_bytes) for f in files) * chunk_bytes, device
+
+
 _default_writers: dict[tuple, Writer] = {}
 _default_lock = threading.Lock()
-_WRITER_OPTIONS = ("stripes", "queue_depth", "chunk_bytes", "backend", "direct", "max_staging_bytes", "copy_threads")
+_WRITER_OPTIONS = ("stripes", "queue_depth", "chunk_bytes", "backend", "direct", "max_staging_bytes", "copy_threads",
+                   "local_snapshots", "local_dir")
 
 
 def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Writer:

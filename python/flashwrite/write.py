@@ -35,7 +35,8 @@ class StripeWriter(Protocol):
 
 def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: int, backend: str, queue_depth: int,
           copy_threads: int, direct: bool, prefix: str = "model", allow_pickle: bool = False,
-          metadata: dict[str, str] | None = None, hf_model: str | None = None) -> StripeWrite:
+          metadata: dict[str, str] | None = None, hf_model: str | None = None,
+          hold_slots: bool = False) -> StripeWrite:
     """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
     must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses).
     hf_model: the key of a model state dict whose tensors get stripes of their own,
@@ -52,7 +53,8 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
             files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
     keepalive, segments, streams = _stage_sources(files)
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in files], segments,
-                            keepalive, backend, queue_depth, copy_threads, direct, streams=streams)
+                            keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
+                            hold_slots=hold_slots)
     if streams and engine.pin_error:
         _warn_unpinned(engine.pin_error)
     stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files))
@@ -117,7 +119,11 @@ class StripeWrite:
         stats.direct = native["files_buffered"] == 0 and self.direct
         stats.pool_bytes = self.engine.pool_bytes
         stats.pinned = self.engine.pool_pinned
-        sums = iter(job.checksums())  # one list per non-empty tensor, in plan order
+        return self.manifest()
+
+    def manifest(self) -> dict:
+        """This write's manifest; valid once the job is checksummed (every byte staged)."""
+        sums = iter(self.job.checksums())  # one list per non-empty tensor, in plan order
         by_key = {p.key: (next(sums) if p.nbytes else []) for f in self.files for p in f.tensors}
         return build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
                               _core.__version__, self.metadata, hf=self.hf_section)

@@ -1,0 +1,412 @@
+"""The node-local tier: staged snapshots that outlive the process.
+
+With ``local_snapshots=True`` a ``Writer``'s staging pool is one file in
+``local_dir`` (``/dev/shm`` by default: named shared memory), mapped shared, so
+the bytes a save staged are still there after the process dies. Each save that
+fits the pool keeps its slots (``hold_slots``) until it is committed, and once
+every byte is staged and checksummed a small *header* file is written next to
+the pool: the target path, the state (staged / committed), where every chunk of
+every stripe lies in the pool file, and the save's manifest (with the checksums
+the engine computed while staging). A header is written to a temporary name and
+renamed into place, and carries a checksum of itself, so a snapshot is either
+complete and checkable or not there at all; a save killed while staging never
+wrote one. A header goes before its slots can be reused: when the next save of
+its pool starts, once its own save has finished.
+
+``restore_snapshot`` maps the pool file, verifies every piece against the
+manifest's checksums while copying it out, and rebuilds the state through the
+manifest's tree (the same code a load from storage uses).
+
+Files: ``flashwrite-<pid>-<nonce>.pool`` and ``flashwrite-<pid>-<nonce>-<seq>.snap``.
+The owner (pid and start time) is in each header, so a restart can tell a dead
+owner's files from a live one's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _core, dtypes
+from .errors import ChecksumMismatchError, CorruptCheckpointError
+from .format import Manifest, parse_manifest, piece_ranges
+
+log = logging.getLogger("flashwrite")
+
+FORMAT = "flashwrite-snapshot"
+VERSION = 1
+PREFIX = "flashwrite-"
+POOL_SUFFIX = ".pool"
+HEADER_SUFFIX = ".snap"
+MAX_HEADER_BYTES = 1 << 30
+
+
+def default_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), or None when it is not running."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def this_owner() -> dict:
+    pid = os.getpid()
+    return {"pid": pid, "start": _start_ticks(pid), "host": socket.gethostname()}
+
+
+def owner_alive(owner: Any) -> bool:
+    """Whether the process that wrote a header still runs (a recycled pid is not it)."""
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
+        return False
+    if owner.get("host") not in (None, socket.gethostname()):
+        return True  # another node's file (a shared local_dir): not ours to judge
+    ticks = _start_ticks(owner["pid"])
+    return ticks is not None and (owner.get("start") is None or ticks == owner["start"])
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    # tmpfs: no fsync needed; the rename is what makes the header appear whole.
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def _encode(body: dict) -> bytes:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return b"%016x\n" % _core.checksum(data) + data
+
+
+def _decode(raw: bytes, shown: str) -> dict:
+    head, _, data = raw.partition(b"\n")
+    try:
+        ok = int(head, 16) == _core.checksum(data)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise CorruptCheckpointError(f"snapshot header {shown} is damaged (checksum)", file=shown)
+    try:
+        body = json.loads(data)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"snapshot header {shown} is not JSON: {e}"[:300], file=shown) from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") != VERSION:
+        raise CorruptCheckpointError(f"{shown} is not a flashwrite snapshot header of version {VERSION}", file=shown)
+    return body
+
+
+@dataclass
+class Snapshot:
+    """A header found in a local_dir."""
+
+    header: str           # path of the header file
+    pool: str             # path of the pool file it points into
+    path: str             # the checkpoint directory it is a snapshot of
+    state: str            # "staged" or "committed"
+    owner: dict
+    created: float
+    body: dict
+
+    @property
+    def alive(self) -> bool:
+        return owner_alive(self.owner)
+
+
+def scan(local_dir: str) -> list[Snapshot]:
+    """Every readable header in local_dir, newest first (damaged ones are logged and left out)."""
+    out = []
+    try:
+        names = os.listdir(local_dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not (name.startswith(PREFIX) and name.endswith(HEADER_SUFFIX)):
+            continue
+        hp = os.path.join(local_dir, name)
+        try:
+            with open(hp, "rb") as fh:
+                raw = fh.read(MAX_HEADER_BYTES + 1)
+            body = _decode(raw, hp)
+            pool = body["pool"]
+            if not isinstance(pool, str) or os.sep in pool or not pool.endswith(POOL_SUFFIX):
+                raise CorruptCheckpointError(f"snapshot header {hp}: bad pool name", file=hp)
+            out.append(Snapshot(hp, os.path.join(local_dir, pool), str(body["path"]), str(body["state"]),
+                                body.get("owner") or {}, float(body.get("created", 0)), body))
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        except (OSError, CorruptCheckpointError, KeyError, TypeError, ValueError) as e:
+            log.warning("flashwrite: ignoring local snapshot header %s: %s", hp, e)
+    out.sort(key=lambda s: s.created, reverse=True)
+    return out
+
+
+def remove(snap: Snapshot) -> None:
+    """Remove a header, and its pool file once no other header points into it."""
+    try:
+        os.unlink(snap.header)
+    except FileNotFoundError:
+        pass
+    d = os.path.dirname(snap.header)
+    if not any(s.pool == snap.pool for s in scan(d)):
+        try:
+            os.unlink(snap.pool)
+        except FileNotFoundError:
+            pass
+
+
+def remove_orphan_pools(local_dir: str) -> None:
+    """Pool files of dead owners that no header points into (a crash before any snapshot),
+    and their half-written headers."""
+    try:
+        names = os.listdir(local_dir)
+    except FileNotFoundError:
+        return
+    used = {s.pool for s in scan(local_dir)}
+    for name in names:
+        # A pool, or a header that was being written when its process died.
+        if not (name.startswith(PREFIX) and (name.endswith(POOL_SUFFIX) or f"{HEADER_SUFFIX}.tmp-" in name)):
+            continue
+        p = os.path.join(local_dir, name)
+        try:
+            pid = int(name[len(PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if p in used or _start_ticks(pid) is not None:
+            continue  # in use, or its pid runs (perhaps recycled: leave it, it is only memory)
+        try:
+            os.unlink(p)
+            log.info("removed stale local snapshot pool %s", p)
+        except OSError:
+            pass
+
+
+class _Held:
+    """A snapshot this process wrote: its header and the job whose slots hold its bytes."""
+
+    def __init__(self, header: str, body: dict, job: Any):
+        self.header, self.body, self.job = header, body, job
+        self.released = False
+
+
+class LocalPool:
+    """The local tier of one Writer: names its pool file, writes and retires its headers."""
+
+    def __init__(self, local_dir: str | os.PathLike | None):
+        self.dir = os.path.abspath(os.fspath(local_dir) if local_dir is not None else default_dir())
+        os.makedirs(self.dir, exist_ok=True)
+        self.owner = this_owner()
+        self.token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.pool_path = os.path.join(self.dir, f"{PREFIX}{self.token}{POOL_SUFFIX}")
+        self._seq = 0
+        self._held: list[_Held] = []
+        self._lock = threading.Lock()
+        self._said: set[str] = set()
+
+    def say_once(self, what: str, msg: str, *args: Any) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            log.warning(msg, *args)
+
+    def before_save(self) -> None:
+        """The next save may reuse the slots of every finished save: their headers go first."""
+        with self._lock:
+            for h in [h for h in self._held if h.released]:
+                _unlink(h.header)
+                self._held.remove(h)
+
+    def seal(self, engine: Any, sw: Any, path: str, rank: tuple[int, int] | None = None) -> _Held | None:
+        """Once ``sw`` (a StripeWrite started with hold_slots) is staged and checksummed,
+        write its header. None when there is no whole image to point at."""
+        job = sw.job
+        if not job.holds_slots:
+            self.say_once("bounded", "flashwrite: a save is larger than max_staging_bytes, so it has no local "
+                          "snapshot (the pool reuses its slots within the save)")
+            return None
+        job.wait_checksummed()
+        if not job.checksummed:
+            return None  # failed or cancelled: the future says why
+        slots = job.chunk_slots()
+        if any(off < 0 for *_, off in slots):
+            self.say_once("private", "flashwrite: %s is too small for the staging pool (%s); local snapshots are "
+                          "off and the pool uses private memory", self.dir, engine.backing_error or "no room")
+            return None
+        with self._lock:
+            self._seq += 1
+            header = os.path.join(self.dir, f"{PREFIX}{self.token}-{self._seq:06d}{HEADER_SUFFIX}")
+        body = {"format": FORMAT, "version": VERSION, "owner": self.owner, "pool": os.path.basename(self.pool_path),
+                "path": path, "state": "staged", "created": time.time(), "chunk_bytes": engine.chunk_bytes,
+                "chunks": [list(c) for c in slots], "manifest": sw.manifest()}
+        if rank is not None:
+            body["rank"], body["world_size"] = rank
+        _write_atomic(header, _encode(body))
+        held = _Held(header, body, job)
+        with self._lock:
+            self._held.append(held)
+        return held
+
+    def mark(self, held: _Held, state: str) -> None:
+        held.body["state"] = state
+        _write_atomic(held.header, _encode(held.body))
+
+    def release(self, held: _Held | None, job: Any) -> None:
+        """The save has ended: its slots go back to the pool (the header stays until
+        the next save starts)."""
+        job.release_slots()
+        if held is not None:
+            with self._lock:
+                held.released = True
+
+    def close(self, keep_newest: bool) -> bool:
+        """Remove this pool's headers (keep_newest: all but the newest), except those of
+        saves that never committed (the only copy). True when the pool file must stay."""
+        with self._lock:
+            held, self._held = self._held, []
+        keep = held[-1:] if keep_newest else []
+        for h in held:
+            if h in keep:
+                continue
+            if h.body["state"] != "committed":
+                log.warning("flashwrite: keeping local snapshot %s of %s: it never reached storage", h.header,
+                            h.body["path"])
+                keep.append(h)
+                continue
+            _unlink(h.header)
+        return bool(keep)
+
+
+class LocalSave:
+    """The local snapshot of one save, on both save paths: ``seal()`` once staged (from
+    the caller and from the commit thread, whichever comes first), ``committed()``
+    after the commit, ``end()`` when the save is over either way."""
+
+    def __init__(self, pool: LocalPool, sw: Any, path: str, rank: tuple[int, int] | None = None):
+        self.pool, self.sw, self.path, self.rank = pool, sw, path, rank
+        self._lock = threading.Lock()
+        self._sealed = False
+        self.held: _Held | None = None
+
+    def seal(self) -> None:
+        with self._lock:
+            if self._sealed:
+                return
+            self._sealed = True
+            try:
+                self.held = self.pool.seal(self.sw.engine, self.sw, self.path, self.rank)
+            except Exception as e:  # the snapshot is a bonus: never fail the save for it
+                log.warning("flashwrite: no local snapshot of %s: %s", self.path, e)
+
+    def committed(self) -> None:
+        if self.held is not None:
+            try:
+                self.pool.mark(self.held, "committed")
+            except OSError as e:
+                log.warning("flashwrite: local snapshot of %s not marked committed: %s", self.path, e)
+
+    def end(self) -> None:
+        self.sw.job.wait()  # the slots go back only once no write uses them
+        with self._lock:
+            self._sealed = True  # too late for a header now
+        self.pool.release(self.held, self.sw.job)
+
+
+def _unlink(p: str) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+
+
+# ---------------------------------------------------------------------- restore
+
+
+def _copy_verified(dst: torch.Tensor, src: torch.Tensor, expected: str, verify: bool) -> int | None:
+    """Copy src to dst; the checksum of the bytes when it is not ``expected`` (else None)."""
+    dst.copy_(src)
+    if not verify:
+        return None
+    actual = _core.checksum(dst.numpy())
+    return None if f"{actual:016x}" == expected else actual
+
+
+def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = None,
+                  targets: dict[str, torch.Tensor] | None = None) -> tuple[Manifest, dict]:
+    """(manifest, {key: CPU tensor owning its bytes}) of a snapshot, every piece checked
+    against the manifest's checksum. Raises CorruptCheckpointError (naming the tensor).
+
+    targets: existing CPU tensors to fill instead, by key (used where contiguous, of the
+    stored dtype and shape; returned as themselves). If a piece fails its check, the
+    targets may already hold some new bytes."""
+    body = snap.body
+    m = parse_manifest(json.dumps(body["manifest"]).encode())
+    block = m.block_bytes
+    if body.get("chunk_bytes") != block:
+        raise CorruptCheckpointError(f"snapshot {snap.header}: chunk size is not the checksum block", file=snap.header)
+    fd = os.open(snap.pool, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        where: dict[tuple[int, int], tuple[int, int]] = {}
+        for c in body["chunks"]:
+            f, off, n, pool_off = (int(x) for x in c)
+            if pool_off < 0 or pool_off % 4096 or pool_off + n > size or off % block or n > block:
+                raise CorruptCheckpointError(f"snapshot {snap.header}: chunk at {off} of stripe {f} lies outside "
+                                             f"{snap.pool}", file=snap.header)
+            where[(f, off)] = (pool_off, n)
+        # Read-only and populated in one call (a page fault per 4 KiB costs more than the copy).
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       prot=mmap.PROT_READ) if size else None
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not writable": it is only ever read from here
+        pool = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+    tensors: dict[str, torch.Tensor] = {}
+    jobs = []
+    for key, e in m.tensors.items():
+        dt = dtypes.dtype_from_name(e.dtype)
+        dst = (targets or {}).get(key)
+        if (dst is not None and dst.device.type == "cpu" and dst.dtype == dt and tuple(dst.shape) == e.shape
+                and dst.is_contiguous() and e.nbytes):
+            raw = dst.detach().reshape(-1).view(torch.uint8)
+        else:
+            dst, raw = None, torch.empty(e.nbytes, dtype=torch.uint8)
+        for (pos, n), expected in zip(piece_ranges(e.offset, e.nbytes, block), e.checksums):
+            base = pos - pos % block
+            loc = where.get((e.file, base))
+            if loc is None or pos - base + n > loc[1]:
+                raise CorruptCheckpointError(f"snapshot {snap.header}: no chunk holds {key!r} at {pos}",
+                                             file=snap.header, tensor=key)
+            src = pool[loc[0] + pos - base: loc[0] + pos - base + n]
+            jobs.append((key, pos, raw[pos - e.offset: pos - e.offset + n], src, expected))
+        tensors[key] = dst if dst is not None else raw.view(dt).view(e.shape)
+    workers = threads or max(1, min(8, len(os.sched_getaffinity(0))))
+    with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+        results = list(ex.map(lambda j: _copy_verified(j[2], j[3], j[4], verify), jobs))
+    for (key, pos, _, _, expected), bad in zip(jobs, results):
+        if bad is not None:
+            e = m.tensors[key]
+            raise ChecksumMismatchError(f"local snapshot {snap.header}: tensor {key!r} at offset {pos} of "
+                                        f"{m.files[e.file].name} does not match its checksum",
+                                        file=snap.header, tensor=key, offset=pos, expected=expected,
+                                        actual=f"{bad:016x}")
+    del jobs, pool
+    return m, tensors

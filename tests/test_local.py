@@ -1,0 +1,286 @@
+"""The node-local tier (issue 15): a reserved pool, staged snapshots in shared
+memory that outlive the process, restarts from memory, hygiene."""
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import flashwrite as fw
+from flashwrite import CheckpointManager, Writer, local
+from conftest import assert_same
+from fault_util import make_state, tmpfs
+
+HERE = os.path.dirname(__file__)
+CHUNK = 1 << 20
+
+
+# ------------------------------------------------------------------ reserve
+
+
+def test_reserve_sizes_the_pool_before_the_first_save(tmp_path):
+    state = make_state(1)
+    with Writer(chunk_bytes=CHUNK) as w:
+        fut = w.reserve(state)
+        reserved = fut.result(timeout=60)
+        assert reserved == w.pool_bytes > 0
+        w.save(state, tmp_path / "a")
+        assert w.pool_bytes == reserved  # the first save found every slot it needed
+        assert_same(fw.load(tmp_path / "a"), state)
+
+
+def test_reserve_by_size_blocks_when_asked(tmp_path):
+    with Writer(chunk_bytes=CHUNK) as w:
+        w.reserve(5 * CHUNK + 1, block=True)
+        assert w.pool_bytes == 6 * CHUNK
+        with pytest.raises(ValueError):
+            w.reserve(-1)
+
+
+def test_manager_reserves_from_the_state(tmp_path):
+    state = make_state(1)
+    with CheckpointManager(tmp_path / "ck", reserve=state) as m:
+        assert m._writer._reserving.result(timeout=60) > 0
+        m.save(1, state)
+    assert_same(fw.load(tmp_path / "ck" / "step-00000001"), state)
+
+
+# -------------------------------------------------------- single process
+
+
+def _files(d):
+    return sorted(n for n in os.listdir(d) if n.startswith(local.PREFIX))
+
+
+def test_snapshot_header_exists_when_save_returns(tmp_path, shmdir):
+    state = make_state(1)
+    with Writer(chunk_bytes=CHUNK, local_snapshots=True, local_dir=shmdir) as w:
+        fut = w.save_async(state, tmp_path / "a")
+        snaps = local.scan(shmdir)
+        assert len(snaps) == 1 and snaps[0].path == str(tmp_path / "a")
+        assert snaps[0].alive
+        fut.result()
+        assert local.scan(shmdir)[0].state == "committed"
+        m, tensors = local.read_snapshot(local.scan(shmdir)[0])
+        assert torch.equal(tensors["model.w"], state["model"]["w"])
+        # The next save retires the header of the committed one before reusing its slots.
+        w.save(make_state(2), tmp_path / "b")
+        assert [s.path for s in local.scan(shmdir)] == [str(tmp_path / "b")]
+    assert _files(shmdir) == []  # a clean close removes what it owns
+
+
+def test_keep_local_keeps_the_newest(tmp_path, shmdir):
+    w = Writer(chunk_bytes=CHUNK, local_snapshots=True, local_dir=shmdir)
+    w.save(make_state(1), tmp_path / "a")
+    w.save(make_state(2), tmp_path / "b")
+    w.close(keep_local=True)
+    snaps = local.scan(shmdir)
+    assert [s.path for s in snaps] == [str(tmp_path / "b")]
+    _, tensors = local.read_snapshot(snaps[0])
+    assert torch.equal(tensors["model.w"], make_state(2)["model"]["w"])
+
+
+def test_restore_prefers_memory_and_skips_a_flipped_byte(tmp_path, shmdir, caplog):
+    root = tmp_path / "ck"
+    with CheckpointManager(root, local_snapshots=True, local_dir=shmdir, keep_local=True) as m:
+        m.save(1, make_state(1))
+        m.save(2, make_state(2))
+    m2 = CheckpointManager(root, local_snapshots=True, local_dir=shmdir)
+    with caplog.at_level(logging.INFO, logger="flashwrite"):
+        step, state = m2.restore()
+    assert step == 2 and "from local memory" in caplog.text
+    assert_same(state, make_state(2))
+    m2.close()
+    # Damage one byte of the snapshot's data in shared memory.
+    snap = local.scan(shmdir)[0]
+    w_key = snap.body["manifest"]["tensors"]["model.w"]
+    chunk = next(c for c in snap.body["chunks"] if c[0] == w_key["file"] and c[1] <= w_key["offset"] < c[1] + c[2])
+    at = chunk[3] + w_key["offset"] - chunk[1] + 100
+    with open(snap.pool, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0x40]))
+    caplog.clear()
+    m3 = CheckpointManager(root, local_snapshots=True, local_dir=shmdir)
+    with caplog.at_level(logging.INFO, logger="flashwrite"):
+        step, state = m3.restore()
+    assert step == 2 and "cannot be restored" in caplog.text and "model.w" in caplog.text
+    assert_same(state, make_state(2))  # from storage
+    m3.close()
+
+
+def test_restart_removes_dead_owners_older_snapshots(tmp_path, shmdir):
+    root = tmp_path / "ck"
+    # A dead process's snapshots of steps 1 and 3, step 2 committed: step 1 goes, step 3 stays.
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import flashwrite, fault_util as u; "
+            f"w = flashwrite.Writer(chunk_bytes={CHUNK}, local_snapshots=True, local_dir={shmdir!r}); "
+            f"w2 = flashwrite.Writer(chunk_bytes={CHUNK}, local_snapshots=True, local_dir={shmdir!r}); "
+            f"w.save(u.make_state(1), {str(root / 'step-00000001')!r}); "
+            f"w2.save(u.make_state(3), {str(root / 'step-00000003')!r}); "
+            f"import os; os._exit(0)")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    assert child.wait() == 0
+    half = os.path.join(shmdir, f"{local.PREFIX}{child.pid}-0-000009{local.HEADER_SUFFIX}.tmp-0000")
+    open(half, "wb").close()  # a header it was writing when it died
+    fw.save(make_state(2), root / "step-00000002")
+    import shutil
+    shutil.rmtree(root / "step-00000003")  # step 3 never reached storage
+    m = CheckpointManager(root, local_snapshots=True, local_dir=shmdir)
+    steps = sorted(m.local_snapshots())
+    assert steps == [3] and not os.path.exists(half)
+    step, state = m.restore()
+    assert step == 3
+    assert_same(state, make_state(3))
+    m.wait()  # the write-back of step 3
+    assert m.all_steps()[-1] == 3
+    assert_same(fw.load(root / "step-00000003"), make_state(3))
+    m.close()
+    # The dead owner's snapshot of step 3 went once step 3 was committed; ours went at close.
+    assert _files(shmdir) == []
+
+
+@pytest.mark.root
+def test_small_shared_memory_falls_back_to_private(tmp_path, caplog):
+    with tmpfs(str(tmp_path / "small"), "2m") as small:
+        with caplog.at_level(logging.WARNING, logger="flashwrite"):
+            with CheckpointManager(tmp_path / "ck", local_snapshots=True, local_dir=small) as m:
+                for step in (1, 2):
+                    m.save(step, make_state(step))
+                    m.wait()
+        assert caplog.text.count("too small for the staging pool") == 1
+        assert "no room" in caplog.text or "No space" in caplog.text
+        assert_same(fw.load(tmp_path / "ck" / "step-00000002"), make_state(2))
+        assert local.scan(small) == []
+
+
+# ------------------------------------------------------------ kill -9
+
+
+def _spawn(root, local_dir, mode, n):
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "local_child.py"), str(root), str(local_dir), mode,
+                             str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_line(p, word, timeout=120):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        line = p.stdout.readline()
+        if not line:
+            raise AssertionError(f"child ended before {word}: {p.stderr.read()}")
+        if line.strip() == word:
+            return
+    raise AssertionError(f"no {word} from the child")
+
+
+TRIALS = int(os.environ.get("FW_KILL_TRIALS", "20"))
+
+
+@pytest.mark.slow
+def test_kill_after_staged_restores_that_step(tmp_path):
+    rng = random.Random(15)
+    before_commit = 0
+    for trial in range(TRIALS):
+        root, shm = tmp_path / f"ck{trial}", f"/dev/shm/fwtest-kill-{os.getpid()}-{trial}"
+        try:
+            p = _spawn(root, shm, "staged", 1 << 16)
+            _wait_line(p, "STAGED")
+            time.sleep(rng.uniform(0, 0.9))  # the commit is held back 1 s
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+            committed = os.path.isdir(root / "step-00000002")
+            before_commit += not committed
+            m = CheckpointManager(root, local_snapshots=True, local_dir=shm)
+            step, state = m.restore()
+            assert step == 2, f"trial {trial}"
+            assert_same(state, make_state(2, 1 << 16))
+            m.wait()
+            assert_same(fw.load(root / "step-00000002"), make_state(2, 1 << 16))
+            m.close()
+        finally:
+            import shutil
+            shutil.rmtree(shm, ignore_errors=True)
+    assert before_commit >= 20 or before_commit == TRIALS
+    print(f"kill after staged: {TRIALS} trials, {before_commit} before the commit")
+
+
+@pytest.mark.slow
+def test_kill_while_staging_never_returns_the_half_staged_step(tmp_path):
+    rng = random.Random(16)
+    killed_staging = 0
+    for trial in range(max(5, TRIALS // 2)):
+        root, shm = tmp_path / f"ck{trial}", f"/dev/shm/fwtest-stg-{os.getpid()}-{trial}"
+        try:
+            p = _spawn(root, shm, "staging", 1 << 22)
+            _wait_line(p, "STAGING")
+            time.sleep(rng.uniform(0, 0.15))
+            p.send_signal(signal.SIGKILL)
+            out, _ = p.communicate()
+            staged = "STAGED" in out
+            killed_staging += not staged
+            m = CheckpointManager(root, local_snapshots=True, local_dir=shm)
+            step, state = m.restore()
+            if not staged:
+                assert step == 1, f"trial {trial}: a half-staged step was returned"
+                assert_same(state, make_state(1, 1 << 22))
+            m.wait()
+            m.close()
+        finally:
+            import shutil
+            shutil.rmtree(shm, ignore_errors=True)
+    assert killed_staging >= 1
+    print(f"kill while staging: {killed_staging} kills before staged")
+
+
+# ------------------------------------------------------------- many ranks
+
+
+def _ranks(world, tmp, root, shm, mode):
+    init = tmp / f"init-{mode}-{time.monotonic_ns()}"
+    return [subprocess.Popen([sys.executable, os.path.join(HERE, "local_dist_child.py"), str(r), str(world), str(init),
+                              str(root), shm, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode,agreed", [("one_dies", 1), ("all_staged", 2)])
+def test_ranks_agree_on_one_step_after_kill(tmp_path, mode, agreed, world):
+    root, shm = tmp_path / "ck", f"/dev/shm/fwtest-ranks-{os.getpid()}-{mode}"
+    try:
+        procs = _ranks(world, tmp_path, root, shm, mode)
+        live = procs[:-1] if mode == "one_dies" else procs
+        for p in live:
+            _wait_line(p, "STAGED")
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.communicate()
+        assert not os.path.isdir(root / "step-00000002")
+        procs = _ranks(world, tmp_path, root, shm, "restore")
+        outs = [p.communicate(timeout=240) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+            assert f"RESTORED {agreed}" in out
+    finally:
+        import shutil
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_restore_into_fills_existing_tensors_from_memory(tmp_path, shmdir):
+    root = tmp_path / "ck"
+    with CheckpointManager(root, local_snapshots=True, local_dir=shmdir, keep_local=True) as m:
+        m.save(3, make_state(3))
+    dest = make_state(0)
+    w = dest["model"]["w"]
+    m2 = CheckpointManager(root, local_snapshots=True, local_dir=shmdir)
+    step, got = m2.restore(into=dest)
+    assert step == 3 and got is dest and dest["model"]["w"] is w
+    assert_same(dest, make_state(3))
+    m2.close()
