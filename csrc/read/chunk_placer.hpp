@@ -20,6 +20,10 @@ class ChunkPlacer {
   virtual bool wants(uint32_t file, uint64_t offset, uint64_t len) const = 0;
   virtual bool covers(uint32_t file, uint64_t size) const = 0;
   virtual char* acquire(const std::atomic<bool>* cancel) = 0;  // nullptr once *cancel
+  // On the reading thread, as the chunk's read is submitted: fault in its host
+  // destinations while earlier reads are in flight, so the copy out of the
+  // chunk does not trap on every fresh page.
+  virtual void prepare(uint32_t file, uint64_t offset, uint64_t len) = 0;
   // ok=false: a checksum did not match or the load failed; only the slot comes back.
   // host_dst: where the chunk would sit in the file's host buffer (bytes not
   // placed go there); nullptr for a file that covers() says is wholly placed.

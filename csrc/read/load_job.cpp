@@ -212,7 +212,12 @@ void LoadJob::run() {
       // copied out, which paces reading to the copies.
       r.buf = opt_.placer->acquire(&ctl_.cancel_flag());
       if (!r.buf) break;
+      const uint32_t f = file_of_request_[r.tag];
+      const uint64_t off = r.offset, want = r.want;  // r belongs to the backend once submitted
       backend_->submit(&r);
+      // After the submit: the read goes to the slot, so faulting in the
+      // destinations overlaps it (and may race the copy out safely).
+      opt_.placer->prepare(f, off, want);
       continue;
     }
     // Fault the destination in here, while earlier reads are in flight, rather

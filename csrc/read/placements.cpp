@@ -1,6 +1,11 @@
 #include "read/placements.hpp"
 
+#include <sys/mman.h>
+
+#include <cstddef>
 #include <stdexcept>
+
+#include "core/aligned_buffer.hpp"
 
 namespace fw {
 
@@ -28,6 +33,23 @@ bool PlacementMap::touches(uint32_t file, uint64_t offset, uint64_t len) const {
   const auto& v = by_file_[file];
   auto it = first_ending_after(v, offset);
   return it != v.end() && it->offset < offset + len;
+}
+
+void PlacementMap::prefault_host(uint32_t file, uint64_t offset, uint64_t len) const noexcept {
+#ifdef MADV_POPULATE_WRITE
+  split(
+      file, offset, len,
+      [](const Placement& p, uint64_t a, uint64_t b) {
+        if (p.device >= 0) return;
+        // The pages holding the range: each is mapped, since the range is.
+        auto lo = reinterpret_cast<uintptr_t>(p.dst + (a - p.offset)) / kAlign * kAlign;
+        auto hi = round_up(reinterpret_cast<uintptr_t>(p.dst + (b - p.offset)), kAlign);
+        madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE);
+      },
+      [](uint64_t, uint64_t) {});
+#else
+  (void)file, (void)offset, (void)len;
+#endif
 }
 
 bool PlacementMap::covers(uint32_t file, uint64_t size) const {

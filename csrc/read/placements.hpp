@@ -29,6 +29,10 @@ class PlacementMap {
   bool covers(uint32_t file, uint64_t size) const;
   bool has_device() const { return has_device_; }
   bool empty() const { return by_file_.empty(); }
+  // Faults in the pages of the host destinations of [offset, offset + len)
+  // (MADV_POPULATE_WRITE: no byte is written, so memory next to them that
+  // others own is safe; nothing where the kernel lacks it).
+  void prefault_host(uint32_t file, uint64_t offset, uint64_t len) const noexcept;
 
   // Splits [offset, offset + len) of the file: part(p, a, b) for each range
   // [a, b) placed by p, gap(a, b) for each range between them, in file order.
