@@ -25,8 +25,8 @@ constexpr size_t kBounceExtraSlots = 4;            // and the read queue depth p
 // bounce memory (but kBounceMinSlots slots, and no more than its chunks), so an
 // owned load peaks well under twice its size: read chunks follow the save's
 // chunk size (16 MiB by default), and a read queue's worth of them would be
-// 512 MiB. 128 MiB in flight kept cold 1-2 GiB loads at the speed of views
-// (measured when host placements were added; see that commit).
+// 512 MiB. Not swept: whether more in flight would speed owned loads up was not
+// settled on the shared 2-core VM (benchmarks/README.md, owned against views).
 constexpr uint64_t kHostBounceBytes = 128ull << 20;
 constexpr unsigned kThreadBackendMaxThreads = 32;  // pread/pwrite threads at most
 constexpr unsigned kPrefaultMaxThreads = 8;        // threads faulting in a new slab
