@@ -168,7 +168,7 @@ def scenario_pin_fails(d):
     return {"pinned": eng.pool_pinned, "pin_error": eng.pin_error}
 
 
-def _load(d, placements_for, flip_at=None):
+def _load(d, placements_for, flip_at=None, host_for=(), headers=False):
     import flashwrite as fw
     sd = state()
     with fw.Writer(stripes=2, chunk_bytes=1 << 20) as w:
@@ -187,9 +187,17 @@ def _load(d, placements_for, flip_at=None):
               for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums)]
     addrs = {k: device_zeros(m.tensors[k].nbytes) for k in placements_for}
     placements = [(m.tensors[k].file, m.tensors[k].offset, m.tensors[k].nbytes, 0, a) for k, a in addrs.items()]
+    # Host placements (device -1) of the same load: owned CPU tensors, and the stripe headers.
+    host = {k: torch.zeros(m.tensors[k].nbytes, dtype=torch.uint8) for k in host_for}
+    placements += [(m.tensors[k].file, m.tensors[k].offset, t.numel(), -1, t.data_ptr()) for k, t in host.items()]
+    if headers:
+        for i, fe in enumerate(m.files):
+            host[f"header{i}"] = t = torch.zeros(fe.header_bytes, dtype=torch.uint8)
+            placements.append((i, 0, fe.header_bytes, -1, t.data_ptr()))
     job = _core.start_load(specs, pieces, "auto", 4, 8 << 20, 2, True, placements=placements, streams=[(0, 0)])
     job.wait()
     dst = {k: from_device(a, m.tensors[k].nbytes) for k, a in addrs.items()}
+    dst.update(host)
     return sd, m, dst, job
 
 
@@ -207,6 +215,17 @@ def scenario_load(d):
     return {"mismatches": len(job.mismatches()),
             "placed_ok": all(torch.equal(t, sd[k].reshape(-1).view(torch.uint8)) for k, t in dst.items()),
             "host_ok": bool(host_ok), "headers_ok": headers_ok}
+
+
+def scenario_load_mixed(d):
+    # Every byte placed, on the device or the host: no file is read into a whole buffer.
+    sd, m, dst, job = _load(d, ["a", "s"], host_for=["b", "c", "h"], headers=True)
+    job.rethrow()
+    headers_ok = all(bytes(dst[f"header{i}"].numpy()) == open(os.path.join(d, "ck", fe.name), "rb").read(fe.header_bytes)
+                     for i, fe in enumerate(m.files))
+    return {"mismatches": len(job.mismatches()), "buffers": [b is not None for b in job.buffers()],
+            "placed_ok": all(torch.equal(dst[k], sd[k].reshape(-1).view(torch.uint8)) for k in ("a", "s", "b", "c", "h")),
+            "headers_ok": headers_ok}
 
 
 def scenario_load_damaged(d):

@@ -3,7 +3,10 @@
  *   FAULT_PREAD_MODE=einval  every pread on an O_DIRECT fd fails with EINVAL;
  *   FAULT_PREAD_MODE=short   an aligned pread on an O_DIRECT fd returns at most
  *                            1000 bytes (a short read), and an unaligned one fails
- *                            with EINVAL, as the kernel refuses it.
+ *                            with EINVAL, as the kernel refuses it;
+ *   FAULT_PREAD_MODE=eio     a pread on an O_DIRECT fd at or past offset
+ *                            FAULT_PREAD_EIO_AT fails with EIO (a bad sector
+ *                            mid-load).
  * The threads backend reads with pread, so this reaches the load's fallback. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -23,6 +26,14 @@ static ssize_t odd_read(int fd, void* buf, size_t n, off_t off, const char* name
   if (!strcmp(mode, "einval")) {
     errno = EINVAL;
     return -1;
+  }
+  if (!strcmp(mode, "eio")) {
+    const char* at = getenv("FAULT_PREAD_EIO_AT");
+    if (off >= (at ? atoll(at) : 0)) {
+      errno = EIO;
+      return -1;
+    }
+    return real(fd, buf, n, off);
   }
   if (off % 4096 || n % 4096 || (uintptr_t)buf % 4096) {
     errno = EINVAL;

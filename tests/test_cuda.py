@@ -496,6 +496,11 @@ def test_fake_runtime_h2d_load_places_and_keeps_the_rest_on_the_host(fake_cudart
     assert out == {"mismatches": 0, "placed_ok": True, "host_ok": True, "headers_ok": True}
 
 
+def test_fake_runtime_h2d_and_host_placements_in_one_load(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "load_mixed", tmp_path, FAKE_CUDART_COPY_DELAY_US=200)
+    assert out == {"mismatches": 0, "buffers": [False, False], "placed_ok": True, "headers_ok": True}
+
+
 def test_fake_runtime_h2d_never_copies_a_damaged_chunk(fake_cudart, tmp_path):
     out = _fake(fake_cudart, "load_damaged", tmp_path)
     assert out == {"mismatches": 1, "damaged_chunk_untouched": True, "rest_placed": True}

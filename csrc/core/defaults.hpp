@@ -17,10 +17,17 @@ constexpr uint64_t kReadChunkBytes = 8ull << 20;
 constexpr unsigned kCopyThreads = 2;               // host memcpy + checksum threads per save
 constexpr unsigned kVerifyThreads = 2;             // checksum threads per load
 constexpr size_t kD2hBatchesInFlight = 64;         // device chunks copying while older ones are written
-constexpr size_t kBounceMinSlots = 8;              // pinned bounce slots of a GPU load: at least this many,
+constexpr size_t kBounceMinSlots = 8;              // bounce slots of a load with placements: at least this many,
 constexpr size_t kBounceExtraSlots = 4;            // and the read queue depth plus this many
 
 // -- internal --
+// A load to host placements only (owned CPU tensors) maps at most this much
+// bounce memory (but kBounceMinSlots slots, and no more than its chunks), so an
+// owned load peaks well under twice its size: read chunks follow the save's
+// chunk size (16 MiB by default), and a read queue's worth of them would be
+// 512 MiB. Not swept: whether more in flight would speed owned loads up was not
+// settled on the shared 2-core VM (benchmarks/README.md, owned against views).
+constexpr uint64_t kHostBounceBytes = 128ull << 20;
 constexpr unsigned kThreadBackendMaxThreads = 32;  // pread/pwrite threads at most
 constexpr unsigned kPrefaultMaxThreads = 8;        // threads faulting in a new slab
 constexpr int kPoolPollMs = 20;                    // acquire() re-checks its cancel flag this often

@@ -66,6 +66,11 @@ size_t bounce_slots(unsigned queue_depth) {
   return std::max<size_t>(defaults::kBounceMinSlots, size_t{queue_depth} + defaults::kBounceExtraSlots);
 }
 
+size_t host_bounce_slots(unsigned queue_depth, uint64_t chunk_bytes, uint64_t chunks) {
+  uint64_t budget = std::max<uint64_t>(defaults::kBounceMinSlots, defaults::kHostBounceBytes / std::max<uint64_t>(chunk_bytes, 1));
+  return static_cast<size_t>(std::max<uint64_t>(1, std::min<uint64_t>({budget, bounce_slots(queue_depth), chunks})));
+}
+
 namespace {
 
 // Shared for the life of the process: pinning costs far more than a small
@@ -92,16 +97,22 @@ std::shared_ptr<CopyStreams> load_streams() {
 }  // namespace
 
 std::unique_ptr<LoadJob> start_load(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> pieces, LoadOptions opt,
-                                    std::vector<DevicePlacement> placements, const GivenStreams& streams) {
-  if (!placements.empty()) {
+                                    std::vector<Placement> placements, const GivenStreams& streams) {
+  std::vector<int> devices;
+  for (auto& p : placements)
+    if (p.len && p.device >= 0 && std::find(devices.begin(), devices.end(), p.device) == devices.end()) devices.push_back(p.device);
+  PlacementMap map(std::move(placements));
+  size_t slots = bounce_slots(opt.queue_depth);
+  if (!devices.empty()) {
     cuda::require("loading tensors to a GPU");
-    std::vector<int> devices;
-    for (auto& p : placements)
-      if (std::find(devices.begin(), devices.end(), p.device) == devices.end()) devices.push_back(p.device);
-    size_t slots = bounce_slots(opt.queue_depth);
-    opt.placer = std::make_shared<DevicePlacer>(std::move(placements), wait_streams(streams, devices),
+    opt.placer = std::make_shared<DevicePlacer>(std::move(map), wait_streams(streams, devices),
                                                 bounce_pool(opt.chunk_bytes, slots, devices.front()), load_streams(),
                                                 slots);
+  } else if (!map.empty()) {
+    uint64_t chunks = 0;
+    for (auto& f : files) chunks += (f.size + opt.chunk_bytes - 1) / std::max<uint64_t>(opt.chunk_bytes, 1);
+    opt.placer = std::make_shared<HostPlacer>(std::move(map), opt.chunk_bytes,
+                                              host_bounce_slots(opt.queue_depth, opt.chunk_bytes, chunks));
   }
   auto job = std::make_unique<LoadJob>(std::move(files), std::move(pieces), std::move(opt));
   job->start();

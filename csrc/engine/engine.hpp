@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "read/device_placer.hpp"
+#include "read/host_placer.hpp"
 #include "read/load_job.hpp"
 #include "stage/device_copy.hpp"
 #include "stage/staging_pool.hpp"
@@ -64,17 +65,19 @@ class Engine {
   const std::shared_ptr<PinError> pin_error_ = std::make_shared<PinError>();
 };
 
-// One byte range of a load that goes to GPU memory.
-using DevicePlacement = DevicePlacer::Placement;
-
-// Starts a load; with placements, through the process-wide bounce pool and
-// streams (CUDA is required then). The placements' destinations must stay
-// valid until the job is done.
+// Starts a load. Placements bound for GPUs go through the process-wide pinned
+// bounce pool and streams (CUDA is required then), and host placements of the
+// same load with them; a load with host placements only uses bounce slots of
+// its own and never touches CUDA. The placements' destinations must stay valid
+// until the job is done.
 std::unique_ptr<LoadJob> start_load(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> pieces, LoadOptions opt,
-                                    std::vector<DevicePlacement> placements, const GivenStreams& streams);
+                                    std::vector<Placement> placements, const GivenStreams& streams);
 
-// Pinned bounce slots a GPU load uses: a full read queue plus chunks being
-// verified and copied.
+// Bounce slots a load with placements uses: a full read queue plus chunks
+// being verified and copied.
 size_t bounce_slots(unsigned queue_depth);
+// Bounce slots of a load to host placements only: bounce_slots(), capped by
+// defaults::kHostBounceBytes and by the `chunks` the load reads.
+size_t host_bounce_slots(unsigned queue_depth, uint64_t chunk_bytes, uint64_t chunks);
 
 }  // namespace fw

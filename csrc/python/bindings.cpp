@@ -322,10 +322,11 @@ PYBIND11_MODULE(_core, m) {
         opt.chunk_bytes = chunk_bytes;
         opt.verify_threads = verify_threads;
         opt.direct = direct;
-        std::vector<DevicePlacement> pl;
+        std::vector<Placement> pl;
         for (auto& [f, off, len, dev, ptr] : placements) {
-          if (f >= fs.size() || dev < 0) throw py::value_error("a placement is (file, offset, nbytes, device >= 0, address)");
-          pl.push_back(DevicePlacement{f, off, len, dev, reinterpret_cast<char*>(ptr)});
+          if (f >= fs.size() || dev < -1 || (len && !ptr))
+            throw py::value_error("a placement is (file, offset, nbytes, device >= -1, address)");
+          pl.push_back(Placement{f, off, len, dev, reinterpret_cast<char*>(ptr)});
         }
         auto out = std::make_unique<PyLoadJob>();
         py::gil_scoped_release nogil;
@@ -337,10 +338,12 @@ PYBIND11_MODULE(_core, m) {
       py::arg("verify_threads") = defaults::kVerifyThreads, py::arg("direct") = true,
       py::arg("placements") = std::vector<std::tuple<uint32_t, uint64_t, uint64_t, int, uintptr_t>>{},
       py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
-      "Read whole files [(path, size)] into aligned buffers, verifying [(file, offset, len, xxh3)] pieces. "
-      "placements: [(file, offset, nbytes, device, address)] byte ranges copied to GPU memory instead, through "
-      "pinned bounce buffers, each chunk verified before it is copied; the destinations must stay valid until "
-      "the job is done. streams: [(device, cudaStream_t)] the copies are ordered after.");
+      "Read files [(path, size)], verifying [(file, offset, len, xxh3)] pieces. placements: [(file, offset, "
+      "nbytes, device, address)] byte ranges copied to GPU memory (device >= 0) or host memory (device -1) "
+      "instead, through bounce buffers, each chunk verified before it is copied; the destinations must stay "
+      "valid until the job is done. A file wholly covered by placements gets no buffer (None in buffers()), "
+      "the others are read whole into aligned buffers. streams: [(device, cudaStream_t)] the GPU copies are "
+      "ordered after.");
 
   m.def(
       "checksum",

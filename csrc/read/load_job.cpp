@@ -51,12 +51,15 @@ void LoadJob::start() {
       throw FormatError("'" + spec.path + "' is " + std::to_string(actual) + " bytes, the manifest says " +
                         std::to_string(spec.size) + (actual < spec.size ? " (truncated)" : ""));
   }
-  for (auto& spec : specs_) buffers_.push_back(std::make_shared<AlignedBuffer>(spec.size));
+  for (uint32_t f = 0; f < specs_.size(); ++f) {
+    bool placed = opt_.placer && opt_.placer->covers(f, specs_[f].size);
+    buffers_.push_back(placed ? nullptr : std::make_shared<AlignedBuffer>(specs_[f].size));
+  }
   for (uint32_t f = 0; f < specs_.size(); ++f)
     for (uint64_t off = 0; off < specs_[f].size; off += opt_.chunk_bytes) {
       IoRequest r;
       r.fd = fds_[f];
-      r.buf = buffers_[f]->data() + off;
+      r.buf = buffers_[f] ? buffers_[f]->data() + off : nullptr;  // nullptr: a placer slot, at submit
       r.want = std::min<uint64_t>(opt_.chunk_bytes, specs_[f].size - off);
       r.len = round_up(r.want, kAlign);
       r.offset = off;
@@ -86,10 +89,10 @@ void LoadJob::start() {
   for (size_t i = 0; i < requests_.size(); ++i) file_of[i] = file_of_request_[requests_[i].tag];
   file_of_request_.swap(file_of);
   for (size_t i = 0; i < requests_.size(); ++i) requests_[i].tag = i;
-  to_device_.assign(requests_.size(), 0);
+  to_placer_.assign(requests_.size(), 0);
   if (opt_.placer)
     for (size_t i = 0; i < requests_.size(); ++i)
-      to_device_[i] = opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
+      to_placer_[i] = !requests_[i].buf || opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
   backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
   backend_name_ = backend_->name();
   try {
@@ -129,12 +132,12 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
     try {
       if (fall_back_to_buffered(r, f)) return;
     } catch (...) {
-      if (to_device_[r->tag]) opt_.placer->discard(r->buf);
+      if (to_placer_[r->tag]) opt_.placer->discard(r->buf);
       fail(std::current_exception());
       return;
     }
   }
-  if ((res < 0 || static_cast<uint64_t>(res) < r->want) && to_device_[r->tag]) opt_.placer->discard(r->buf);
+  if ((res < 0 || static_cast<uint64_t>(res) < r->want) && to_placer_[r->tag]) opt_.placer->discard(r->buf);
   if (res < 0) {
     fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "read", specs_[f].path,
                                          static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
@@ -145,7 +148,7 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
                                              std::to_string(r->offset + res) + " while reading (truncated)")));
     return;
   }
-  if (!chunk_pieces_[r->tag].empty() || to_device_[r->tag]) {
+  if (!chunk_pieces_[r->tag].empty() || to_placer_[r->tag]) {
     std::lock_guard<std::mutex> lk(ctl_.mutex());
     verify_queue_.push_back(static_cast<uint32_t>(r->tag));
     verify_cv_.notify_one();
@@ -166,7 +169,7 @@ void LoadJob::verify_worker() {
     bool ok = true;
     for (uint32_t pi : chunk_pieces_[ci]) {
       const VerifyPiece& p = pieces_[pi];
-      const char* data = to_device_[ci] ? r.buf + (p.offset - r.offset) : buffers_[p.file]->data() + p.offset;
+      const char* data = to_placer_[ci] ? r.buf + (p.offset - r.offset) : buffers_[p.file]->data() + p.offset;
       uint64_t h = checksum(data, p.len);
       if (h != p.expected) {
         ok = false;
@@ -174,10 +177,11 @@ void LoadJob::verify_worker() {
         mismatches_.push_back({pi, h});
       }
     }
-    if (to_device_[ci]) {
-      // Verified before it is copied: damaged bytes never reach a GPU tensor.
+    if (to_placer_[ci]) {
+      // Verified before it is copied: damaged bytes never reach a tensor.
       uint32_t f = file_of_request_[ci];
-      opt_.placer->place(f, r.offset, r.want, r.buf, buffers_[f]->data() + r.offset, ok && !ctl_.cancelled());
+      char* host_dst = buffers_[f] ? buffers_[f]->data() + r.offset : nullptr;
+      opt_.placer->place(f, r.offset, r.want, r.buf, host_dst, ok && !ctl_.cancelled());
     }
   }
 }
@@ -203,12 +207,17 @@ void LoadJob::run() {
   for (auto& r : requests_) {
     if (ctl_.cancelled()) break;
     r.fd = read_fd(file_of_request_[r.tag]);
-    if (to_device_[r.tag]) {
-      // A pinned bounce slot: waits here while every slot is being read,
-      // verified or copied to a GPU, which paces reading to the H2D copies.
+    if (to_placer_[r.tag]) {
+      // A bounce slot: waits here while every slot is being read, verified or
+      // copied out, which paces reading to the copies.
       r.buf = opt_.placer->acquire(&ctl_.cancel_flag());
       if (!r.buf) break;
+      const uint32_t f = file_of_request_[r.tag];
+      const uint64_t off = r.offset, want = r.want;  // r belongs to the backend once submitted
       backend_->submit(&r);
+      // After the submit: the read goes to the slot, so faulting in the
+      // destinations overlaps it (and may race the copy out safely).
+      opt_.placer->prepare(f, off, want);
       continue;
     }
     // Fault the destination in here, while earlier reads are in flight, rather

@@ -1,7 +1,9 @@
-// One load: read whole stripe files into page-aligned buffers with large
-// O_DIRECT requests, queue_depth in flight across all files, and verify each
-// checksummed piece on verifier threads as soon as its chunk has arrived, so
-// verification overlaps the reads. Tensors are then views of these buffers.
+// One load: read stripe files with large O_DIRECT requests, queue_depth in
+// flight across all files, and verify each checksummed piece on verifier
+// threads as soon as its chunk has arrived, so verification overlaps the
+// reads. A file whose bytes are all placed (read/placements.hpp) goes through
+// the placer's bounce slots only; the others are read whole into page-aligned
+// buffers that tensors then view.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -45,7 +47,7 @@ struct LoadOptions {
   uint64_t chunk_bytes = defaults::kReadChunkBytes;  // multiple of every piece-aligning block
   unsigned verify_threads = defaults::kVerifyThreads;
   bool direct = true;
-  std::shared_ptr<ChunkPlacer> placer;  // set when some tensors go to GPUs
+  std::shared_ptr<ChunkPlacer> placer;  // set when some bytes are placed
 };
 
 class LoadJob {
@@ -56,6 +58,7 @@ class LoadJob {
   bool wait(double timeout_s);
   void cancel();  // no-op once the load is done
   void rethrow() const;
+  // Per file: its whole-file buffer, or nullptr for a file wholly placed.
   std::vector<std::shared_ptr<AlignedBuffer>> buffers() const { return buffers_; }
   std::vector<Mismatch> mismatches() const;
   double elapsed_s() const { return done_s_; }
@@ -80,7 +83,7 @@ class LoadJob {
   std::mutex fallback_mu_;
   std::vector<IoRequest> requests_;
   std::vector<uint32_t> file_of_request_;  // per request (by tag)
-  std::vector<char> to_device_;  // per request: read into a placer slot
+  std::vector<char> to_placer_;  // per request: read into a placer slot
   std::vector<std::vector<uint32_t>> chunk_pieces_;  // per request: pieces inside it
   std::unique_ptr<IoBackend> backend_;
   std::string backend_name_;

@@ -48,7 +48,10 @@ LoadFile = tuple[str, int]
 # A checksummed piece: (file, offset, nbytes, expected xxh3-64). A piece never
 # crosses a read chunk boundary.
 Piece = tuple[int, int, int, int]
-# A byte range that goes to GPU memory: (file, offset, nbytes, device >= 0, address).
+# A byte range of a load that goes to memory the caller owns, not to a whole-file
+# buffer: (file, offset, nbytes, device, address); device >= 0 is a GPU, -1 host
+# memory. Ranges must not overlap; any byte offset is fine. A file whose every
+# byte is placed is never held whole (its buffers() entry is None).
 Placement = tuple[int, int, int, int, int]
 # A mismatch found by a load: (index into the pieces list, actual xxh3-64).
 Mismatch = tuple[int, int]
@@ -161,8 +164,9 @@ class LoadJob:
     def cancel(self) -> None:
         """Stop the load (it then fails with "load cancelled"); a no-op once done."""
     def rethrow(self) -> None: ...
-    def buffers(self) -> list[Buffer]:
-        """One buffer per file, in the order of `files`."""
+    def buffers(self) -> list[Buffer | None]:
+        """Per file, in the order of `files`: its whole-file buffer, or None for a file
+        wholly placed."""
     def mismatches(self) -> list[Mismatch]: ...
     @property
     def elapsed_s(self) -> float: ...
@@ -177,8 +181,10 @@ def start_load(files: Sequence[LoadFile], pieces: Sequence[Piece], backend: str 
                queue_depth: int = ..., chunk_bytes: int = ..., verify_threads: int = ...,
                direct: bool = True, placements: Sequence[Placement] = ...,
                streams: Sequence[Stream] = ...) -> LoadJob:
-    """Read whole files into aligned buffers, verifying pieces as chunks arrive;
-    placements go to GPU memory through pinned bounce buffers. Defaults:
+    """Read files, verifying pieces as chunks arrive. Placed bytes go through bounce
+    buffers (pinned when some go to a GPU): each chunk is verified, then copied out on
+    the job's threads; the rest of a file is read whole into an aligned buffer.
+    Destinations must stay valid until the job is done. Defaults:
     DEFAULTS["read_queue_depth"], ["read_chunk_bytes"], ["verify_threads"]."""
 
 def checksum(b: _BufferLike, /) -> int:

@@ -3,10 +3,10 @@
 ``flashwrite.load`` reads (through ``describe``) a path that is a ``.safetensors`` file, a directory with a
 Hugging Face ``*.safetensors.index.json``, or a directory of ``*.safetensors`` files
 without a flashwrite manifest. The result is the flat ``{name: tensor}`` dict that
-``safetensors.torch.load_file`` returns (merged across shards). Files are read whole
-with large parallel O_DIRECT reads into aligned buffers, and each tensor is copied out
-into its own storage wherever its data sits (safetensors offsets need no alignment);
-tensors bound for a GPU go through the pinned host-to-device pipeline.
+``safetensors.torch.load_file`` returns (merged across shards). Files are read
+with large parallel aligned O_DIRECT reads into bounce buffers, and the native job copies
+each tensor's bytes out into its own storage wherever its data sits (safetensors offsets
+need no alignment); tensors bound for a GPU go through the pinned host-to-device pipeline.
 
 Headers are hostile input: bounded length, valid JSON object, known dtypes, shapes
 that match byte ranges, ranges inside the file and not overlapping, names unique

@@ -7,9 +7,10 @@ path is swapped by an overwrite (or renamed) meanwhile. ``load_state`` is the on
 load behind ``flashwrite.load`` on one rank and many.
 
 CPU tensors come back owning their memory, like ``torch.load``'s: each has a
-storage of exactly its bytes at offset 0, copied out of the page-aligned read
-buffers one stripe at a time, each buffer freed once copied out. With
-``zero_copy=True`` they are views of the read buffers instead (no second copy, but
+storage of exactly its bytes at offset 0, allocated here and filled by the native
+job, which reads through bounce buffers and copies each verified chunk out on its
+own threads while later reads are in flight (no whole-stripe buffer is held). With
+``zero_copy=True`` they are views of whole-stripe read buffers instead (no copy, but
 one tensor keeps its whole stripe's buffer alive). ``into=`` copies into existing tensors. Tensors bound for CUDA devices
 are read into pinned bounce buffers and copied host-to-device by the native
 engine chunk by chunk, each chunk verified first (see ``cuda.py``); other
@@ -108,7 +109,8 @@ class CheckpointDir:
              backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH,
              device_targets: dict[str, torch.Tensor] | None = None, zero_copy: bool = True) -> LoadResult:
         """Read and verify the stripes holding ``keys`` (default: every tensor); return CPU
-        tensors that view the read buffers (zero_copy) or own copies of their bytes.
+        tensors that view whole-stripe read buffers (zero_copy) or own their bytes (filled
+        by the native job out of its bounce buffers).
 
         manifest: what the result carries as its manifest (default ``self.manifest``; a
         view of it such as ``select_rank``'s). device_targets may name, per key, a
@@ -152,6 +154,7 @@ class CheckpointDir:
                     pieces.append((slot[e.file], off, n, int(h, 16)))
                     owners.append(k)
         targets = {k: t for k, t in device_targets.items() if k in wanted}
+        # _core.Placement: (file, offset, nbytes, device, address); device -1 is host memory.
         placements: list[tuple[int, int, int, int, int]] = []
         for k, t in targets.items():
             e = m.tensors[k]
@@ -160,8 +163,22 @@ class CheckpointDir:
             if e.nbytes:
                 placements.append((slot[e.file], e.offset, e.nbytes, t.device.index, t.data_ptr()))
         streams = _cuda.current_streams(p[3] for p in placements) if placements else []
+        # Owned CPU tensors, and each stripe's header (checked against the manifest below),
+        # are placed too: a stripe whose every byte is placed is never held whole.
+        owned: dict[str, torch.Tensor] = {}
+        headers: dict[int, torch.Tensor] = {}
+        if not zero_copy:
+            for k in wanted:
+                if k not in targets:
+                    e = m.tensors[k]
+                    owned[k] = torch.empty(e.nbytes, dtype=torch.uint8)
+                    if e.nbytes:
+                        placements.append((slot[e.file], e.offset, e.nbytes, -1, owned[k].data_ptr()))
+            for fi in file_ids:
+                headers[fi] = torch.empty(m.files[fi].header_bytes, dtype=torch.uint8)
+                placements.append((slot[fi], 0, m.files[fi].header_bytes, -1, headers[fi].data_ptr()))
         t0 = time.perf_counter()
-        # `targets` keeps the destinations alive until the job is done.
+        # `targets`, `owned` and `headers` keep the destinations alive until the job is done.
         job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
                                max(1, min(4, len(os.sched_getaffinity(0)))), direct, placements=placements,
                                streams=streams)
@@ -179,38 +196,31 @@ class CheckpointDir:
                 f"checksum mismatch in {fe.name}, tensor {key!r}, bytes {off - e.offset}..{off - e.offset + n} of "
                 f"the tensor (file offset {off}): expected {expected:016x}, got {actual:016x}{more}",
                 file=fe.name, tensor=key, offset=off, expected=f"{expected:016x}", actual=f"{actual:016x}")
-        buffers = job.buffers()
+        buffers = job.buffers()  # None for a stripe wholly placed
         bases = {}
         for i, fi in enumerate(file_ids):
-            buf = buffers[i]
             fe = m.files[fi]
-            check_stripe_header(memoryview(buf)[: fe.header_bytes], fe,
-                                [e for e in m.tensors.values() if e.file == fi])
-            bases[fi] = torch.frombuffer(buf, dtype=torch.uint8)
+            header = memoryview(headers[fi].numpy()) if fi in headers else memoryview(buffers[i])
+            check_stripe_header(header[: fe.header_bytes], fe, [e for e in m.tensors.values() if e.file == fi])
+            if buffers[i] is not None:
+                bases[fi] = torch.frombuffer(buffers[i], dtype=torch.uint8)
+        backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
+        del job, buffers  # from here the bases own the read buffers
         tensors = {}
         for k, t in targets.items():
             _cuda.mark_written(t)
             tensors[k] = t
-        by_file: dict[int, list[str]] = {}
         for k in wanted:
             if k in targets:
                 continue
             e = m.tensors[k]
-            if e.nbytes == 0:
-                tensors[k] = torch.empty(0, dtype=torch.uint8).view(dtypes.dtype_from_name(e.dtype)).reshape(e.shape)
+            if k in owned:
+                raw = owned[k]
+            elif e.nbytes == 0:
+                raw = torch.empty(0, dtype=torch.uint8)
             else:
-                by_file.setdefault(e.file, []).append(k)
-        backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
-        del job, buffers  # from here the bases own the read buffers
-        for fi, keys_in_file in by_file.items():
-            stripe = bases.pop(fi)
-            for k in keys_in_file:
-                e = m.tensors[k]
-                raw = stripe[e.offset:e.offset + e.nbytes]
-                if not zero_copy:
-                    raw = torch.empty(e.nbytes, dtype=torch.uint8).copy_(raw)
-                tensors[k] = raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
-            del stripe  # copied out: its buffer goes now, not at the end of the load
+                raw = bases[e.file][e.offset:e.offset + e.nbytes]
+            tensors[k] = raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
         return LoadResult(shown_manifest, tensors, time.perf_counter() - t0, backend_used, direct_used)
 
 
@@ -254,7 +264,8 @@ def load_foreign(path: str, *, map_location: Any = "cpu", backend: str = "auto",
                  queue_depth: int = defaults.READ_QUEUE_DEPTH) -> dict[str, torch.Tensor]:
     """The flat {name: tensor} of plain safetensors at ``path`` (see ``foreign``), like
     ``safetensors.torch.load_file``'s merged across shards. No checksums to verify; each
-    tensor is copied out (its data may sit at any offset) or placed on its GPU."""
+    tensor's bytes are copied out by the native job (its data may sit at any offset) or
+    placed on its GPU."""
     directory, names = foreign.locate(path)
     with CheckpointDir(directory, lambda base, shown: foreign.describe(base, shown, names)) as ck:
         m = ck.manifest
