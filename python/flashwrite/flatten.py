@@ -58,6 +58,17 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + reach * size
 
 
+def _row_major(t: torch.Tensor) -> bool:
+    """Contiguous with exactly the strides a new tensor of its shape gets (is_contiguous()
+    ignores the strides of size-1 dims; a stored tensor comes back with the standard ones)."""
+    expect = 1
+    for n, st in zip(reversed(t.shape), reversed(t.stride())):
+        if st != expect:
+            return False
+        expect *= n
+    return True
+
+
 def _check_storable(v: torch.Tensor, where: str) -> None:
     """Clear errors for tensors that hold no plain bytes, each naming the key."""
     if v.is_quantized:
@@ -234,7 +245,7 @@ def _share(tensors: list[FlatTensor], tensor_nodes: list[dict], alias_nodes: lis
         spans = [_byte_span(tensors[i].tensor) for i in members]
         lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
         base_i = next((i for i, (a, b) in zip(members, spans)
-                       if a == lo and b == hi and tensors[i].tensor.is_contiguous()
+                       if a == lo and b == hi and _row_major(tensors[i].tensor)
                        and all((a2 - lo) % tensors[j].tensor.element_size() == 0
                                for j, (a2, _) in zip(members, spans))), None)
         if base_i is not None:
