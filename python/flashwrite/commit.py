@@ -185,6 +185,18 @@ def _boot_time() -> float | None:
     return None
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (fields[0] is the state,
+    fields[19] the start time in clock ticks), or None when no live process has that pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return None if not fields or fields[0] in ("Z", "X") else fields
+
+
 def owner_alive(name: str, path: str) -> bool:
     """Whether the process that created temp dir ``name`` may still be writing it.
 
@@ -195,13 +207,8 @@ def owner_alive(name: str, path: str) -> bool:
     pid = parsed.pid if parsed is not None else None
     if pid is None:
         return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(")") + 2:].split()
-    if not fields or fields[0] in ("Z", "X"):
+    fields = process_stat(pid)
+    if fields is None:
         return False
     btime = _boot_time()
     if btime is None or len(fields) < 20:

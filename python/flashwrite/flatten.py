@@ -24,7 +24,7 @@ import math
 import pickle
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -425,9 +425,8 @@ def unflatten(tree: Any, tensor_for: Callable[[str], torch.Tensor], *, allow_pic
         made.clear()
 
 
-def referenced_keys(tree: Any) -> set[str]:
-    """Stored tensor keys that a (hostile) tree refers to, without building anything."""
-    out: set[str] = set()
+def tensor_nodes(tree: Any) -> Iterator[dict]:
+    """Every tensor and view node of a (hostile) tree that names a key, without building anything."""
     stack = [(tree, 0)]
     while stack:
         n, depth = stack.pop()
@@ -436,14 +435,18 @@ def referenced_keys(tree: Any) -> set[str]:
         if not isinstance(n, dict):
             continue
         if n.get("t") in ("tensor", "view") and isinstance(n.get("k"), str):
-            out.add(n["k"])
+            yield n
         if isinstance(n.get("v"), dict):
             stack.append((n["v"], depth + 1))
         items = n.get("items")
         for it in items if isinstance(items, list) else ():
             for x in it if isinstance(it, list) else (it,):
                 stack.append((x, depth + 1))
-    return out
+
+
+def referenced_keys(tree: Any) -> set[str]:
+    """Stored tensor keys that a (hostile) tree refers to."""
+    return {n["k"] for n in tensor_nodes(tree)}
 
 
 def _numpy() -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .flatten import FlatTensor
+from .flatten import FlatTensor, tensor_nodes
 
 MODEL_PREFIX = "model"   # stripe names of the group the index lists (what from_pretrained reads)
 STATE_PREFIX = "state"   # stripe names of the rest of the state
@@ -42,22 +42,9 @@ def split(state: Any, tree: dict, tensors: list[FlatTensor], aliases: dict[str, 
     for k, canon in list(aliases.items()):
         del aliases[k]
         aliases[rename.get(k, k)] = rename.get(canon, canon)
-    _rename_nodes(tree, rename)
+    for node in tensor_nodes(tree):
+        node["k"] = rename.get(node["k"], node["k"])
     return [ft for ft in tensors if ft.key not in others], [ft for ft in tensors if ft.key in others]
-
-
-def _rename_nodes(tree: dict, rename: dict[str, str]) -> None:
-    stack = [tree]
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, dict):
-            continue
-        if n.get("t") in ("tensor", "view") and n.get("k") in rename:
-            n["k"] = rename[n["k"]]
-        if isinstance(n.get("v"), dict):
-            stack.append(n["v"])
-        for it in n.get("items", ()) if isinstance(n.get("items"), list) else ():
-            stack.extend(it if isinstance(it, list) else (it,))
 
 
 def config_bytes(config: Any) -> bytes:

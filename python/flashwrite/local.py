@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from . import _core, dtypes
+from . import _core, commit, dtypes
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 from .format import Manifest, parse_manifest, piece_ranges
 
@@ -59,15 +59,8 @@ def default_dir() -> str:
 
 def _start_ticks(pid: int) -> int | None:
     """The process's start time (clock ticks since boot), or None when it is not running."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    if len(fields) < 20 or fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
+    fields = commit.process_stat(pid)
+    return int(fields[19]) if fields is not None and len(fields) >= 20 else None
 
 
 def this_owner() -> dict:
