@@ -4,7 +4,6 @@ Each fixture directory was written by the flashwrite of its format version; the
 ``.expected.pt`` beside it is the same state written by ``torch.save`` at that time.
 """
 
-import json
 import shutil
 from pathlib import Path
 
@@ -13,14 +12,15 @@ import torch
 from conftest import assert_same
 
 import flashwrite as fw
+from flashwrite.format import decode_manifest_json
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = sorted(p for p in DATA.iterdir() if p.is_dir())
 
 
 def test_fixtures_exist():
-    versions = {json.loads((p / "flashwrite.json").read_text())["format_version"] for p in FIXTURES}
-    assert {1, 2} <= versions
+    versions = {decode_manifest_json((p / "flashwrite.json").read_text())["format_version"] for p in FIXTURES}
+    assert {1, 2, 3} <= versions
 
 
 @pytest.mark.parametrize("fixture", FIXTURES, ids=lambda p: p.name)

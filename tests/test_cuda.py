@@ -22,6 +22,7 @@ import flashwrite as fw
 from flashwrite import _core, dtypes
 from flashwrite.flatten import flatten
 from flashwrite.plan import plan_files
+from flashwrite.format import decode_manifest_json
 
 # --------------------------------------------------------------------------- helpers
 
@@ -335,7 +336,7 @@ def test_damaged_chunk_never_reaches_the_gpu(gpu, ckdir):
     w = fw.Writer(stripes=1, chunk_bytes=1 << 20)
     w.save({"a": torch.ones(4 << 20, device=gpu)}, ckdir / "ck")  # 16 MiB
     w.close()
-    m = json.loads((ckdir / "ck" / "flashwrite.json").read_text())
+    m = decode_manifest_json((ckdir / "ck" / "flashwrite.json").read_text())
     e = m["tensors"]["a"]
     stripe = ckdir / "ck" / m["files"][e["file"]]["name"]
     at = e["offset"] + (9 << 20) + 123  # inside the second 8 MiB read chunk

@@ -4,7 +4,6 @@ dcp.async_save) and loaded, resharded, by 1 and by 4 (and by 2 again)."""
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
@@ -19,6 +18,7 @@ import flashwrite as fw
 from flashwrite import commit
 from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 from flashwrite.format import FORMAT_VERSION
+from flashwrite.format import decode_manifest_json
 
 from dist_helpers import Cluster
 
@@ -236,7 +236,7 @@ def saved(tmp_path_factory, cluster2):
 def test_checkpoint_is_a_committed_flashwrite_checkpoint(saved, how):
     path = saved / how
     assert [e for e in os.listdir(saved) if commit.is_temp_name(e)] == []
-    manifest = json.loads((path / "flashwrite.json").read_text())
+    manifest = decode_manifest_json((path / "flashwrite.json").read_text())
     assert manifest["format_version"] == FORMAT_VERSION and "dcp" in manifest
     names = [f["name"] for f in manifest["files"]]
     assert any(n.startswith("model-rank00000-") for n in names) and any(n.startswith("model-rank00001-") for n in names)
@@ -290,7 +290,7 @@ def test_replicated_tensors_saved_once_and_objects_inline(saved, how):
     flat = fw.load(path)  # flashwrite's own loader: chunks by key, DCP's byte items as raw bytes
     assert sorted(k for k, v in flat.items() if torch.is_tensor(v)) == ["own0", "own1", "rep"]
     assert all(isinstance(flat[k], bytes) for k in ("obj.epoch", "obj.names"))
-    manifest = json.loads((path / "flashwrite.json").read_text())
+    manifest = decode_manifest_json((path / "flashwrite.json").read_text())
     assert sum(1 for k in manifest["tensors"] if k == "rep") == 1
 
 

@@ -21,6 +21,7 @@ import flashwrite as fw
 from flashwrite import commit
 from flashwrite.distributed import DistributedSaveError
 from flashwrite.format import FORMAT_VERSION
+from flashwrite.format import decode_manifest_json
 
 from conftest import assert_same
 from dist_helpers import Cluster
@@ -110,7 +111,7 @@ def test_parallel_save_and_load_round_trip(n, request, tmp_path):
         assert_same(whole[r], rank_state(r, 1))
     assert fw.verify(path)["files"] == len(os.listdir(path)) - 2
 
-    manifest = json.loads((path / "flashwrite.json").read_text())
+    manifest = decode_manifest_json((path / "flashwrite.json").read_text())
     assert manifest["format_version"] == FORMAT_VERSION
     assert manifest["ranks"]["world_size"] == n
     for r, (first, count) in enumerate(manifest["ranks"]["files"]):

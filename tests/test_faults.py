@@ -25,6 +25,7 @@ from fault_util import Zygote, fill, loop_ext4, make_state, need_root, temp_entr
 
 import flashwrite as fw
 from flashwrite import commit
+from flashwrite.format import decode_manifest_json
 
 # --------------------------------------------------------------------------- kill -9
 
@@ -412,7 +413,7 @@ def damaged(tmp_path):
     path = tmp_path / "ck"
     state = _corruption_state()
     fw.save(state, path, stripes=3, chunk_bytes=1 << 16)
-    manifest = json.loads((path / "flashwrite.json").read_text())
+    manifest = decode_manifest_json((path / "flashwrite.json").read_text())
     return path, state, manifest
 
 

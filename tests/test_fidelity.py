@@ -21,6 +21,7 @@ import flashwrite as fw
 from flashwrite import dtypes
 from flashwrite.errors import CorruptCheckpointError
 from flashwrite.format import MANIFEST_NAME, encode_manifest
+from flashwrite.format import decode_manifest_json
 
 
 def _tensors(x, out=None):
@@ -127,7 +128,7 @@ def test_shared_storage_comes_back_shared_and_is_written_once(writer, ckdir):
     sd = {"full": base, "slice": base[2:4], "t": base.view(6, 8).t(), "exp": base[:1].expand(4, 3),
           "twice": base, "bytes": base.view(torch.uint8)[4:12]}
     writer.save(sd, ckdir / "ck")
-    m = json.loads((ckdir / "ck" / MANIFEST_NAME).read_text())
+    m = decode_manifest_json((ckdir / "ck" / MANIFEST_NAME).read_text())
     assert sum(t["nbytes"] for t in m["tensors"].values()) == base.numel() * 4  # the shared bytes once
     out = fw.load(ckdir / "ck")
     for k, v in sd.items():
@@ -144,7 +145,7 @@ def test_views_without_a_covering_tensor_store_their_span(writer, ckdir):
     big = torch.randn(1000)
     sd = {"a": big[10:20], "b": big[15:40:3]}
     writer.save(sd, ckdir / "ck")
-    m = json.loads((ckdir / "ck" / MANIFEST_NAME).read_text())
+    m = decode_manifest_json((ckdir / "ck" / MANIFEST_NAME).read_text())
     (stored,) = m["tensors"].values()
     assert stored["nbytes"] == (39 - 10 + 1) * 4  # the span the views reach, not the whole storage
     out = fw.load(ckdir / "ck")
@@ -205,7 +206,7 @@ def _with_view_node(ckdir, writer, **edit):
     base = torch.arange(16, dtype=torch.float32)
     writer.save({"full": base, "part": base[4:8]}, ckdir / "ck")
     path = ckdir / "ck" / MANIFEST_NAME
-    m = json.loads(path.read_text())
+    m = decode_manifest_json(path.read_text())
     items = m["tree"]["items"]
     view = items[1][1]
     assert view["t"] == "view"
@@ -310,7 +311,7 @@ def test_property_shared_views_round_trip(writer, ckdir, state):
     assert type(out["leaf"]) is type(state["leaf"]) and out["leaf"] == state["leaf"]
     for k in state:
         assert type(out[k]) is type(state[k])
-    stored = json.loads((path / MANIFEST_NAME).read_text())["tensors"]
+    stored = decode_manifest_json((path / MANIFEST_NAME).read_text())["tensors"]
     distinct = {a.untyped_storage().data_ptr() for a, _ in ne}
     assert len([t for t in stored.values() if t["nbytes"]]) <= len(distinct)
 

@@ -11,6 +11,7 @@ import torch
 import flashwrite as fw
 from flashwrite import dtypes
 from flashwrite.format import FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME, read_manifest
+from flashwrite.format import decode_manifest_json
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -53,7 +54,7 @@ def test_each_stripe_opens_with_safetensors(writer, ckdir):
     sd = _state()
     expected = _saved_by_key(sd)
     writer.save(sd, ckdir / "ck")
-    names = [f["name"] for f in json.loads((ckdir / "ck" / MANIFEST_NAME).read_text())["files"]]
+    names = [f["name"] for f in decode_manifest_json((ckdir / "ck" / MANIFEST_NAME).read_text())["files"]]
     seen = {}
     for name in names:
         for key, t in safetensors_torch.load_file(str(ckdir / "ck" / name)).items():
@@ -102,7 +103,7 @@ def test_index_and_manifest(writer, ckdir):
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in m.tensors.values())
     for key, fname in index["weight_map"].items():
         assert fname == m.files[m.tensors[key].file].name
-    raw = json.loads((ckdir / "ck" / MANIFEST_NAME).read_text())
+    raw = decode_manifest_json((ckdir / "ck" / MANIFEST_NAME).read_text())
     assert raw["format_version"] == FORMAT_VERSION and raw["checksum"]["algorithm"] == "xxh3-64"
     assert raw["writer_version"] == fw.__version__
     assert sorted(os.listdir(ckdir / "ck")) == sorted([MANIFEST_NAME, INDEX_NAME] + [f.name for f in m.files])

@@ -28,6 +28,7 @@ import flashwrite as fw
 from flashwrite import format as fmt
 from flashwrite.errors import CorruptCheckpointError, UnsafeCheckpointError
 from flashwrite.flatten import unflatten
+from flashwrite.format import decode_manifest_json
 
 xxhash = pytest.importorskip("xxhash")
 
@@ -59,7 +60,7 @@ class Ckpt:
         return os.path.join(self.path, name)
 
     def m0(self):
-        return json.loads(self.manifest_bytes)
+        return decode_manifest_json(self.manifest_bytes)
 
     def reset(self):
         for name, data in self.stripes.items():
@@ -417,7 +418,7 @@ _ALLOC_PROBE = textwrap.dedent("""
     from flashwrite import format as fmt
     from flashwrite.errors import CorruptCheckpointError
     base, work = sys.argv[1], sys.argv[2]
-    m0 = json.load(open(os.path.join(base, "flashwrite.json")))
+    m0 = fmt.decode_manifest_json(open(os.path.join(base, "flashwrite.json")).read())
     name = m0["files"][0]["name"]
     def case(label, mutate=None, stripe=None, manifest_size=None):
         shutil.rmtree(work, ignore_errors=True)

@@ -23,6 +23,7 @@ from shim_util import build_shim, preload_env, run_child
 
 import flashwrite as fw
 from flashwrite.format import MANIFEST_NAME
+from flashwrite.format import decode_manifest_json
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -47,7 +48,7 @@ def shims(tmp_path_factory):
 
 def _stripes_match_saved(path, state):
     """The stripes, read by safetensors (no flashwrite, no shim), hold the saved bytes."""
-    m = json.loads((path / MANIFEST_NAME).read_text())
+    m = decode_manifest_json((path / MANIFEST_NAME).read_text())
     got = {}
     for f in m["files"]:
         got.update(safetensors_torch.load_file(str(path / f["name"])))

@@ -17,6 +17,7 @@ from fault_util import make_state, temp_entries
 
 import flashwrite as fw
 from flashwrite import commit
+from flashwrite.format import decode_manifest_json
 
 N = 1 << 14  # small states: these tests are about policy, not bandwidth
 
@@ -143,7 +144,7 @@ def test_commit_log_line(tmp_path, small_writer, caplog):
     assert "step 7 " in msg and "step-00000007" in msg
     # The size is what landed on disk (every stripe), in the unit that keeps 1-3 digits before the point.
     ck = tmp_path / "step-00000007"
-    on_disk = sum(os.path.getsize(ck / f["name"]) for f in json.loads((ck / "flashwrite.json").read_text())["files"])
+    on_disk = sum(os.path.getsize(ck / f["name"]) for f in decode_manifest_json((ck / "flashwrite.json").read_text())["files"])
     assert stats.bytes == on_disk
     unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1)) if on_disk >= s)
     shown = f"{on_disk / scale:.2f} {unit}" if unit != "B" else f"{on_disk} B"

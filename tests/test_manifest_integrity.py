@@ -9,10 +9,12 @@ checkpoints (written before the checksum existed; they must keep loading).
 
 from __future__ import annotations
 
+import base64
 import glob
 import json
 import os
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from conftest import assert_same
 import flashwrite as fw
 from flashwrite import format as fmt
 from flashwrite.errors import CorruptCheckpointError
+from flashwrite.format import decode_manifest_json
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -42,7 +45,7 @@ def saved(tmp_path):
 
 
 def _manifest(path) -> dict:
-    return json.loads((path / fmt.MANIFEST_NAME).read_bytes())
+    return decode_manifest_json((path / fmt.MANIFEST_NAME).read_bytes())
 
 
 def _write(path, m: dict, *, seal: bool) -> None:
@@ -73,7 +76,7 @@ def test_respelled_manifest_still_loads(saved):
     """The checksum covers content, not spelling: re-indented JSON with keys in another
     order is the same manifest."""
     path, state = saved
-    m = _manifest(path)
+    m = json.loads((path / fmt.MANIFEST_NAME).read_bytes())  # as on disk (packed)
     (path / fmt.MANIFEST_NAME).write_text(json.dumps(dict(reversed(list(m.items()))), indent=3, sort_keys=False))
     assert_same(fw.load(path), state)
 
@@ -183,3 +186,91 @@ def test_format_1_fixtures_still_load(fixture):
     twin = fixture + ".expected.pt"
     if os.path.exists(twin):
         assert_same(loaded, torch.load(twin, weights_only=True))
+
+
+# ------------------------------------------------------------------ format 4: the packed table
+
+def _raw(path) -> dict:
+    return json.loads((path / fmt.MANIFEST_NAME).read_bytes())
+
+
+def _write_raw(path, raw: dict) -> None:
+    """Write the on-disk (packed) form, resealed: the packed-table checks must refuse it."""
+    body = {k: v for k, v in raw.items() if k != fmt.SEAL_FIELD}
+    body[fmt.SEAL_FIELD] = {"algorithm": "sha256", "digest": fmt._content_digest(body)}
+    (path / fmt.MANIFEST_NAME).write_text(json.dumps(body))
+
+
+def test_manifest_is_packed_and_tools_read_it(saved):
+    path, state = saved
+    raw = _raw(path)
+    assert raw["format_version"] == fmt.FORMAT_VERSION == 4
+    assert "tensors" not in raw and "tree" not in raw and raw["packed"]["count"] == 6
+    logical = _manifest(path)
+    assert set(logical["tensors"]) == {"w", "w2", "u8", "i32", "b8", "c64"}
+    assert logical["tensors"]["w"]["checksums"] == list(fmt.read_manifest(path).tensors["w"].checksums)
+    # A plain (unpacked) version-4 manifest with a valid seal is the same manifest.
+    _write(path, {k: v for k, v in logical.items() if k != fmt.SEAL_FIELD}, seal=True)
+    assert "packed" in _raw(path)  # encode_manifest packs it again
+    assert_same(fw.load(path), state)
+
+
+def _bomb(raw: dict) -> None:
+    big = json.dumps({"keys": ["x" * 10] * 2_000_000}).encode()  # 26 MB of JSON in a few KB
+    raw["packed"]["data"] = base64.b64encode(zlib.compress(big, 9)).decode()
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda r: r["packed"].update(encoding="gzip"), "encoding must be"),
+    (lambda r: r["packed"].update(data="not base64!"), "does not decode"),
+    (lambda r: r["packed"].update(data=base64.b64encode(b"not zlib").decode()), "does not decode"),
+    (lambda r: r["packed"].update(bytes=r["packed"]["bytes"] - 1), "decodes to"),
+    (lambda r: r["packed"].update(bytes=r["packed"]["bytes"] + 1), "decodes to"),
+    (lambda r: r["packed"].update(bytes=2**40), "bytes must be an integer"),
+    (lambda r: r["packed"].update(count=r["packed"]["count"] + 1), "keys must be a list of count names"),
+    (lambda r: r.update(format_version=3), "has no packed table"),
+    (_bomb, "decodes to"),
+])
+def test_damaged_packed_table_is_refused(saved, edit, needle):
+    path, _ = saved
+    raw = _raw(path)
+    edit(raw)
+    _write_raw(path, raw)
+    _refused(path, needle)
+
+
+def _repack(path, mutate) -> None:
+    """Unpack, change the columns, pack again (resealed)."""
+    raw = _raw(path)
+    body = json.loads(zlib.decompress(base64.b64decode(raw["packed"]["data"])))
+    mutate(body)
+    js = json.dumps(body).encode()
+    raw["packed"].update(bytes=len(js), data=base64.b64encode(zlib.compress(js)).decode(), count=len(body["keys"]))
+    _write_raw(path, raw)
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda b: b["offset"].pop(), "column offset must be a list"),
+    (lambda b: b.update(checksums=b["checksums"][:-1]), "packed checksums"),
+    (lambda b: b.update(checksums=b["checksums"][:-16] + "g" * 16), "packed checksums"),
+    (lambda b: b["keys"].__setitem__(1, b["keys"][0]), "listed twice"),
+    (lambda b: b["shape"].__setitem__(0, [True]), "shape"),
+    (lambda b: b["dtype"].__setitem__(0, 7), "not a dtype name"),
+    (lambda b: b["file"].__setitem__(0, 5), "file must be an integer"),
+    (lambda b: b["offset"].__setitem__(0, b["offset"][1]), "overlap"),
+])
+def test_hostile_packed_columns_are_refused(saved, mutate, needle):
+    path, _ = saved
+    _repack(path, mutate)
+    _refused(path, needle)
+
+
+def test_many_tensors_cost_little_manifest(tmp_path):
+    """Issue 14: manifest + index at most 100 bytes per tensor for 20,000 small tensors."""
+    state = {"layers": {f"l{j}": {f"p{i}": torch.full((256,), float(i + j)) for i in range(8)}
+                        for j in range(2500)}}
+    fw.save(state, tmp_path / "ck")
+    size = sum(os.path.getsize(tmp_path / "ck" / n) for n in (fmt.MANIFEST_NAME, fmt.INDEX_NAME))
+    assert size / 20000 <= 100, size / 20000
+    loaded = fw.load(tmp_path / "ck")
+    assert torch.equal(loaded["layers"]["l2499"]["p7"], state["layers"]["l2499"]["p7"])

@@ -215,7 +215,7 @@ def test_huge_header_length_is_refused_before_allocating(capsys, tmp_path):
 
 def test_damaged_flashwrite_source_does_not_convert(capsys, tmp_path):
     src = save(str(tmp_path / "src"))
-    m = json.loads((tmp_path / "src" / "flashwrite.json").read_text())
+    m = decode_manifest_json((tmp_path / "src" / "flashwrite.json").read_text())
     e = m["tensors"]["model.w"]
     with open(os.path.join(src, m["files"][e["file"]]["name"]), "r+b") as f:
         f.seek(e["offset"] + 5)
@@ -236,6 +236,7 @@ def test_missing_and_unknown_sources(capsys, tmp_path):
 _RSS_CHILD = r"""
 import resource, sys
 from flashwrite.cli import main
+from flashwrite.format import decode_manifest_json
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rc = main(["convert", sys.argv[1], sys.argv[2], "-q"])
 print(rc, base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

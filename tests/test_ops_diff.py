@@ -5,6 +5,8 @@ import torch
 
 from ops_helpers import run, save, state
 
+from flashwrite.format import decode_manifest_json
+
 
 def _diff(capsys, *args):
     rc, out, err = run(capsys, "diff", *args, "--json")
@@ -61,7 +63,7 @@ def test_different_layouts_need_deep(capsys, tmp_path):
 def test_deep_notices_a_flip_the_manifest_hides(capsys, tmp_path):
     a, b = save(str(tmp_path / "a")), save(str(tmp_path / "b"))
     with open(os.path.join(b, "flashwrite.json")) as fh:
-        m = json.load(fh)
+        m = decode_manifest_json(fh.read())
     e = m["tensors"]["model.w"]
     path = os.path.join(b, m["files"][e["file"]]["name"])
     with open(path, "r+b") as f:

@@ -6,6 +6,7 @@ import pytest
 from ops_helpers import run, save
 
 from flashwrite import format as fmt
+from flashwrite.format import decode_manifest_json
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def test_inspect_table_and_filters(capsys, ck):
 def test_inspect_hostile_manifests_fail_cleanly(capsys, ck, edit):
     p = os.path.join(ck, "flashwrite.json")
     with open(p) as fh:
-        m = json.load(fh)
+        m = decode_manifest_json(fh.read())
     edit(m)
     with open(p, "wb") as fh:
         fh.write(fmt.encode_manifest(m))  # sealed: the check each edit aims at must refuse it

@@ -4,6 +4,7 @@ import os
 import pytest
 
 import flashwrite as fw
+from flashwrite.format import decode_manifest_json
 from ops_helpers import run, save, state
 
 
@@ -25,7 +26,7 @@ def test_ls_lists_steps_sizes_and_states(capsys, root):
     rows = json.loads(out)
     assert [(r["step"], r["status"]) for r in rows] == [(10, "complete"), (20, "complete"), (30, "incomplete"),
                                                           (None, "temporary")]
-    m = json.loads((root / "step-00000010" / "flashwrite.json").read_text())
+    m = decode_manifest_json((root / "step-00000010" / "flashwrite.json").read_text())
     assert rows[0]["bytes"] == sum(f["size"] for f in m["files"]) and rows[0]["tensors"] == len(m["tensors"])
     assert rows[0]["created_unix"] == pytest.approx(m["created_unix"])
     rc, out, _ = run(capsys, "ls", root)
@@ -45,7 +46,7 @@ def test_ls_shows_verified_after_verify_and_stale_after_a_change(capsys, root):
     assert run(capsys, "verify", ck, "-q")[0] == 0
     rows = {r["step"]: r for r in json.loads(run(capsys, "ls", root, "--json")[1])}
     assert rows[10]["verified"] == "yes" and rows[20]["verified"] == "no"
-    m = json.loads((ck / "flashwrite.json").read_text())
+    m = decode_manifest_json((ck / "flashwrite.json").read_text())
     m["metadata"]["note"] = "edited"
     (ck / "flashwrite.json").write_text(json.dumps(m))
     rows = {r["step"]: r for r in json.loads(run(capsys, "ls", root, "--json")[1])}

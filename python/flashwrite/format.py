@@ -1,11 +1,17 @@
-"""On-disk format, version 3: the manifest (``flashwrite.json``), the Hugging Face
+"""On-disk format, version 4: the manifest (``flashwrite.json``), the Hugging Face
 style index, and the checks that make a checkpoint safe to open.
 
-Version 3 adds one fact to version 2: the manifest carries a SHA-256 of its own
-content (``manifest_checksum``), so an edited manifest cannot load as a different
-state. Manifests of versions 1 and 2 (no checksum) still load; for every version,
-each tensor's dtype, shape and byte range is cross-checked against its stripe's own
-safetensors header.
+Version 3 added to version 2 a SHA-256 of the manifest's own content
+(``manifest_checksum``), so an edited manifest cannot load as a different state.
+Version 4 stores the per-tensor part of the manifest (the tensor table, the tree and
+the aliases) packed: one ``packed`` field holding, base64-encoded, the zlib-compressed
+JSON of the table as columns (one list per field, every checksum in one hex string).
+A state of 100,000 tensors then costs tens of bytes per tensor on disk instead of
+hundreds, and is parsed and checked column by column. The rest of the manifest stays
+plain JSON, and the seal covers the packed field like any other value.
+
+Manifests of versions 1 to 3 still load; for every version, each tensor's dtype,
+shape and byte range is cross-checked against its stripe's own safetensors header.
 
 Everything read from disk is treated as hostile: names cannot leave the
 checkpoint directory, sizes and offsets are bounds-checked before anything is
@@ -14,9 +20,12 @@ allocated, tensors cannot overlap, and dtype/shape must agree with byte lengths.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import math
+import zlib
 import os
 import re
 import stat
@@ -24,9 +33,11 @@ import struct
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from . import dtypes
+import numpy as np
+
+from . import dtypes, gcpause
 from ._core import CHECKSUM_ALGORITHM
 from .errors import CorruptCheckpointError, FlashwriteError, UnsafeCheckpointError
 from .flatten import referenced_keys
@@ -34,11 +45,16 @@ from .plan import MAX_HEADER_BYTES, PlannedFile
 
 # 2: the tree may hold view, ndarray and npscalar nodes and tensor flags (param, rg).
 # 3: the manifest carries manifest_checksum, a SHA-256 of its own content.
+# 4: tensors, tree and aliases are stored packed (columns, zlib, base64) in "packed".
 # Every version ever written stays readable (fixtures under tests/data/).
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 SEALED_SINCE = 3  # manifests of this version and later must carry manifest_checksum
+PACKED_SINCE = 4  # manifests of this version and later may carry their table packed
 SEAL_FIELD = "manifest_checksum"
+PACKED_FIELD = "packed"
+PACKED_ENCODING = "zlib+json/columns"
+_TABLE_FIELDS = ("file", "offset", "nbytes", "dtype", "shape", "device")
 MANIFEST_NAME = "flashwrite.json"
 INDEX_NAME = "model.safetensors.index.json"
 MAX_MANIFEST_BYTES = 1 << 30
@@ -53,8 +69,8 @@ class FileEntry:
     header_bytes: int
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
+    # A named tuple: a manifest of 100,000 tensors makes 100,000 of these per load.
     key: str
     file: int
     offset: int
@@ -145,10 +161,112 @@ def _content_digest(raw: dict) -> str:
 
 
 def encode_manifest(m: dict) -> bytes:
-    """The bytes of flashwrite.json for manifest ``m``: sealed with its checksum."""
+    """The bytes of flashwrite.json for manifest ``m`` (as ``assemble`` makes it: tensors,
+    tree and aliases plain): from version 4 with those packed, then sealed with its checksum."""
+    with gcpause.paused():
+        return _encode_manifest(m)
+
+
+def _encode_manifest(m: dict) -> bytes:
     sealed = {k: v for k, v in m.items() if k != SEAL_FIELD}
+    version = sealed.get("format_version")
+    if isinstance(version, int) and version >= PACKED_SINCE and "tensors" in sealed:
+        try:
+            packed = pack_table(sealed["tensors"], sealed.get("tree"), sealed.get("aliases", {}))
+        except (TypeError, ValueError):
+            pass  # no table to pack (an editor's or a test's): written plain, for the parser to judge
+        else:
+            for k in ("tensors", "tree", "aliases"):
+                sealed.pop(k, None)
+            sealed[PACKED_FIELD] = packed
     sealed[SEAL_FIELD] = {"algorithm": "sha256", "digest": _content_digest(sealed)}
     return json.dumps(sealed, separators=(",", ":")).encode()
+
+
+def pack_table(tensors: Any, tree: Any, aliases: Any) -> dict:
+    """The ``packed`` field of a version-4 manifest: the tensor table as columns (one
+    list per field, in key order; every checksum in one hex string, each tensor's
+    pieces in turn), with the tree and aliases, as zlib-compressed JSON in base64.
+    Raises TypeError/ValueError for a table that is not one (what parse_manifest reads)."""
+    if not isinstance(tensors, dict) or not all(isinstance(t, dict) for t in tensors.values()):
+        raise TypeError("manifest: tensors must be an object of objects")
+    vals = list(tensors.values())
+    sums = []
+    for t in vals:
+        c = t.get("checksums")
+        if not isinstance(c, list) or not all(isinstance(x, str) and len(x) == 16 for x in c):
+            raise ValueError("manifest: checksums must be lists of 16-digit hex strings")
+        sums += c
+    body = {"keys": list(tensors), **{f: [t.get(f) for t in vals] for f in _TABLE_FIELDS},
+            "checksums": "".join(sums), "aliases": aliases, "tree": tree}
+    js = json.dumps(body, separators=(",", ":")).encode()
+    return {"encoding": PACKED_ENCODING, "count": len(vals), "bytes": len(js),
+            "data": base64.b64encode(zlib.compress(js, 6)).decode("ascii")}
+
+
+def unpack_table(packed: Any) -> dict:
+    """The body of a ``packed`` field (hostile input: sizes are checked before anything
+    is allocated by them, and the decompressed length must be what it says)."""
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"manifest: packed table: {msg}", file=MANIFEST_NAME)
+
+    if not isinstance(packed, dict) or packed.get("encoding") != PACKED_ENCODING:
+        raise bad(f"encoding must be {PACKED_ENCODING!r}")
+    n = packed.get("bytes")
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_MANIFEST_BYTES:
+        raise bad(f"bytes must be an integer in [0, {MAX_MANIFEST_BYTES}]")
+    data = packed.get("data")
+    if not isinstance(data, str):
+        raise bad("data must be a base64 string")
+    try:
+        z = base64.b64decode(data, validate=True)
+        d = zlib.decompressobj()
+        js = d.decompress(z, n + 1)  # at most n + 1 bytes: a bomb stops here
+    except (binascii.Error, ValueError, zlib.error) as e:
+        raise bad(f"data does not decode ({e})"[:200]) from None
+    if len(js) != n or not d.eof or d.unused_data:
+        raise bad(f"data decodes to {len(js)}{'+' if not d.eof else ''} bytes, not the {n} it records")
+    try:
+        body = json.loads(js)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"not valid JSON: {e}"[:200]) from None
+    if not isinstance(body, dict):
+        raise bad("not an object")
+    count = packed.get("count")
+    keys = body.get("keys")
+    if not isinstance(keys, list) or count != len(keys) or isinstance(count, bool):
+        raise bad("keys must be a list of count names")
+    for f in _TABLE_FIELDS:
+        col = body.get(f)
+        if not isinstance(col, list) or len(col) != len(keys):
+            raise bad(f"column {f} must be a list of {len(keys)} values")
+    if not isinstance(body.get("checksums"), str):
+        raise bad("checksums must be one hex string")
+    return body
+
+
+def decode_manifest_json(data: bytes) -> dict:
+    """flashwrite.json as a plain dict with tensors, tree and aliases unpacked (the form
+    ``assemble`` makes; the seal, if any, is kept as it was). For tools and tests."""
+    raw = json.loads(data)
+    if isinstance(raw, dict) and PACKED_FIELD in raw:
+        body = unpack_table(raw.pop(PACKED_FIELD))
+        sums, pos, tensors = body["checksums"], 0, {}
+        block = raw["checksum"]["block_bytes"]
+        for i, k in enumerate(body["keys"]):
+            t = {f: body[f][i] for f in _TABLE_FIELDS}
+            n = _pieces(t["offset"], t["nbytes"], block)
+            t["checksums"] = [sums[pos + 16 * j: pos + 16 * j + 16] for j in range(n)]
+            pos += 16 * n
+            tensors[k] = t
+        raw["tensors"], raw["tree"], raw["aliases"] = tensors, body["tree"], body["aliases"]
+    return raw
+
+
+def _pieces(offset: int, nbytes: int, block: int) -> int:
+    """How many checksummed pieces a tensor has (counted, not listed: a hostile nbytes
+    must not make anyone build a list of 2**50 pieces)."""
+    return (offset + nbytes - 1) // block - offset // block + 1 if nbytes else 0
 
 
 def check_manifest_seal(raw: Any) -> None:
@@ -216,6 +334,11 @@ def read_manifest(path: str | os.PathLike, *, shown: str | None = None) -> Manif
 def parse_manifest(data: bytes, *, sealed: bool = False) -> Manifest:
     """Parse and check a manifest. sealed=True (what every load does) also checks its
     checksum; the writers' own pre-commit check parses the dict before it is sealed."""
+    with gcpause.paused():  # a manifest of 100,000 tensors: see gcpause
+        return _parse_manifest(data, sealed)
+
+
+def _parse_manifest(data: bytes, sealed: bool) -> Manifest:
     try:
         raw = json.loads(data)
     except (ValueError, RecursionError) as e:
@@ -252,73 +375,164 @@ def parse_manifest(data: bytes, *, sealed: bool = False) -> Manifest:
         hb = _int(f.get("header_bytes"), f"{name}.header_bytes", 8, min(size, MAX_HEADER_BYTES + 8))
         files.append(FileEntry(name, size, hb))
 
-    rt = raw.get("tensors")
-    if not isinstance(rt, dict):
-        raise bad("tensors must be an object")
-    tensors: dict[str, TensorEntry] = {}
-    per_file: dict[int, list[tuple[int, int, str]]] = {}
-    for key, t in rt.items():
-        if not isinstance(t, dict):
-            raise bad(f"tensor {key[:80]!r} is not an object")
-        fi = _int(t.get("file"), f"{key}.file", 0, max(0, len(files) - 1))
-        if not files:
-            raise bad("tensors listed but no files")
-        fe = files[fi]
-        nbytes = _int(t.get("nbytes"), f"{key}.nbytes")
-        offset = _int(t.get("offset"), f"{key}.offset", fe.header_bytes)
-        if offset + nbytes > fe.size:
-            raise CorruptCheckpointError(f"tensor {key!r} ends at {offset + nbytes}, past the end of {fe.name} "
-                                         f"({fe.size} bytes)", file=fe.name, tensor=key)
-        try:
-            dt = dtypes.dtype_from_name(t.get("dtype"))
-        except ValueError as e:
-            raise bad(f"tensor {key!r}: {e}") from None
-        shape = t.get("shape")
-        if not isinstance(shape, list) or len(shape) > 64:
-            raise bad(f"tensor {key!r}: shape must be a list of at most 64 dims")
-        shape = tuple(_int(s, f"{key}.shape") for s in shape)
-        if math.prod(shape) * dtypes.itemsize(dt) != nbytes:
-            raise CorruptCheckpointError(f"tensor {key!r}: dtype {t.get('dtype')} and shape {list(shape)} need "
-                                         f"{math.prod(shape) * dtypes.itemsize(dt)} bytes, the manifest says {nbytes}",
-                                         file=fe.name, tensor=key)
-        if nbytes and offset % dtypes.itemsize(dt):  # the writer aligns every tensor; views need it
-            raise CorruptCheckpointError(f"tensor {key!r} at offset {offset} of {fe.name} is not aligned to its "
-                                         f"{dtypes.itemsize(dt)}-byte elements", file=fe.name, tensor=key)
-        device = t.get("device", "cpu")
-        if not isinstance(device, str) or len(device) > 64:
-            raise bad(f"tensor {key!r}: bad device")
-        sums = t.get("checksums")
-        if not isinstance(sums, list) or not all(isinstance(s, str) and _HEX_RE.match(s) for s in sums):
-            raise bad(f"tensor {key!r}: checksums must be 16-digit hex strings")
-        # Counted, not listed: a hostile nbytes must not make us build a list of 2**50 pieces.
-        pieces = (offset + nbytes - 1) // block - offset // block + 1 if nbytes else 0
-        if len(sums) != pieces:
-            raise bad(f"tensor {key!r}: {len(sums)} checksums for {pieces} pieces")
-        tensors[key] = TensorEntry(key, fi, offset, nbytes, t["dtype"], shape, device, tuple(sums))
-        if nbytes:
-            per_file.setdefault(fi, []).append((offset, nbytes, key))
-    for fi, spans in per_file.items():
-        spans.sort()
-        for (o1, n1, k1), (o2, _, k2) in zip(spans, spans[1:]):
-            if o1 + n1 > o2:
-                raise CorruptCheckpointError(f"tensors {k1!r} and {k2!r} overlap in {files[fi].name}",
-                                             file=files[fi].name, tensor=k2)
-    # Stripes are packed: with no overlaps, equal sums mean every data byte belongs to a
-    # tensor, so no unchecked bytes exist and no file is larger (to read) than its tensors.
-    for fi, fe in enumerate(files):
-        covered = sum(n for _, n, _ in per_file.get(fi, ()))
-        if covered != fe.size - fe.header_bytes:
-            raise CorruptCheckpointError(f"{fe.name}: its tensors cover {covered} of {fe.size - fe.header_bytes} "
-                                         "data bytes (stripes hold nothing but tensors)", file=fe.name)
+    if PACKED_FIELD in raw:
+        if version < PACKED_SINCE:
+            raise bad(f"format version {version} has no packed table")
+        body = unpack_table(raw[PACKED_FIELD])
+        keys, cols, sums = body["keys"], body, body["checksums"]
+        tree, aliases = body.get("tree"), body.get("aliases", {})
+    else:
+        rt = raw.get("tensors")
+        if not isinstance(rt, dict):
+            raise bad("tensors must be an object")
+        for key, t in rt.items():
+            if not isinstance(t, dict):
+                raise bad(f"tensor {key[:80]!r} is not an object")
+        keys = list(rt)
+        vals = list(rt.values())
+        cols = {f: [t.get(f) for t in vals] for f in _TABLE_FIELDS}
+        sums = [t.get("checksums") for t in vals]
+        tree, aliases = raw.get("tree"), raw.get("aliases", {})
+    tensors = _check_table(keys, cols, sums, files, block)
 
-    aliases = raw.get("aliases", {})
     if not isinstance(aliases, dict) or not all(isinstance(v, str) and v in tensors for v in aliases.values()):
         raise bad("aliases must map names to stored tensors")
     meta = raw.get("metadata", {})
     if not isinstance(meta, dict):
         raise bad("metadata must be an object")
     wv = raw.get("writer_version", "")
-    return Manifest(files, tensors, aliases, raw.get("tree"), block, wv if isinstance(wv, str) else "", meta, raw)
+    return Manifest(files, tensors, aliases, tree, block, wv if isinstance(wv, str) else "", meta, raw)
+
+
+_INT_LIMIT = 1 << 62
+_HEX_DIGITS = re.compile(r"[0-9a-f]*")
+
+
+def _first(col: list, ok: Any) -> int:
+    """Index of the first value of col for which ok(value) is false."""
+    return next(i for i, v in enumerate(col) if not ok(v))
+
+
+def _is_uint(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= _INT_LIMIT
+
+
+def _check_table(keys: list, cols: dict, sums: Any, files: list[FileEntry], block: int) -> dict[str, TensorEntry]:
+    """Check the tensor table, column by column (one pass per check in C where it can
+    be: a table of 100,000 tensors costs milliseconds), and return its entries. The
+    first failing tensor is named, with the message a check of it alone would give.
+    sums: every tensor's checksum list (plain manifests), or one hex string holding
+    each tensor's pieces in turn (packed ones)."""
+    bad = lambda msg: CorruptCheckpointError(f"manifest: {msg}", file=MANIFEST_NAME)  # noqa: E731
+    n = len(keys)
+    if not all(type(k) is str for k in keys):
+        raise bad(f"tensor name {str(keys[_first(keys, lambda k: type(k) is str)])[:80]!r} is not a string")
+    if len(set(keys)) != n:
+        raise bad("a tensor is listed twice")
+    if n and not files:
+        raise bad("tensors listed but no files")
+    fcol, ocol, ncol = cols["file"], cols["offset"], cols["nbytes"]
+    if not all(type(v) is int and 0 <= v < len(files) for v in fcol):
+        i = _first(fcol, lambda v: type(v) is int and 0 <= v < len(files))
+        _int(fcol[i], f"{keys[i]}.file", 0, max(0, len(files) - 1))
+    for col, what in ((ncol, "nbytes"), (ocol, "offset")):
+        if not all(type(v) is int and 0 <= v <= _INT_LIMIT for v in col):
+            i = _first(col, _is_uint)
+            _int(col[i], f"{keys[i]}.{what}")
+    fi = np.fromiter(fcol, np.int64, n)
+    off = np.fromiter(ocol, np.int64, n)
+    nb = np.fromiter(ncol, np.int64, n)
+    size = np.array([f.size for f in files], np.int64)
+    hb = np.array([f.header_bytes for f in files], np.int64)
+    below = off < hb[fi]
+    if below.any():
+        i = int(np.argmax(below))
+        _int(ocol[i], f"{keys[i]}.offset", files[fcol[i]].header_bytes)
+    past = off + nb > size[fi]  # both <= 2**62: no overflow
+    if past.any():
+        i = int(np.argmax(past))
+        fe = files[fcol[i]]
+        raise CorruptCheckpointError(f"tensor {keys[i]!r} ends at {ocol[i] + ncol[i]}, past the end of {fe.name} "
+                                     f"({fe.size} bytes)", file=fe.name, tensor=keys[i])
+
+    dcol = cols["dtype"]
+    if not all(type(v) is str for v in dcol):
+        i = _first(dcol, lambda v: type(v) is str)
+        raise bad(f"tensor {keys[i]!r}: dtype {str(dcol[i])[:40]!r} is not a dtype name")
+    itemsizes: dict[str, int] = {}
+    for name in set(dcol):
+        try:
+            itemsizes[name] = dtypes.itemsize(dtypes.dtype_from_name(name))
+        except ValueError as e:
+            i = dcol.index(name)
+            raise bad(f"tensor {keys[i]!r}: {e}") from None
+    scol = cols["shape"]
+    if not all(type(s) is list and len(s) <= 64 for s in scol):
+        i = _first(scol, lambda s: type(s) is list and len(s) <= 64)
+        raise bad(f"tensor {keys[i]!r}: shape must be a list of at most 64 dims")
+    if not all(type(d) is int and 0 <= d <= _INT_LIMIT for s in scol for d in s):
+        i = _first(scol, lambda s: all(_is_uint(d) for d in s))
+        for d in scol[i]:
+            _int(d, f"{keys[i]}.shape")
+    isz = [itemsizes[v] for v in dcol]
+    need = [math.prod(s) * z for s, z in zip(scol, isz)]
+    if need != ncol:
+        i = next(i for i, (a, b) in enumerate(zip(need, ncol)) if a != b)
+        raise CorruptCheckpointError(f"tensor {keys[i]!r}: dtype {dcol[i]} and shape {scol[i]} need "
+                                     f"{need[i]} bytes, the manifest says {ncol[i]}",
+                                     file=files[fcol[i]].name, tensor=keys[i])
+    iz = np.fromiter(isz, np.int64, n)
+    unaligned = (nb > 0) & (off % iz != 0)  # the writer aligns every tensor; views need it
+    if unaligned.any():
+        i = int(np.argmax(unaligned))
+        fe = files[fcol[i]]
+        raise CorruptCheckpointError(f"tensor {keys[i]!r} at offset {ocol[i]} of {fe.name} is not aligned to its "
+                                     f"{isz[i]}-byte elements", file=fe.name, tensor=keys[i])
+    vcol = [("cpu" if v is None else v) for v in cols["device"]]
+    if not all(type(v) is str and len(v) <= 64 for v in vcol):
+        i = _first(vcol, lambda v: type(v) is str and len(v) <= 64)
+        raise bad(f"tensor {keys[i]!r}: bad device")
+
+    pieces = np.where(nb > 0, (off + nb - 1) // block - off // block + 1, 0)
+    if isinstance(sums, str):
+        if len(sums) != 16 * int(pieces.sum()) or not _HEX_DIGITS.fullmatch(sums):
+            raise bad(f"packed checksums must be {int(pieces.sum())} 16-digit hex strings, one per piece")
+        ends = (np.cumsum(pieces) * 16).tolist()
+        starts = [0] + ends[:-1]
+        sum_col = [tuple(sums[a + 16 * j: a + 16 * j + 16] for j in range((b - a) // 16)) if b - a != 16
+                   else (sums[a:b],) for a, b in zip(starts, ends)]
+    else:
+        plist = pieces.tolist()
+        for i, c in enumerate(sums):
+            if not isinstance(c, list) or not all(isinstance(h, str) and _HEX_RE.match(h) for h in c):
+                raise bad(f"tensor {keys[i]!r}: checksums must be 16-digit hex strings")
+            if len(c) != plist[i]:
+                raise bad(f"tensor {keys[i]!r}: {len(c)} checksums for {plist[i]} pieces")
+        sum_col = [tuple(c) for c in sums]
+
+    # Overlaps, per file: sorted by (file, offset), each non-empty tensor ends before the next starts.
+    live = np.flatnonzero(nb > 0)
+    order = live[np.lexsort((off[live], fi[live]))]
+    same = fi[order[1:]] == fi[order[:-1]]
+    clash = same & (off[order[:-1]] + nb[order[:-1]] > off[order[1:]])
+    if clash.any():
+        j = int(np.argmax(clash))
+        a, b = int(order[j]), int(order[j + 1])
+        raise CorruptCheckpointError(f"tensors {keys[a]!r} and {keys[b]!r} overlap in {files[fcol[b]].name}",
+                                     file=files[fcol[b]].name, tensor=keys[b])
+    # Stripes are packed: with no overlaps, equal sums mean every data byte belongs to a
+    # tensor, so no unchecked bytes exist and no file is larger (to read) than its tensors.
+    covered = np.zeros(len(files), np.int64)
+    np.add.at(covered, fi, nb)
+    for i, fe in enumerate(files):
+        if int(covered[i]) != fe.size - fe.header_bytes:
+            raise CorruptCheckpointError(f"{fe.name}: its tensors cover {int(covered[i])} of "
+                                         f"{fe.size - fe.header_bytes} data bytes (stripes hold nothing but tensors)",
+                                         file=fe.name)
+    shapes = [tuple(s) for s in scol]
+    return dict(zip(keys, map(TensorEntry, keys, fcol, ocol, ncol, dcol, shapes, vcol, sum_col)))
+
+
 
 
 def combine(parts: list[dict]) -> tuple[list[dict], dict[str, dict], dict[str, str], list[list[int]]]:
@@ -404,6 +618,10 @@ def select_rank(m: Manifest, rank: int, size: int, *, shown: str) -> tuple[Manif
     return dataclasses.replace(m, tree=subtree), keys
 
 
+def _no_float(text: str) -> float:
+    raise ValueError(f"a number with a fraction or exponent ({text[:20]}) in a safetensors header")
+
+
 def check_stripe_header(buf: memoryview, fe: FileEntry, entries: list[TensorEntry]) -> None:
     """The stripe's own safetensors header must describe exactly what the manifest says."""
     def bad(msg: str, tensor: str | None = None) -> CorruptCheckpointError:
@@ -415,12 +633,26 @@ def check_stripe_header(buf: memoryview, fe: FileEntry, entries: list[TensorEntr
     if n + 8 != fe.header_bytes:
         raise bad(f"header length {n} does not match the manifest ({fe.header_bytes - 8})")
     try:
-        header = json.loads(bytes(buf[8:8 + n]))
+        text = bytes(buf[8:8 + n])
+        header = json.loads(text, parse_float=_no_float)
     except (ValueError, RecursionError):
         raise bad("safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
         raise bad("safetensors header is not an object")
     header.pop("__metadata__", None)
+    # The whole header at once (C-speed dict comparison); the check below, one tensor
+    # at a time, runs only to name what differs (or when JSON booleans could pass as 0/1).
+    codes: dict[str, str | None] = {}
+    for e in entries:
+        if e.dtype not in codes:
+            codes[e.dtype] = dtypes.safetensors_code(dtypes.dtype_from_name(e.dtype))
+    expected = {}
+    for e in entries:
+        code, rel = codes[e.dtype], e.offset - fe.header_bytes
+        expected[e.key] = {"dtype": code or "U8", "shape": list(e.shape) if code else [e.nbytes],
+                           "data_offsets": [rel, rel + e.nbytes]}
+    if header == expected and b"true" not in text and b"false" not in text:
+        return
     want = {e.key for e in entries}
     if set(header) != want:
         extra = sorted(set(header) - want)[:3]

@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any
 
-from . import defaults, distributed, foreign
+from . import defaults, distributed, foreign, gcpause
 from .read import LoadResult, load_foreign, load_state, read_tensors
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
@@ -51,6 +51,15 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     """
     options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
                    backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
+    # One pause of the collector for the whole load (one collection after it, not one
+    # per stage): a state of 100,000 tensors is 100,000s of new objects (see gcpause).
+    with gcpause.paused():
+        return _load(path, process_group, options)
+
+
+def _load(path: str | os.PathLike, process_group: Any, options: dict) -> Any:
+    map_location, into, backend, direct, queue_depth = (options[k] for k in ("map_location", "into", "backend",
+                                                                                "direct", "queue_depth"))
     if foreign.is_foreign(os.fspath(path)):
         if into is not None or process_group is not None:
             raise ValueError(f"{os.fspath(path)} is plain safetensors, not a flashwrite checkpoint: load it without "

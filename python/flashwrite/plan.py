@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import re
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -79,49 +80,65 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous()
 
 
+_PLAIN_KEY = re.compile(r"[ !#-\[\]-~]*")  # printable ASCII but '"' and '\\': a JSON string as it is
+
+
+def _json_key(key: str) -> str:
+    return f'"{key}"' if _PLAIN_KEY.fullmatch(key) else json.dumps(key)
+
+
 def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
                metadata: dict[str, str] | None = None) -> list[PlannedFile]:
-    planned = []
-    device_names: dict[torch.device, str] = {}
-    for ft in tensors:
-        src = _contiguous(ft.tensor)
-        dt = src.dtype
+    """Runs once per save of states with 100,000 tensors: attributes are read column by
+    column, each dtype is checked once, and the headers are written as text."""
+    srcs = [_contiguous(ft.tensor) for ft in tensors]
+    dts = [s.dtype for s in srcs]
+    codes = {}
+    for dt in set(dts):
         dtypes.dtype_name(dt)  # raises for dtypes we cannot store
-        dev = src.device
-        name = device_names.get(dev)
-        if name is None:
-            name = device_names[dev] = str(dev)
-        planned.append(PlannedTensor(ft.key, src, dt, list(src.shape), src.nbytes, name))
+        codes[dt] = dtypes.safetensors_code(dt)
+    nbytes = [s.nbytes for s in srcs]
+    devs = ["cpu" if s.is_cpu else str(s.device) for s in srcs]
+    planned = list(map(PlannedTensor, [ft.key for ft in tensors], srcs, dts, [list(s.shape) for s in srcs],
+                       nbytes, devs))
+    del srcs
 
-    n = max(1, min(stripes, sum(1 for p in planned if p.nbytes) or 1))
+    n = max(1, min(stripes, sum(1 for b in nbytes if b) or 1))
     files = [PlannedFile(stripe_name(prefix, i, n)) for i in range(n)]
-    heap = [(0, i) for i in range(n)]
-    for p in sorted(planned, key=lambda p: (-p.nbytes, p.key)):
-        load, i = heapq.heappop(heap)
-        files[i].tensors.append(p)
-        heapq.heappush(heap, (load + p.nbytes, i))
-
-    for f in files:
-        f.tensors.sort(key=lambda p: (-p.dtype.itemsize, p.key))
-        header: dict = {"__metadata__": {"format": "pt", "writer": "flashwrite", **(metadata or {})}}
+    members: list[list[int]] = [[] for _ in range(n)]
+    if n == 1:
+        members[0] = list(range(len(planned)))
+    else:
+        # Largest first to the lightest stripe; equal sizes keep the state's order (a stable sort).
+        heap = [(0, i) for i in range(n)]
+        for j in sorted(range(len(planned)), key=nbytes.__getitem__, reverse=True):
+            load, i = heap[0]
+            members[i].append(j)
+            heapq.heapreplace(heap, (load + nbytes[j], i))
+    meta = json.dumps({"format": "pt", "writer": "flashwrite", **(metadata or {})}, separators=(",", ":"))
+    for fi, (f, idx) in enumerate(zip(files, members)):
+        idx.sort()
+        idx.sort(key=lambda j: dts[j].itemsize, reverse=True)  # largest elements first: all stay aligned
+        parts = ['{"__metadata__":', meta]
         rel = 0
-        code_of = dtypes.safetensors_code
-        for p in f.tensors:
-            code = code_of(p.dtype)
-            header[p.key] = {"dtype": code or "U8", "shape": p.shape if code else [p.nbytes],
-                             "data_offsets": [rel, rel + p.nbytes]}
-            p.offset = rel  # relative for now
-            rel += p.nbytes
-        body = json.dumps(header, separators=(",", ":")).encode()
+        for j in idx:
+            p = planned[j]
+            code, nb = codes[p.dtype], p.nbytes
+            shape = ",".join(map(str, p.shape)) if code else str(nb)
+            parts.append(f',{_json_key(p.key)}:{{"dtype":"{code or "U8"}","shape":[{shape}],'
+                         f'"data_offsets":[{rel},{rel + nb}]}}')
+            p.offset, p.file = rel, fi  # offset relative for now
+            rel += nb
+        parts.append("}")
+        body = "".join(parts).encode()
         padded = -(-(8 + len(body)) // ALIGN) * ALIGN - 8
         if padded > MAX_HEADER_BYTES:
             raise ValueError(f"{f.name}: safetensors header would be {padded} bytes (limit {MAX_HEADER_BYTES}); "
                              "use more stripes")
         f.header = struct.pack("<Q", padded) + body + b" " * (padded - len(body))
+        hb = len(f.header)
+        f.tensors = [planned[j] for j in idx]
         for p in f.tensors:
-            p.offset += len(f.header)
-        f.size = len(f.header) + rel
-    for i, f in enumerate(files):
-        for p in f.tensors:
-            p.file = i
+            p.offset += hb
+        f.size = hb + rel
     return files

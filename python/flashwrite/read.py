@@ -20,6 +20,7 @@ devices get a copy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import stat
 import time
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _core, defaults, dtypes, foreign
+from . import _core, defaults, dtypes, foreign, gcpause
 from . import cuda as _cuda
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from .flatten import FlatTensor, flatten, unflatten
@@ -125,102 +126,110 @@ class CheckpointDir:
 
     def _read(self, shown_manifest: Manifest, keys: set[str] | None, verify: bool, backend: str, direct: bool,
               queue_depth: int, device_targets: dict[str, torch.Tensor], zero_copy: bool) -> LoadResult:
-        m, path, base = self.manifest, self.path, self.base
-        wanted = set(m.tensors) if keys is None else keys
-        file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
-        slot = {fi: i for i, fi in enumerate(file_ids)}
-        specs = []
-        for fi in file_ids:
-            fe = m.files[fi]
-            full = os.path.join(base, fe.name)
-            try:
-                st = os.lstat(full)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
-            if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
-                raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
-            size = st.st_size
-            if size != fe.size:
-                what = "truncated" if size < fe.size else "longer than recorded"
-                raise CorruptCheckpointError(f"stripe {fe.name} is {size} bytes, the manifest says {fe.size} "
-                                             f"({what})", file=fe.name)
-            specs.append((full, fe.size))
-        pieces: list[tuple[int, int, int, int]] = []
-        owners: list[str] = []
-        if verify:
-            for k in wanted:
-                e = m.tensors[k]
-                for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums):
-                    pieces.append((slot[e.file], off, n, int(h, 16)))
-                    owners.append(k)
-        targets = {k: t for k, t in device_targets.items() if k in wanted}
-        # _core.Placement: (file, offset, nbytes, device, address); device -1 is host memory.
-        placements: list[tuple[int, int, int, int, int]] = []
-        for k, t in targets.items():
-            e = m.tensors[k]
-            if t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() != e.nbytes:
-                raise ValueError(f"device target for {k!r} must be a contiguous CUDA tensor of {e.nbytes} bytes")
-            if e.nbytes:
-                placements.append((slot[e.file], e.offset, e.nbytes, t.device.index, t.data_ptr()))
-        streams = _cuda.current_streams(p[3] for p in placements) if placements else []
-        # Owned CPU tensors, and each stripe's header (checked against the manifest below),
-        # are placed too: a stripe whose every byte is placed is never held whole.
-        owned: dict[str, torch.Tensor] = {}
-        headers: dict[int, torch.Tensor] = {}
-        if not zero_copy:
-            for k in wanted:
-                if k not in targets:
-                    e = m.tensors[k]
-                    owned[k] = torch.empty(e.nbytes, dtype=torch.uint8)
-                    if e.nbytes:
-                        placements.append((slot[e.file], e.offset, e.nbytes, -1, owned[k].data_ptr()))
+        with gcpause.paused():  # per-tensor work on both sides of the wait: see gcpause
+            m, path, base = self.manifest, self.path, self.base
+            wanted = set(m.tensors) if keys is None else keys
+            file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
+            slot = {fi: i for i, fi in enumerate(file_ids)}
+            specs = []
             for fi in file_ids:
-                headers[fi] = torch.empty(m.files[fi].header_bytes, dtype=torch.uint8)
-                placements.append((slot[fi], 0, m.files[fi].header_bytes, -1, headers[fi].data_ptr()))
-        t0 = time.perf_counter()
-        # `targets`, `owned` and `headers` keep the destinations alive until the job is done.
-        job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
-                               max(1, min(4, len(os.sched_getaffinity(0)))), direct, placements=placements,
-                               streams=streams)
+                fe = m.files[fi]
+                full = os.path.join(base, fe.name)
+                try:
+                    st = os.lstat(full)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
+                if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
+                    raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
+                size = st.st_size
+                if size != fe.size:
+                    what = "truncated" if size < fe.size else "longer than recorded"
+                    raise CorruptCheckpointError(f"stripe {fe.name} is {size} bytes, the manifest says {fe.size} "
+                                                 f"({what})", file=fe.name)
+                specs.append((full, fe.size))
+            pieces: list[tuple[int, int, int, int]] = []
+            owners: list[str] = []
+            if verify:
+                for k in wanted:
+                    e = m.tensors[k]
+                    if len(e.checksums) == 1:  # most tensors: one piece, the whole tensor
+                        pieces.append((slot[e.file], e.offset, e.nbytes, int(e.checksums[0], 16)))
+                        owners.append(k)
+                        continue
+                    for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums):
+                        pieces.append((slot[e.file], off, n, int(h, 16)))
+                        owners.append(k)
+            targets = {k: t for k, t in device_targets.items() if k in wanted}
+            # _core.Placement: (file, offset, nbytes, device, address); device -1 is host memory.
+            placements: list[tuple[int, int, int, int, int]] = []
+            for k, t in targets.items():
+                e = m.tensors[k]
+                if t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() != e.nbytes:
+                    raise ValueError(f"device target for {k!r} must be a contiguous CUDA tensor of {e.nbytes} bytes")
+                if e.nbytes:
+                    placements.append((slot[e.file], e.offset, e.nbytes, t.device.index, t.data_ptr()))
+            streams = _cuda.current_streams(p[3] for p in placements) if placements else []
+            # Owned CPU tensors, and each stripe's header (checked against the manifest below),
+            # are placed too: a stripe whose every byte is placed is never held whole.
+            owned: dict[str, torch.Tensor] = {}
+            headers: dict[int, torch.Tensor] = {}
+            if not zero_copy:
+                for k in wanted:
+                    if k not in targets:
+                        e = m.tensors[k]
+                        t = owned[k] = _host_empty(e)
+                        if e.nbytes:
+                            placements.append((slot[e.file], e.offset, e.nbytes, -1, t.data_ptr()))
+                for fi in file_ids:
+                    headers[fi] = torch.empty(m.files[fi].header_bytes, dtype=torch.uint8)
+                    placements.append((slot[fi], 0, m.files[fi].header_bytes, -1, headers[fi].data_ptr()))
+            t0 = time.perf_counter()
+            # `targets`, `owned` and `headers` keep the destinations alive until the job is done.
+            job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
+                                   max(1, min(4, len(os.sched_getaffinity(0)))), direct, placements=placements,
+                                   streams=streams)
         job.wait()
-        job.rethrow()
-        bad = job.mismatches()
-        if bad:
-            pi, actual = bad[0]
-            fi, off, n, expected = pieces[pi]
-            key = owners[pi]
-            fe = m.files[file_ids[fi]]
-            e = m.tensors[key]
-            more = f" ({len(bad) - 1} more damaged pieces)" if len(bad) > 1 else ""
-            raise ChecksumMismatchError(
-                f"checksum mismatch in {fe.name}, tensor {key!r}, bytes {off - e.offset}..{off - e.offset + n} of "
-                f"the tensor (file offset {off}): expected {expected:016x}, got {actual:016x}{more}",
-                file=fe.name, tensor=key, offset=off, expected=f"{expected:016x}", actual=f"{actual:016x}")
-        buffers = job.buffers()  # None for a stripe wholly placed
-        bases = {}
-        for i, fi in enumerate(file_ids):
-            fe = m.files[fi]
-            header = memoryview(headers[fi].numpy()) if fi in headers else memoryview(buffers[i])
-            check_stripe_header(header[: fe.header_bytes], fe, [e for e in m.tensors.values() if e.file == fi])
-            if buffers[i] is not None:
-                bases[fi] = torch.frombuffer(buffers[i], dtype=torch.uint8)
-        backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
-        del job, buffers  # from here the bases own the read buffers
-        tensors = {}
-        for k, t in targets.items():
-            _cuda.mark_written(t)
-            tensors[k] = t
-        for k in wanted:
-            if k in targets:
-                continue
-            e = m.tensors[k]
-            if k in owned:
-                raw = owned[k]
-            elif e.nbytes == 0:
-                raw = torch.empty(0, dtype=torch.uint8)
-            else:
-                raw = bases[e.file][e.offset:e.offset + e.nbytes]
-            tensors[k] = raw.view(dtypes.dtype_from_name(e.dtype)).view(e.shape)
+        with gcpause.paused():
+            job.rethrow()
+            bad = job.mismatches()
+            if bad:
+                pi, actual = bad[0]
+                fi, off, n, expected = pieces[pi]
+                key = owners[pi]
+                fe = m.files[file_ids[fi]]
+                e = m.tensors[key]
+                more = f" ({len(bad) - 1} more damaged pieces)" if len(bad) > 1 else ""
+                raise ChecksumMismatchError(
+                    f"checksum mismatch in {fe.name}, tensor {key!r}, bytes {off - e.offset}..{off - e.offset + n} of "
+                    f"the tensor (file offset {off}): expected {expected:016x}, got {actual:016x}{more}",
+                    file=fe.name, tensor=key, offset=off, expected=f"{expected:016x}", actual=f"{actual:016x}")
+            buffers = job.buffers()  # None for a stripe wholly placed
+            bases = {}
+            by_file: dict[int, list[TensorEntry]] = {fi: [] for fi in file_ids}
+            for e in m.tensors.values():
+                if e.file in by_file:
+                    by_file[e.file].append(e)
+            for i, fi in enumerate(file_ids):
+                fe = m.files[fi]
+                header = memoryview(headers[fi].numpy()) if fi in headers else memoryview(buffers[i])
+                check_stripe_header(header[: fe.header_bytes], fe, by_file[fi])
+                if buffers[i] is not None:
+                    bases[fi] = torch.frombuffer(buffers[i], dtype=torch.uint8)
+            backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
+            del job, buffers  # from here the bases own the read buffers
+            tensors = {}
+            for k, t in targets.items():
+                _cuda.mark_written(t)
+                tensors[k] = t
+            for k in wanted:
+                if k in targets:
+                    continue
+                t = owned.get(k)
+                if t is None:
+                    e = m.tensors[k]
+                    raw = bases[e.file][e.offset:e.offset + e.nbytes] if e.nbytes else torch.empty(0, dtype=torch.uint8)
+                    t = raw.view(_dtype(e.dtype)).view(e.shape)
+                tensors[k] = t
         return LoadResult(shown_manifest, tensors, time.perf_counter() - t0, backend_used, direct_used)
 
 
@@ -257,7 +266,8 @@ def load_state(path: str | os.PathLike, *, rank: tuple[int, int] | None = None, 
                       device_targets=targets, zero_copy=zero_copy or into is not None)
     if into_flat is not None:
         return _load_into(res, into, into_flat, wrap, strict, allow_pickle)
-    return unflatten(m.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
+    with gcpause.paused():
+        return unflatten(m.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
 
 
 def load_foreign(path: str, *, map_location: Any = "cpu", backend: str = "auto", direct: bool = True,
@@ -279,18 +289,38 @@ def tensor_placer(res: LoadResult, map_location: Any = "cpu") -> Callable[[str],
     """The tree's tensor lookup: each stored tensor on the device map_location picks for
     it (moved once, so tied weights stay one tensor); unknown keys are corruption."""
     placed: dict[str, torch.Tensor] = {}
+    devices: dict[str, torch.device] = {}  # stored device name -> where it goes
 
     def tensor_for(key: str) -> torch.Tensor:
-        if key not in res.tensors:
+        t = placed.get(key)
+        if t is not None:
+            return t
+        t = res.tensors.get(key)
+        if t is None:
             raise CorruptCheckpointError(f"manifest tree refers to unknown tensor {key!r}", file="flashwrite.json",
                                          tensor=key)
-        if key not in placed:
-            t = res.tensors[key]
-            dev = _device_for(res.manifest.tensors[key].device, map_location)
-            placed[key] = t if dev.type == "cpu" else t.to(dev)
-        return placed[key]
+        stored = res.manifest.tensors[key].device
+        dev = devices.get(stored)
+        if dev is None:
+            dev = devices[stored] = _device_for(stored, map_location)
+        placed[key] = t = t if dev.type == "cpu" else t.to(dev)
+        return t
 
     return tensor_for
+
+
+_dtype = functools.lru_cache(maxsize=None)(dtypes.dtype_from_name)  # per tensor of 100,000: no lookup twice
+_TYPED_EMPTY = frozenset(dt for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                       torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+                                       torch.complex128))
+
+
+def _host_empty(e: TensorEntry) -> torch.Tensor:
+    """A new CPU tensor owning exactly the bytes of stored entry ``e`` (offset 0)."""
+    dt = _dtype(e.dtype)
+    if dt in _TYPED_EMPTY:
+        return torch.empty(e.shape, dtype=dt)
+    return torch.empty(e.nbytes, dtype=torch.uint8).view(dt).view(e.shape)
 
 
 def _device_empty(e: TensorEntry, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _core, hf
+from . import _core, gcpause, hf
 from . import cuda as _cuda
 from .flatten import flatten
 from .format import build_manifest
@@ -41,17 +41,18 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses).
     hf_model: the key of a model state dict whose tensors get stripes of their own,
     under their own names, for Hugging Face's index (see ``hf.py``)."""
-    tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle, share_storage=True)
-    hf_section = None
-    if hf_model is None:
-        files = plan_files(tensors, stripes, prefix=prefix, metadata=metadata)
-    else:
-        model, rest = hf.split(state_dict, tree, tensors, aliases, hf_model)
-        files = plan_files(model, stripes, prefix=hf.MODEL_PREFIX, metadata=metadata)
-        hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
-        if rest:
-            files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
-    keepalive, segments, streams = _stage_sources(files)
+    with gcpause.paused():  # per-tensor work: see gcpause
+        tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle, share_storage=True)
+        hf_section = None
+        if hf_model is None:
+            files = plan_files(tensors, stripes, prefix=prefix, metadata=metadata)
+        else:
+            model, rest = hf.split(state_dict, tree, tensors, aliases, hf_model)
+            files = plan_files(model, stripes, prefix=hf.MODEL_PREFIX, metadata=metadata)
+            hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
+            if rest:
+                files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
+        keepalive, segments, streams = _stage_sources(files)
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in files], segments,
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
                             hold_slots=hold_slots)
@@ -78,6 +79,12 @@ def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int,
         for p in f.tensors:
             src = p.source
             dev = -1
+            if src.is_cpu:  # the common case first: per tensor of 100,000
+                keepalive.append(src)
+                p.source = None
+                if p.nbytes:
+                    segments.append((src.data_ptr(), p.nbytes, fi, p.offset, -1))
+                continue
             if _cuda.uses_native(src):
                 dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
                 devices.add(dev)
@@ -123,10 +130,11 @@ class StripeWrite:
 
     def manifest(self) -> dict:
         """This write's manifest; valid once the job is checksummed (every byte staged)."""
-        sums = iter(self.job.checksums())  # one list per non-empty tensor, in plan order
-        by_key = {p.key: (next(sums) if p.nbytes else []) for f in self.files for p in f.tensors}
-        return build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
-                              _core.__version__, self.metadata, hf=self.hf_section)
+        with gcpause.paused():
+            sums = iter(self.job.checksums())  # one list per non-empty tensor, in plan order
+            by_key = {p.key: (next(sums) if p.nbytes else []) for f in self.files for p in f.tensors}
+            return build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
+                                  _core.__version__, self.metadata, hf=self.hf_section)
 
     def stop(self) -> None:
         """Cancel the writes still running and wait for the job to end."""

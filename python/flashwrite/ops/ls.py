@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .. import _core, commit
-from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD
 
 VERIFIED_NAME = ".flashwrite-verified.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -118,7 +118,12 @@ def describe(path: str, name: str | None = None) -> Entry | None:
         e.bytes = sum(int(f["size"]) for f in files) if isinstance(files, list) else None
     except (TypeError, KeyError, ValueError):
         e.status, e.problem = "damaged", "manifest: bad file sizes"
-    e.tensors = len(tensors) if isinstance(tensors, dict) else None
+    packed = raw.get(PACKED_FIELD)
+    if isinstance(packed, dict):  # format 4: the table is packed, its size recorded beside it
+        count = packed.get("count")
+        e.tensors = count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
+    else:
+        e.tensors = len(tensors) if isinstance(tensors, dict) else None
     if e.tensors is None:
         e.status, e.problem = "damaged", "manifest: tensors must be an object"
     e.created_unix = _num(raw.get("created_unix"))
