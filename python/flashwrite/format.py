@@ -128,13 +128,14 @@ def build_manifest(files: list[PlannedFile], checksums: dict[str, list[int]], al
                    block_bytes: int, writer_version: str, metadata: dict[str, str] | None = None,
                    rank_info: dict | None = None, hf: dict | None = None) -> dict:
     tensors = {}
+    names = {}  # dtype -> name, looked up once per dtype: this runs per tensor of 100,000
     for i, f in enumerate(files):
         for p in f.tensors:
-            tensors[p.key] = {
-                "file": i, "offset": p.offset, "nbytes": p.nbytes, "dtype": dtypes.dtype_name(p.dtype),
-                "shape": p.shape, "device": p.device,
-                "checksums": [f"{h:016x}" for h in checksums[p.key]],
-            }
+            name = names.get(p.dtype)
+            if name is None:
+                name = names[p.dtype] = dtypes.dtype_name(p.dtype)
+            tensors[p.key] = {"file": i, "offset": p.offset, "nbytes": p.nbytes, "dtype": name, "shape": p.shape,
+                              "device": p.device, "checksums": ["%016x" % h for h in checksums[p.key]]}
     return assemble([{"name": f.name, "size": f.size, "header_bytes": len(f.header)} for f in files], tensors,
                     aliases, tree, block_bytes, writer_version, metadata, ranks=rank_info or None, hf=hf)
 
@@ -201,7 +202,7 @@ def pack_table(tensors: Any, tree: Any, aliases: Any) -> dict:
             "checksums": "".join(sums), "aliases": aliases, "tree": tree}
     js = json.dumps(body, separators=(",", ":")).encode()
     return {"encoding": PACKED_ENCODING, "count": len(vals), "bytes": len(js),
-            "data": base64.b64encode(zlib.compress(js, 6)).decode("ascii")}
+            "data": base64.b64encode(zlib.compress(js, 1)).decode("ascii")}  # 1: 3x faster than 6, 3% larger
 
 
 def unpack_table(packed: Any) -> dict:
