@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flashwrite as fw
+from flashwrite.format import decode_manifest_json
 from ops_helpers import run, save
 
 st = pytest.importorskip("safetensors.torch")
@@ -236,7 +237,6 @@ def test_missing_and_unknown_sources(capsys, tmp_path):
 _RSS_CHILD = r"""
 import resource, sys
 from flashwrite.cli import main
-from flashwrite.format import decode_manifest_json
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rc = main(["convert", sys.argv[1], sys.argv[2], "-q"])
 print(rc, base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

@@ -87,8 +87,8 @@ def _check_storable(v: torch.Tensor, where: str) -> None:
                         "(only torch.Tensor and nn.Parameter); store a plain tensor, e.g. t.as_subclass(torch.Tensor)")
 
 
-def flatten(state: Any, *, allow_pickle: bool = False,
-            share_storage: bool = False) -> tuple[dict, list[FlatTensor], dict[str, str]]:
+def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = False,
+            check_storable: bool = True) -> tuple[dict, list[FlatTensor], dict[str, str]]:
     """Returns (tree, unique tensors, aliases {key: canonical key}).
 
     share_storage: tensors that view one storage are stored once as the span they
@@ -98,6 +98,10 @@ def flatten(state: Any, *, allow_pickle: bool = False,
     Runs once per tensor of states with 100,000 of them: the per-tensor path reads
     only cheap attributes, and the exact alias identity is computed only for tensors
     whose data pointer was seen before.
+
+    check_storable=False skips the per-tensor checks for tensors that hold no plain
+    bytes (quantized, meta, nested, sparse): for a caller that fails on them anyway
+    later (the save path) and then calls ``diagnose`` for the message that names the key.
     """
     tensors: list[FlatTensor] = []
     tensor_nodes: list[dict] = []  # the node of each stored tensor, by index
@@ -107,7 +111,7 @@ def flatten(state: Any, *, allow_pickle: bool = False,
     exact: dict[tuple, str] = {}  # alias identity -> key, for tensors whose pointer collided
     identified: set[int] = set()
     used: set[str] = set()
-    groups: dict[Any, list[int]] = {}  # storage address (with the device if not CPU) -> indices into tensors
+    groups: dict[Any, int | list[int]] = {}  # storage address (with the device if not CPU) -> indices into tensors
     np = sys.modules.get("numpy")  # no numpy imported: no numpy values can be in the state
     plain_types = (torch.Tensor, torch.nn.Parameter)
 
@@ -157,7 +161,8 @@ def flatten(state: Any, *, allow_pickle: bool = False,
         return leaf(k, where)
 
     def tensor_node(v: torch.Tensor, prefix: str | None) -> dict:
-        if type(v) not in plain_types or v.is_quantized or v.layout != torch.strided or v.is_meta or v.is_nested:
+        if type(v) not in plain_types or (check_storable and (v.is_quantized or v.layout != torch.strided
+                                                              or v.is_meta or v.is_nested)):
             _check_storable(v, prefix or "<root>")
         node: dict = {"t": "tensor"}
         if type(v) is torch.nn.Parameter:
@@ -183,12 +188,14 @@ def flatten(state: Any, *, allow_pickle: bool = False,
                 identified.add(len(tensors))
             else:
                 first_at[ptr] = len(tensors)
-            if share_storage and not v.is_conj() and not v.is_neg():
+            if share_storage:
                 base = ptr - v.storage_offset() * v.element_size()
                 gk = base if v.is_cpu else (v.device, base)  # is_cpu: a third of .device's cost
                 g = groups.get(gk)
                 if g is None:
-                    groups[gk] = [len(tensors)]
+                    groups[gk] = len(tensors)  # a list only once a second tensor shares it
+                elif type(g) is int:
+                    groups[gk] = [g, len(tensors)]
                 else:
                     g.append(len(tensors))
         tensors.append(FlatTensor(key, v))
@@ -225,13 +232,19 @@ def flatten(state: Any, *, allow_pickle: bool = False,
     tree = walk(state, None, 0)
     # They reach themselves through their closures: break the cycle so the caller's tensors go with the caller.
     walk = tensor_node = None  # type: ignore[assignment]  # noqa: F841
-    if any(len(g) > 1 for g in groups.values()):
+    if any(type(g) is list for g in groups.values()):
         tensors = _share(tensors, tensor_nodes, alias_nodes, aliases, groups, unique_key)
     return tree, tensors, aliases
 
 
+def diagnose(state: Any) -> None:
+    """Raise the clear error for the first tensor of ``state`` that cannot be stored
+    (quantized, meta, nested, sparse, a subclass), naming its key; return if none is."""
+    flatten(state, allow_pickle=True, check_storable=True)
+
+
 def _share(tensors: list[FlatTensor], tensor_nodes: list[dict], alias_nodes: list[tuple[str, dict]],
-           aliases: dict[str, str], groups: dict[tuple, list[int]],
+           aliases: dict[str, str], groups: dict[Any, int | list[int]],
            unique_key: Callable[[str | None], str]) -> list[FlatTensor]:
     """Store each storage that several tensors view once: as the member that covers
     the whole span when there is one, else as the span itself; the rest become views."""
@@ -241,6 +254,10 @@ def _share(tensors: list[FlatTensor], tensor_nodes: list[dict], alias_nodes: lis
     for canon, node in alias_nodes:
         aliased.setdefault(canon, []).append(node)
     for members in groups.values():
+        if type(members) is int:
+            continue
+        # Conjugate and negative views are stored resolved, on their own.
+        members = [i for i in members if not tensors[i].tensor.is_conj() and not tensors[i].tensor.is_neg()]
         if len(members) < 2:
             continue
         spans = [_byte_span(tensors[i].tensor) for i in members]

@@ -18,7 +18,7 @@ import torch
 
 from . import _core, gcpause, hf
 from . import cuda as _cuda
-from .flatten import flatten
+from .flatten import diagnose, flatten
 from .format import build_manifest
 from .future import SaveStats
 from .plan import PlannedFile, plan_files
@@ -42,17 +42,24 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     hf_model: the key of a model state dict whose tensors get stripes of their own,
     under their own names, for Hugging Face's index (see ``hf.py``)."""
     with gcpause.paused():  # per-tensor work: see gcpause
-        tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle, share_storage=True)
-        hf_section = None
-        if hf_model is None:
-            files = plan_files(tensors, stripes, prefix=prefix, metadata=metadata)
-        else:
-            model, rest = hf.split(state_dict, tree, tensors, aliases, hf_model)
-            files = plan_files(model, stripes, prefix=hf.MODEL_PREFIX, metadata=metadata)
-            hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
-            if rest:
-                files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
-        keepalive, segments, streams = _stage_sources(files)
+        try:
+            # Unchecked: a tensor with no plain bytes fails below (no data pointer, no
+            # shape, a dtype we cannot name, a copy out of meta), and is named then.
+            tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle, share_storage=True,
+                                             check_storable=False)
+            hf_section = None
+            if hf_model is None:
+                files = plan_files(tensors, stripes, prefix=prefix, metadata=metadata)
+            else:
+                model, rest = hf.split(state_dict, tree, tensors, aliases, hf_model)
+                files = plan_files(model, stripes, prefix=hf.MODEL_PREFIX, metadata=metadata)
+                hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
+                if rest:
+                    files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
+            keepalive, segments, streams = _stage_sources(files)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            diagnose(state_dict)  # the clear error naming the key, if that is what failed
+            raise
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in files], segments,
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
                             hold_slots=hold_slots)
@@ -88,6 +95,8 @@ def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int,
             if _cuda.uses_native(src):
                 dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
                 devices.add(dev)
+            elif src.is_meta:  # no bytes to copy (flatten.diagnose names the key)
+                raise TypeError(f"{p.key}: a meta tensor has no data to store")
             elif src.device.type != "cpu":
                 # No native path to this device: PyTorch copies it to host memory
                 # (synchronously, so the snapshot is exact).
