@@ -489,6 +489,9 @@ class CheckpointManager:
     def _write_back(self, step: int, res: LoadResult) -> None:
         """Save a step that only a local snapshot holds to root; returns once staged
         (the caller may then change what it was given), commits in the background."""
+        p = self._inflight
+        if p is not None and p.step == step and not p.done.is_set():
+            return  # this manager's own save of it is being committed
         state = self._state_of(res, None, {})
         log.warning("step %d was never committed to %s: writing it from its local snapshot", step, self.root)
         self._start(step, state, overwrite=False, policy="wait")
