@@ -332,6 +332,7 @@ def test_zero_copy_restore_adopts_a_dead_writers_pool_copy_on_write(tmp_path):
         p.communicate()
         m = CheckpointManager(root, local_snapshots=True, local_dir=shm)
         snap = m.local_snapshots()[2][0]
+        keep = os.open(snap.pool, os.O_RDONLY)  # the write-back may remove the file at any moment
         step, state = m.restore(zero_copy=True)
         assert step == 2
         assert_same(state, make_state(2, n))
@@ -340,7 +341,9 @@ def test_zero_copy_restore_adopts_a_dead_writers_pool_copy_on_write(tmp_path):
         assert snap.pool in (_mapped_from(w) or "")  # the snapshot's own pages
         assert snap.pool not in (_mapped_from(state["model"]["h"]) or "")
         w.add_(1)  # copy-on-write: the snapshot keeps its bytes
-        local.read_snapshot(snap)
+        import dataclasses
+        local.read_snapshot(dataclasses.replace(snap, pool=f"/proc/self/fd/{keep}"))
+        os.close(keep)
         m.wait()  # written back from memory; then the snapshot is removed, its pages stay with w
         assert not os.path.exists(snap.header)
         assert_same(fw.load(root / "step-00000002"), make_state(2, n))
