@@ -1,12 +1,14 @@
 """The node-local tier (issue 15), in one run:
 
 1. first and later saves, with and without ``Writer.reserve`` ahead of the first;
-2. restore of the same state from local memory (a snapshot in /dev/shm, by a new
-   ``CheckpointManager``), against ``flashwrite.load`` from storage with a cold
-   page cache and ``torch.load`` (cold too);
+2. restore of the same state from local memory (a snapshot in /dev/shm left by a
+   process that exited, restored by a new ``CheckpointManager``): owned tensors
+   (the default), ``zero_copy=True`` (the snapshot's pages adopted copy-on-write)
+   and ``into=`` existing tensors, against ``flashwrite.load`` from storage with a
+   cold page cache (owned, and into existing tensors) and ``torch.load`` (cold too);
 3. the memory local snapshots cost: the shared-memory file against the private pool.
 
-    python benchmarks/tiers.py --gib 1 4 --dir /work/tiers-bench [--json out.json]
+    python benchmarks/tiers.py --gib 1 4 --rounds 3 2 --dir /work/tiers-bench [--json out.json]
 
 Cold means the page cache is dropped before each storage load (root).
 """
@@ -18,6 +20,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -58,65 +62,90 @@ def first_and_later(state: dict, d: str, reserve: bool, rounds: int) -> dict:
         w.close()
 
 
-def restores(state: dict, d: str, rounds: int) -> dict:
+def _stage_in_child(gib: float, root: str, shm: str) -> None:
+    """A process that saves step 1 with a local snapshot, keeps it, and exits: the restore
+    below is a restart's (the snapshot's owner is dead, its pool free)."""
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import tiers, flashwrite as fw\n"
+            f"with fw.CheckpointManager({root!r}, local_snapshots=True, local_dir={shm!r}, keep_local=True) as m:\n"
+            f"    m.save(1, tiers.make_state({gib!r}))\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def restores(gib: float, state: dict, d: str, rounds: int, settle_s: float) -> dict:
     shm = os.path.join("/dev/shm", f"fw-tiers-bench-{os.getpid()}")
     root = os.path.join(d, "ck")
-    out: dict = {"local_s": [], "local_into_s": [], "flashwrite_cold_s": [], "flashwrite_cold_into_s": [],
-                 "torch_cold_s": []}
+    out: dict = {k: [] for k in ("local_s", "local_zero_copy_s", "local_into_s", "flashwrite_cold_s",
+                                 "flashwrite_cold_into_s", "torch_cold_s")}
     dest = {"model": {k: torch.empty_like(v).fill_(0) for k, v in state["model"].items()}, "step": 0}
+    tpath = os.path.join(d, "state.pt")
     try:
-        with fw.CheckpointManager(root, local_snapshots=True, local_dir=shm, keep_local=True) as m:
-            m.save(1, state)
-        pool = sum(os.path.getsize(os.path.join(shm, f)) for f in os.listdir(shm) if f.endswith(".pool"))
-        tpath = os.path.join(d, "state.pt")
         torch.save(state, tpath)
+        _stage_in_child(gib, root, shm)
+        pool = sum(os.path.getsize(os.path.join(shm, f)) for f in os.listdir(shm) if f.endswith(".pool"))
+
+        def one(key: str, fn, cold: bool = False) -> None:
+            # Freed memory goes back to the hypervisor after a moment (free page reporting):
+            # every contender starts from memory that is not backed yet, as after a restart.
+            time.sleep(settle_s)
+            if cold:
+                drop_caches()
+            t0 = time.perf_counter()
+            got = fn()
+            out[key].append(time.perf_counter() - t0)
+            del got
+
         for _ in range(rounds):
             m2 = fw.CheckpointManager(root, local_snapshots=True, local_dir=shm, cleanup=False)
-            t = timed(lambda: m2.restore())
-            out["local_s"].append(t)
-            out["local_into_s"].append(timed(lambda: m2.restore(into=dest)))
-            m2._writer.close(keep_local=True)  # nothing of its own; the dead-owner rule is not in play
-            drop_caches()
-            out["flashwrite_cold_s"].append(timed(lambda: fw.load(m2.path_for(1))))
-            drop_caches()
-            out["flashwrite_cold_into_s"].append(timed(lambda: fw.load(m2.path_for(1), into=dest)))
-            drop_caches()
-            out["torch_cold_s"].append(timed(lambda: torch.load(tpath, weights_only=True)))
+            one("local_s", lambda: m2.restore())
+            one("local_zero_copy_s", lambda: m2.restore(zero_copy=True))
+            one("local_into_s", lambda: m2.restore(into=dest))
+            m2._writer.close(keep_local=True)  # it saved nothing; the snapshot stays for the next round
+            one("flashwrite_cold_s", lambda: fw.load(m2.path_for(1)), cold=True)
+            one("flashwrite_cold_into_s", lambda: fw.load(m2.path_for(1), into=dest), cold=True)
+            one("torch_cold_s", lambda: torch.load(tpath, weights_only=True), cold=True)
         res = {k: statistics.median(v) for k, v in out.items()}
+        res["runs"] = out
         res["shm_pool_bytes"] = pool
         return res
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
+        if os.path.exists(tpath):
+            os.unlink(tpath)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, nargs="+", default=[1.0])
     ap.add_argument("--dir", default="/work/tiers-bench")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, nargs="+", default=[3],
+                    help="rounds per size, in the order of --gib (the last one repeats)")
+    ap.add_argument("--settle", type=float, default=3.0,
+                    help="seconds to wait before each timed restore or load (freed memory goes back to the host)")
     ap.add_argument("--json")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     results = []
-    for gib in a.gib:
+    for i, gib in enumerate(a.gib):
+        rounds = a.rounds[min(i, len(a.rounds) - 1)]
         state = make_state(gib)
         nbytes = sum(t.nbytes for t in state["model"].values())
-        row = {"gib": gib, "bytes": nbytes}
-        row["no_reserve"] = first_and_later(state, a.dir, False, a.rounds)
-        row["reserve"] = first_and_later(state, a.dir, True, a.rounds)
-        row["restore"] = restores(state, a.dir, a.rounds)
+        row = {"gib": gib, "bytes": nbytes, "rounds": rounds}
+        row["no_reserve"] = first_and_later(state, a.dir, False, rounds)
+        row["reserve"] = first_and_later(state, a.dir, True, rounds)
+        row["restore"] = restores(gib, state, a.dir, rounds, a.settle)
         results.append(row)
         nr, r, rs = row["no_reserve"], row["reserve"], row["restore"]
         print(f"{gib:g} GiB  stall first/later: {nr['first_stall_s']:.3f}/{nr['later_stall_s']:.3f} s without "
               f"reserve, {r['first_stall_s']:.3f}/{r['later_stall_s']:.3f} s after reserve "
               f"({r['reserve_s']:.3f} s in the background)")
-        print(f"{gib:g} GiB  restore: local memory {rs['local_s']:.3f} s, flashwrite.load cold "
-              f"{rs['flashwrite_cold_s']:.3f} s ({rs['flashwrite_cold_s'] / rs['local_s']:.1f}x), torch.load cold "
-              f"{rs['torch_cold_s']:.3f} s ({rs['torch_cold_s'] / rs['local_s']:.1f}x); into existing tensors: "
-              f"local {rs['local_into_s']:.3f} s, flashwrite.load cold {rs['flashwrite_cold_into_s']:.3f} s "
+        fc = rs["flashwrite_cold_s"]
+        print(f"{gib:g} GiB  restore from memory: {rs['local_s']:.3f} s ({fc / rs['local_s']:.1f}x), zero_copy "
+              f"{rs['local_zero_copy_s']:.3f} s ({fc / rs['local_zero_copy_s']:.1f}x); flashwrite.load cold "
+              f"{fc:.3f} s, torch.load cold {rs['torch_cold_s']:.3f} s; into existing tensors: local "
+              f"{rs['local_into_s']:.3f} s, flashwrite.load cold {rs['flashwrite_cold_into_s']:.3f} s "
               f"({rs['flashwrite_cold_into_s'] / rs['local_into_s']:.1f}x); shm pool "
-              f"{rs['shm_pool_bytes'] / 2**30:.2f} GiB for {nbytes / 2**30:.2f} GiB of state")
+              f"{rs['shm_pool_bytes'] / 2**30:.2f} GiB for {nbytes / 2**30:.2f} GiB of state", flush=True)
         del state
     if a.json:
         with open(a.json, "w") as fh:

@@ -284,3 +284,72 @@ def test_restore_into_fills_existing_tensors_from_memory(tmp_path, shmdir):
     assert step == 3 and got is dest and dest["model"]["w"] is w
     assert_same(dest, make_state(3))
     m2.close()
+
+
+# ------------------------------------------------- restored tensors, zero copy
+
+
+def _owns_its_bytes(t):
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _mapped_from(t):
+    """The file the page under t's data is mapped from (per /proc/self/maps), or None."""
+    a = t.data_ptr()
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= a < hi:
+                parts = line.split(maxsplit=5)
+                return parts[5].strip() if len(parts) > 5 else None
+    return None
+
+
+def test_restored_tensors_own_memory_and_survive_later_saves(tmp_path, shmdir):
+    # Restored from this process's own pool, which the next saves overwrite.
+    root = tmp_path / "ck"
+    with CheckpointManager(root, local_snapshots=True, local_dir=shmdir) as m:
+        m.save(3, make_state(3, 1 << 19))
+        step, got = m.restore()
+        assert step == 3
+        _, adopted = m.restore(zero_copy=True)  # a live writer's pool: copied, not adopted
+        for k, t in {"w": got["model"]["w"], "h": got["model"]["h"], "zw": adopted["model"]["w"]}.items():
+            assert _owns_its_bytes(t), k
+            assert ".pool" not in (_mapped_from(t) or ""), k
+        for s in (4, 5):
+            m.save(s, make_state(s, 1 << 19)).result()
+        assert_same(got, make_state(3, 1 << 19))
+        assert_same(adopted, make_state(3, 1 << 19))
+
+
+def test_zero_copy_restore_adopts_a_dead_writers_pool_copy_on_write(tmp_path):
+    root, shm = tmp_path / "ck", f"/dev/shm/fwtest-adopt-{os.getpid()}"
+    n = 1 << 19  # "w" is 2 MiB: adopted; the smaller tensors are copied
+    try:
+        p = _spawn(root, shm, "staged", n)
+        _wait_line(p, "STAGED")
+        p.send_signal(signal.SIGKILL)
+        p.communicate()
+        m = CheckpointManager(root, local_snapshots=True, local_dir=shm)
+        snap = m.local_snapshots()[2][0]
+        keep = os.open(snap.pool, os.O_RDONLY)  # the write-back may remove the file at any moment
+        step, state = m.restore(zero_copy=True)
+        assert step == 2
+        assert_same(state, make_state(2, n))
+        w = state["model"]["w"]
+        assert _owns_its_bytes(w) and _owns_its_bytes(state["model"]["h"])
+        assert snap.pool in (_mapped_from(w) or "")  # the snapshot's own pages
+        assert snap.pool not in (_mapped_from(state["model"]["h"]) or "")
+        w.add_(1)  # copy-on-write: the snapshot keeps its bytes
+        import dataclasses
+        local.read_snapshot(dataclasses.replace(snap, pool=f"/proc/self/fd/{keep}"))
+        os.close(keep)
+        m.wait()  # written back from memory; then the snapshot is removed, its pages stay with w
+        assert not os.path.exists(snap.header)
+        assert_same(fw.load(root / "step-00000002"), make_state(2, n))
+        m.save(3, make_state(3, n)).result()
+        assert torch.equal(w, make_state(2, n)["model"]["w"] + 1)
+        m.close()
+    finally:
+        import shutil
+        shutil.rmtree(shm, ignore_errors=True)

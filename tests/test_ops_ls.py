@@ -104,3 +104,46 @@ def test_ls_permission_error_is_a_message_even_as_root(capsys, root, monkeypatch
     monkeypatch.setattr(os, "scandir", deny)
     rc, _, err = run(capsys, "ls", root)
     assert rc == 1 and "Permission denied" in err
+
+
+def test_ls_lists_local_snapshots_with_state_and_owner(capsys, tmp_path):
+    import signal
+    import sys
+    import time
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_local import _spawn, _wait_line
+    from fault_util import make_state
+    root, shm = tmp_path / "ck", f"/dev/shm/fwtest-ls-{os.getpid()}"
+    try:
+        p = _spawn(root, shm, "staged", 1 << 12)  # commits step 1, stages step 2 and is killed before its commit
+        _wait_line(p, "STAGED")
+        p.send_signal(signal.SIGKILL)
+        p.communicate()
+        if os.path.isdir(root / "step-00000002"):
+            pytest.skip("the commit won the race")
+        rc, out, _ = run(capsys, "ls", root, "--local-dir", shm, "--json")
+        rows = [r for r in json.loads(out) if r["status"] != "temporary"]  # the killed save's temp dir
+        assert rc == 0
+        assert [(r["step"], r["tier"], r["status"]) for r in rows] == [(1, "storage", "complete"),
+                                                                        (2, "memory", "staged")]
+        mem = rows[1]
+        assert mem["owner_pid"] == p.pid and mem["owner_alive"] is False
+        assert mem["path"].startswith(shm) and mem["path"].endswith(".snap")
+        assert mem["bytes"] == rows[0]["bytes"] and mem["pool_bytes"] >= mem["bytes"]
+        rc, out, _ = run(capsys, "ls", root, "--local-dir", shm)
+        assert rc == 0 and "memory" in out and "staged" in out and f"{p.pid} dead" in out
+        rc, out, _ = run(capsys, "ls", root, "--local-dir", shm, "--no-local", "--json")
+        assert {r["tier"] for r in json.loads(out)} == {"storage"}
+        # A live manager's snapshot of a committed step.
+        m = fw.CheckpointManager(root, local_snapshots=True, local_dir=shm)
+        m.save(3, make_state(3, 1 << 12)).result()
+        time.sleep(0.1)  # the header is marked committed on the commit thread
+        m.wait()
+        rc, out, _ = run(capsys, "ls", root, "--local-dir", shm, "--json")
+        mem = [r for r in json.loads(out) if r["tier"] == "memory"]
+        assert [(r["step"], r["status"], r["owner_pid"], r["owner_alive"]) for r in mem] == \
+            [(3, "committed", os.getpid(), True)]
+        m.close()
+    finally:
+        import shutil
+        shutil.rmtree(shm, ignore_errors=True)

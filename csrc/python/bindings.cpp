@@ -20,6 +20,7 @@
 #include "core/error.hpp"
 #include "io/backend.hpp"
 #include "io/files.hpp"
+#include "read/snapshot_copy.hpp"
 #include "engine/engine.hpp"
 #include "shim/cuda.hpp"
 #include "write/chunk_plan.hpp"
@@ -355,6 +356,37 @@ PYBIND11_MODULE(_core, m) {
         return checksum(p, n);
       },
       "XXH3-64 of a contiguous buffer (GIL released).");
+
+  m.def(
+      "copy_verify",
+      [](const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t, uint64_t>>& pieces, bool verify,
+         unsigned threads) {
+        std::vector<SnapshotPiece> ps;
+        ps.reserve(pieces.size());
+        for (auto& [dst, src, len, expected] : pieces)
+          ps.push_back(SnapshotPiece{reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), len, expected});
+        py::gil_scoped_release nogil;
+        return copy_verify(ps, verify, threads);
+      },
+      py::arg("pieces"), py::arg("verify") = true, py::arg("threads") = 1,
+      "Copy [(dst, src, len, xxh3)] pieces (dst 0: check src in place) on `threads` threads, each piece "
+      "checksummed as it is copied, its pages populated first; returns [(index, actual)] of the pieces that "
+      "did not match. The caller keeps every buffer alive for the call (GIL released).");
+
+  py::class_<PrivateMapping, std::shared_ptr<PrivateMapping>>(m, "PrivateMapping", py::buffer_protocol(),
+      "Page-aligned ranges of a file mapped copy-on-write, contiguously; the buffer is `size` bytes from "
+      "`lead` bytes into the first range. The file must not be written or truncated while it lives.")
+      .def(py::init([](int fd, const std::vector<std::pair<uint64_t, uint64_t>>& segments, uint64_t lead,
+                       uint64_t size) {
+             py::gil_scoped_release nogil;
+             return std::make_shared<PrivateMapping>(fd, segments, lead, size);
+           }),
+           py::arg("fd"), py::arg("segments"), py::arg("lead"), py::arg("size"))
+      .def_property_readonly("address", [](const PrivateMapping& m) { return reinterpret_cast<uintptr_t>(m.data()); })
+      .def_buffer([](PrivateMapping& m) {
+        return py::buffer_info(m.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(m.size())}, {static_cast<py::ssize_t>(1)}, false);
+      });
 
   m.def(
       "plan_chunks",

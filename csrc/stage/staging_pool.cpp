@@ -4,6 +4,7 @@
 #include "core/error.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -67,6 +68,9 @@ AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
       if (backing_fd_ < 0) {
         backing_fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
         if (backing_fd_ < 0) throw_errno(errno, "create shared staging file", path);
+        // Held while this pool may write the file: a restore adopts a pool's
+        // pages (copy-on-write, local.py) only when it can take this lock.
+        if (::flock(backing_fd_, LOCK_EX | LOCK_NB) != 0) { /* a new name: nobody else holds it */ }
       }
       const uint64_t off = backing_bytes_;
       int rc;

@@ -190,6 +190,21 @@ def start_load(files: Sequence[LoadFile], pieces: Sequence[Piece], backend: str 
 def checksum(b: _BufferLike, /) -> int:
     """XXH3-64 of a contiguous buffer (GIL released)."""
 
+# A piece of a snapshot restore: (destination address or 0 to check in place,
+# source address, nbytes, expected xxh3-64).
+CopyPiece = tuple[int, int, int, int]
+
+def copy_verify(pieces: Sequence[CopyPiece], verify: bool = True, threads: int = 1) -> list[Mismatch]:
+    """Copy (and check) snapshot pieces on several threads; the mismatches by index (GIL released)."""
+
+class PrivateMapping:
+    """Whole pages of a file, (file offset, nbytes) each, mapped copy-on-write and contiguously;
+    its buffer is ``size`` bytes from ``lead`` bytes into the first."""
+    def __init__(self, fd: int, segments: Sequence[tuple[int, int]], lead: int, size: int) -> None: ...
+    @property
+    def address(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
 def plan_chunks(sizes: Sequence[int], segments: Sequence[tuple[int, int, int]],
                 chunk_bytes: int) -> tuple[list[PlanChunk], list[int]]:
     """The chunk arithmetic of a save, for tests. segments: (nbytes, file, offset).

@@ -13,9 +13,13 @@ complete and checkable or not there at all; a save killed while staging never
 wrote one. A header goes before its slots can be reused: when the next save of
 its pool starts, once its own save has finished.
 
-``restore_snapshot`` maps the pool file, verifies every piece against the
-manifest's checksums while copying it out, and rebuilds the state through the
-manifest's tree (the same code a load from storage uses).
+``read_snapshot`` maps the pool file and copies every piece out, checking it
+against the manifest's checksum in the same pass (native, on several threads);
+the manager rebuilds the state through the manifest's tree (the same code a load
+from storage uses). With ``adopt`` (``restore(zero_copy=True)``) large tensors map
+the pool's pages copy-on-write instead, when no Writer holds the pool file: a
+Writer holds an exclusive flock on its pool file for as long as it may write it,
+so memory that restored tensors reference is never overwritten by a later save.
 
 Files: ``flashwrite-<pid>-<nonce>.pool`` and ``flashwrite-<pid>-<nonce>-<seq>.snap``.
 The owner (pid and start time) is in each header, so a restart can tell a dead
@@ -24,7 +28,7 @@ owner's files from a live one's.
 
 from __future__ import annotations
 
-import concurrent.futures
+import fcntl
 import json
 import logging
 import mmap
@@ -51,6 +55,7 @@ PREFIX = "flashwrite-"
 POOL_SUFFIX = ".pool"
 HEADER_SUFFIX = ".snap"
 MAX_HEADER_BYTES = 1 << 30
+PAGE = 4096
 
 
 def default_dir() -> str:
@@ -332,27 +337,47 @@ def _unlink(p: str) -> None:
 # ---------------------------------------------------------------------- restore
 
 
-def _copy_verified(dst: torch.Tensor, src: torch.Tensor, expected: str, verify: bool) -> int | None:
-    """Copy src to dst; the checksum of the bytes when it is not ``expected`` (else None)."""
-    dst.copy_(src)
-    if not verify:
-        return None
-    actual = _core.checksum(dst.numpy())
-    return None if f"{actual:016x}" == expected else actual
+# A tensor smaller than this is copied even when adopting (one mapping per tensor
+# costs a VMA or more; the kernel allows ~65k per process).
+ADOPT_MIN_BYTES = 1 << 20
+ADOPT_MAX_SEGMENTS = 16384
+
+
+def _pool_free(fd: int) -> bool:
+    """Whether no Writer holds the pool file open for writing (it holds an exclusive
+    flock for as long as it may write; a dead process holds nothing)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
 
 
 def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = None,
-                  targets: dict[str, torch.Tensor] | None = None) -> tuple[Manifest, dict]:
+                  targets: dict[str, torch.Tensor] | None = None, adopt: bool = False,
+                  timings: dict | None = None) -> tuple[Manifest, dict]:
     """(manifest, {key: CPU tensor owning its bytes}) of a snapshot, every piece checked
     against the manifest's checksum. Raises CorruptCheckpointError (naming the tensor).
 
+    By default each tensor is fresh memory (storage of exactly its bytes, offset 0) and
+    the bytes are copied and checksummed in one native pass on ``threads`` threads.
+
     targets: existing CPU tensors to fill instead, by key (used where contiguous, of the
     stored dtype and shape; returned as themselves). If a piece fails its check, the
-    targets may already hold some new bytes."""
+    targets may already hold some new bytes.
+
+    adopt: tensors of at least ADOPT_MIN_BYTES map the snapshot's own pages copy-on-write
+    instead (no copy, no fresh memory; a page is copied when first written), when no
+    Writer holds the pool file (it holds a lock while it may write there: the pool of a
+    live process is copied). Each still owns a storage of exactly its bytes. The pool's
+    shared memory then lives as long as those tensors do, even after its file is removed.
+
+    timings: filled with seconds per phase (map, allocate, copy_verify)."""
+    t0 = time.perf_counter()
     body = snap.body
     m = parse_manifest(json.dumps(body["manifest"]).encode())
     block = m.block_bytes
-    if body.get("chunk_bytes") != block:
+    if body.get("chunk_bytes") != block or block % PAGE:
         raise CorruptCheckpointError(f"snapshot {snap.header}: chunk size is not the checksum block", file=snap.header)
     fd = os.open(snap.pool, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -360,46 +385,94 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
         where: dict[tuple[int, int], tuple[int, int]] = {}
         for c in body["chunks"]:
             f, off, n, pool_off = (int(x) for x in c)
-            if pool_off < 0 or pool_off % 4096 or pool_off + n > size or off % block or n > block:
+            if pool_off < 0 or pool_off % PAGE or pool_off + n > size or off % block or n > block:
                 raise CorruptCheckpointError(f"snapshot {snap.header}: chunk at {off} of stripe {f} lies outside "
                                              f"{snap.pool}", file=snap.header)
             where[(f, off)] = (pool_off, n)
-        # Read-only and populated in one call (a page fault per 4 KiB costs more than the copy).
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                       prot=mmap.PROT_READ) if size else None
+        if adopt and not _pool_free(fd):
+            log.info("flashwrite: %s is in use by a live writer; copying the snapshot instead of adopting it",
+                     snap.pool)
+            adopt = False
+        # Not populated here: the copy threads fault in the pages of their own pieces.
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "not writable": it is only ever read from here
+            pool = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+        pool_addr = pool.data_ptr()
+        t1 = time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {}
+        pieces: list[tuple[int, int, int, int]] = []
+        owners: list[tuple[str, int, str]] = []
+        segments_left = ADOPT_MAX_SEGMENTS
+        for key, e in m.tensors.items():
+            dt = dtypes.dtype_from_name(e.dtype)
+            dst = (targets or {}).get(key)
+            in_place = False
+            if (dst is not None and dst.device.type == "cpu" and dst.dtype == dt and tuple(dst.shape) == e.shape
+                    and dst.is_contiguous() and e.nbytes):
+                raw = dst.detach().reshape(-1).view(torch.uint8)
+            else:
+                dst, raw = None, None
+                if adopt and e.nbytes >= ADOPT_MIN_BYTES:
+                    segs = _segments(snap, where, block, size, key, e.file, e.offset, e.nbytes)
+                    if len(segs) <= segments_left:
+                        segments_left -= len(segs)
+                        mapping = _core.PrivateMapping(fd, segs, e.offset % PAGE, e.nbytes)
+                        raw, in_place = torch.frombuffer(mapping, dtype=torch.uint8), True
+                if raw is None:
+                    raw = torch.empty(e.nbytes, dtype=torch.uint8)
+            base_addr = raw.data_ptr() if e.nbytes else 0
+            for (pos, n), expected in zip(piece_ranges(e.offset, e.nbytes, block), e.checksums):
+                base = pos - pos % block
+                loc = where.get((e.file, base))
+                if loc is None or pos - base + n > loc[1]:
+                    raise CorruptCheckpointError(f"snapshot {snap.header}: no chunk holds {key!r} at {pos}",
+                                                 file=snap.header, tensor=key)
+                src = pool_addr + loc[0] + pos - base
+                pieces.append((0, base_addr + pos - e.offset, n, int(expected, 16)) if in_place
+                              else (base_addr + pos - e.offset, src, n, int(expected, 16)))
+                owners.append((key, pos, expected))
+            tensors[key] = dst if dst is not None else raw.view(dt).view(e.shape)
+        t2 = time.perf_counter()
+        workers = threads or max(1, min(8, len(os.sched_getaffinity(0))))
+        # `pool` (and `mm` under it) and every destination stay alive for the call.
+        bad = _core.copy_verify(pieces, verify, workers)
+        t3 = time.perf_counter()
+        del pool
+        if mm is not None:
+            mm.close()
     finally:
-        os.close(fd)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "not writable": it is only ever read from here
-        pool = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
-    tensors: dict[str, torch.Tensor] = {}
-    jobs = []
-    for key, e in m.tensors.items():
-        dt = dtypes.dtype_from_name(e.dtype)
-        dst = (targets or {}).get(key)
-        if (dst is not None and dst.device.type == "cpu" and dst.dtype == dt and tuple(dst.shape) == e.shape
-                and dst.is_contiguous() and e.nbytes):
-            raw = dst.detach().reshape(-1).view(torch.uint8)
-        else:
-            dst, raw = None, torch.empty(e.nbytes, dtype=torch.uint8)
-        for (pos, n), expected in zip(piece_ranges(e.offset, e.nbytes, block), e.checksums):
-            base = pos - pos % block
-            loc = where.get((e.file, base))
-            if loc is None or pos - base + n > loc[1]:
-                raise CorruptCheckpointError(f"snapshot {snap.header}: no chunk holds {key!r} at {pos}",
-                                             file=snap.header, tensor=key)
-            src = pool[loc[0] + pos - base: loc[0] + pos - base + n]
-            jobs.append((key, pos, raw[pos - e.offset: pos - e.offset + n], src, expected))
-        tensors[key] = dst if dst is not None else raw.view(dt).view(e.shape)
-    workers = threads or max(1, min(8, len(os.sched_getaffinity(0))))
-    with concurrent.futures.ThreadPoolExecutor(workers) as ex:
-        results = list(ex.map(lambda j: _copy_verified(j[2], j[3], j[4], verify), jobs))
-    for (key, pos, _, _, expected), bad in zip(jobs, results):
-        if bad is not None:
-            e = m.tensors[key]
-            raise ChecksumMismatchError(f"local snapshot {snap.header}: tensor {key!r} at offset {pos} of "
-                                        f"{m.files[e.file].name} does not match its checksum",
-                                        file=snap.header, tensor=key, offset=pos, expected=expected,
-                                        actual=f"{bad:016x}")
-    del jobs, pool
+        os.close(fd)  # also drops the shared lock; the mappings need neither
+    if timings is not None:
+        timings.update(map=t1 - t0, allocate=t2 - t1, copy_verify=t3 - t2)
+    if bad:
+        i, actual = bad[0]
+        key, pos, expected = owners[i]
+        e = m.tensors[key]
+        raise ChecksumMismatchError(f"local snapshot {snap.header}: tensor {key!r} at offset {pos} of "
+                                    f"{m.files[e.file].name} does not match its checksum",
+                                    file=snap.header, tensor=key, offset=pos, expected=expected,
+                                    actual=f"{actual:016x}")
     return m, tensors
+
+
+def _segments(snap: Snapshot, where: dict, block: int, size: int, key: str, file: int, offset: int,
+              nbytes: int) -> list[tuple[int, int]]:
+    """The pool file's whole pages that hold stripe bytes [offset, offset + nbytes), in
+    order: (pool offset, length), contiguous runs merged."""
+    a, end = offset - offset % PAGE, -(-(offset + nbytes) // PAGE) * PAGE
+    out: list[list[int]] = []
+    while a < end:
+        c = a - a % block
+        loc = where.get((file, c))
+        b = min(end, c + block)
+        if loc is None or loc[0] + b - c > size:
+            raise CorruptCheckpointError(f"snapshot {snap.header}: no chunk holds {key!r} at {a}",
+                                         file=snap.header, tensor=key)
+        off = loc[0] + a - c
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1][1] += b - a
+        else:
+            out.append([off, b - a])
+        a = b
+    return [(o, n) for o, n in out]

@@ -367,7 +367,11 @@ class CheckpointManager:
         ``fallback`` is true, the error is logged and the next older one is tried.
         into: fill an existing state dict in place (see ``flashwrite.load``); it is
         left untouched by a damaged checkpoint, whose bytes are checked first.
-        load_options go to ``flashwrite.load`` (map_location, verify, ...).
+        load_options go to ``flashwrite.load`` (map_location, verify, ...). From a local
+        snapshot, ``zero_copy=True`` maps its pages copy-on-write instead of copying them
+        (see ``local.read_snapshot``: no fresh memory to fault in, so it is several times
+        faster; the snapshot's shared memory stays held while the tensors live, and pages
+        written later are copied then). From storage it means views of read buffers.
         """
         with self._call():
             if self.process_group is not None:
@@ -420,13 +424,16 @@ class CheckpointManager:
         if into is not None:
             wrapped = into if self._rank is None else {self._rank[0]: into}
             targets = {ft.key: ft.tensor for ft in flatten(wrapped, allow_pickle=True)[1]}
+        phases: dict = {}
         try:
-            m, tensors = local.read_snapshot(snap, verify=options.get("verify", True), targets=targets)
+            m, tensors = local.read_snapshot(snap, verify=options.get("verify", True), targets=targets,
+                                             adopt=bool(options.get("zero_copy")) and into is None, timings=phases)
         except (CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
             log.error("local snapshot of step %d (%s) cannot be restored (%s); trying other copies", step,
                       snap.header, e)
             return None
-        log.info("restored step %d from local memory (%s) in %.3f s", step, snap.header, time.perf_counter() - t0)
+        log.info("restored step %d from local memory (%s) in %.3f s (%s)", step, snap.header,
+                 time.perf_counter() - t0, ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
         return LoadResult(m, tensors, time.perf_counter() - t0, "local", False)
 
     def _state_of(self, res: LoadResult, into: Any, options: dict) -> Any:
@@ -482,6 +489,9 @@ class CheckpointManager:
     def _write_back(self, step: int, res: LoadResult) -> None:
         """Save a step that only a local snapshot holds to root; returns once staged
         (the caller may then change what it was given), commits in the background."""
+        p = self._inflight
+        if p is not None and p.step == step and not p.done.is_set():
+            return  # this manager's own save of it is being committed
         state = self._state_of(res, None, {})
         log.warning("step %d was never committed to %s: writing it from its local snapshot", step, self.root)
         self._start(step, state, overwrite=False, policy="wait")

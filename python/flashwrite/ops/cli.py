@@ -26,16 +26,24 @@ def _progress(a: argparse.Namespace) -> Any:
 
 @guarded
 def cmd_ls(a: argparse.Namespace) -> int:
-    from .ls import list_checkpoints, to_json
+    from .ls import list_checkpoints, list_local, to_json
     entries = list_checkpoints(a.root, recursive=a.recursive)
+    snaps = [] if a.no_local else list_local(a.root, a.local_dir)
     if a.json:
-        print_json(to_json(entries))
-    elif not entries:
+        print_json(to_json(entries + snaps))
+    elif not entries and not snaps:
         print(f"no checkpoints in {a.root}")
     else:
-        print_table(["step", "status", "size", "tensors", "created", "verified", "path"],
-                    [[e.step, e.status, fmt_bytes(e.bytes), e.tensors, _when(e.created_unix), e.verified, e.path]
-                     for e in entries], right=(0, 2, 3))
+        def owner(e: Any) -> str:
+            return "-" if e.owner_pid is None else f"{e.owner_pid} {'alive' if e.owner_alive else 'dead'}"
+        print_table(["step", "tier", "status", "size", "tensors", "created", "verified", "owner", "path"],
+                    [[e.step, e.tier, e.status, fmt_bytes(e.bytes), e.tensors, _when(e.created_unix),
+                      e.verified if e.tier == "storage" else "-", owner(e), e.path]
+                     for e in sorted(entries + snaps, key=lambda e: (e.step is None, e.step or 0, e.tier))],
+                    right=(0, 3, 4))
+        for e in snaps:
+            if e.problem:
+                print(f"  {e.path}: {e.problem}", file=sys.stderr)
         for e in entries:
             if e.problem:
                 print(f"  {e.name}: {e.status}: {e.problem}", file=sys.stderr)
@@ -162,6 +170,9 @@ def register(sub: Any, size_type: Any) -> None:
     p = sub.add_parser("ls", help="list the checkpoints under a directory (manifests only, no data read)")
     p.add_argument("root", help="a CheckpointManager root, any directory, or one checkpoint")
     p.add_argument("-r", "--recursive", action="store_true", help="also look in subdirectories")
+    p.add_argument("--local-dir", help="where local snapshots of ROOT's checkpoints are looked for "
+                   "(default: /dev/shm, as CheckpointManager(local_snapshots=True))")
+    p.add_argument("--no-local", action="store_true", help="list only checkpoints in ROOT, no local snapshots")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ls)
 

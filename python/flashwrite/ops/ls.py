@@ -4,6 +4,11 @@ Cost on NFS: one directory listing of ROOT and one open of each candidate's
 manifest (plus its small verification record when there is one). No stripe is
 opened or stat'ed: sizes, tensor counts and times come from the manifest, which
 is written last, so a directory with a manifest is a committed checkpoint.
+
+Local snapshots (``CheckpointManager(local_snapshots=True)``) of checkpoints in
+ROOT are listed too, as rows of tier "memory": one listing of the local
+directory (``/dev/shm`` unless told) and a read of each snapshot header there,
+never of the pool's bytes.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .. import _core, commit
+from .. import _core, commit, local
 from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD
 
 VERIFIED_NAME = ".flashwrite-verified.json"
@@ -36,6 +41,10 @@ class Entry:
     verified_unix: float | None = None
     writer_version: str | None = None
     problem: str | None = None
+    tier: str = "storage"   # storage | memory (a local snapshot: status is its state, staged | committed)
+    owner_pid: int | None = None     # memory: the process that staged it
+    owner_alive: bool | None = None
+    pool_bytes: int | None = None    # memory: size of the shared-memory pool file it lies in
 
 
 def read_json_small(path: str, limit: int = MAX_MANIFEST_BYTES) -> Any:
@@ -158,6 +167,42 @@ def list_checkpoints(root: str, recursive: bool = False) -> list[Entry]:
                 out.append(e)
             elif recursive:
                 todo.append(c.path)
+    out.sort(key=lambda e: (e.step is None, e.step if e.step is not None else 0, e.path))
+    return out
+
+
+def list_local(root: str, local_dir: str | None = None) -> list[Entry]:
+    """Local snapshots in ``local_dir`` (default /dev/shm) of ROOT or of its children:
+    step, state, size, owner (alive or dead) and where (the header's path)."""
+    root = os.path.abspath(root)
+    out = []
+    for snap in local.scan(local_dir or local.default_dir()):
+        if snap.path != root and os.path.dirname(snap.path) != root:
+            continue
+        name = os.path.basename(snap.path)
+        m = _STEP_RE.match(name)
+        man = snap.body.get("manifest")
+        e = Entry(snap.header, name, snap.state, int(m.group(1)) if m else None, tier="memory",
+                  created_unix=_num(snap.created))
+        if isinstance(man, dict):
+            files, tensors = man.get("files"), man.get("tensors")
+            try:
+                e.bytes = sum(int(f["size"]) for f in files) if isinstance(files, list) else None
+            except (TypeError, KeyError, ValueError):
+                e.problem = "header: bad file sizes"
+            e.tensors = len(tensors) if isinstance(tensors, dict) else None
+            wv = man.get("writer_version")
+            e.writer_version = wv[:40] if isinstance(wv, str) else None
+        if "rank" in snap.body:
+            e.name = f"{name} (rank {snap.body.get('rank')} of {snap.body.get('world_size')})"
+        pid = snap.owner.get("pid")
+        e.owner_pid = pid if isinstance(pid, int) else None
+        e.owner_alive = snap.alive
+        try:
+            e.pool_bytes = os.stat(snap.pool).st_size
+        except OSError:
+            e.problem = f"its pool file {snap.pool} is gone"
+        out.append(e)
     out.sort(key=lambda e: (e.step is None, e.step if e.step is not None else 0, e.path))
     return out
 

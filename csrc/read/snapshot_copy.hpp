@@ -1,0 +1,52 @@
+// Restoring a local snapshot (python/flashwrite/local.py) out of its pool file
+// in shared memory: no I/O, so the cost is page faults, the copy and the
+// checksums. copy_verify does copy and checksum in one pass (each block hashed
+// right after it is copied, while in cache) on several threads, with the pages
+// of each piece populated in one call first (a fault per 4 KiB page costs more
+// than copying it, more so in a VM). PrivateMapping adopts a snapshot's bytes
+// instead of copying them: the pool pages are mapped copy-on-write.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace fw {
+
+struct SnapshotPiece {
+  char* dst;        // nullptr: check src in place
+  const char* src;  // len bytes; both stay valid for the call
+  uint64_t len;
+  uint64_t expected;  // XXH3-64, checked when verify
+};
+
+// Copies (or checks in place) every piece on `threads` threads; returns
+// (index, actual checksum) of the pieces that did not match, by index.
+// Destinations are written only by their own piece; their pages are populated
+// with MADV_POPULATE_WRITE, which writes no byte, so neighbours are safe.
+std::vector<std::pair<size_t, uint64_t>> copy_verify(const std::vector<SnapshotPiece>& pieces, bool verify,
+                                                     unsigned threads);
+
+// Page-aligned ranges of one file mapped private (copy-on-write) and
+// contiguously, in the order given; data() is `lead` bytes into the first.
+// Writes stay in this process; the file must not be written or truncated while
+// the mapping lives (local.py adopts only pool files no Writer holds).
+class PrivateMapping {
+ public:
+  // segments: (file offset, length), both multiples of 4096. Nothing is
+  // faulted in here (copy_verify with dst == nullptr populates for reading; a
+  // page is copied only when it is first written).
+  PrivateMapping(int fd, const std::vector<std::pair<uint64_t, uint64_t>>& segments, uint64_t lead, uint64_t size);
+  ~PrivateMapping();
+  PrivateMapping(const PrivateMapping&) = delete;
+  PrivateMapping& operator=(const PrivateMapping&) = delete;
+
+  char* data() const noexcept { return base_ + lead_; }
+  uint64_t size() const noexcept { return size_; }
+
+ private:
+  char* base_ = nullptr;
+  uint64_t map_len_ = 0, lead_ = 0, size_ = 0;
+};
+
+}  // namespace fw
