@@ -133,17 +133,24 @@ def _write_durable(path: str, data: bytes) -> None:
         os.close(fd)
 
 
+def encode_files(manifest: dict, index: dict | None) -> dict[str, bytes]:
+    """The bytes of the index (if any) and of the manifest, in the order they are written."""
+    out = {INDEX_NAME: json.dumps(index, indent=1).encode()} if index is not None else {}
+    out[MANIFEST_NAME] = encode_manifest(manifest)
+    return out
+
+
 def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite: bool,
-             extra: dict[str, bytes] | None = None) -> None:
+             extra: dict[str, bytes] | None = None, encoded: dict[str, bytes] | None = None) -> None:
     """Commit: ``extra`` files (e.g. config.json), the index and the manifest, each
-    fsync'd, the manifest last; fsync the directory; rename it into place; fsync the parent."""
+    fsync'd, the manifest last; fsync the directory; rename it into place; fsync the parent.
+    encoded: ``encode_files(manifest, index)`` made earlier (manifest and index then unused)."""
     final = os.path.abspath(final)
     parent = os.path.dirname(final)
     for name, data in (extra or {}).items():
         _write_durable(os.path.join(tmp, name), data)
-    if index is not None:
-        _write_durable(os.path.join(tmp, INDEX_NAME), json.dumps(index, indent=1).encode())
-    _write_durable(os.path.join(tmp, MANIFEST_NAME), encode_manifest(manifest))
+    for name, data in (encoded or encode_files(manifest, index)).items():  # the manifest last
+        _write_durable(os.path.join(tmp, name), data)
     _core.fsync_dir(tmp)
     if os.path.lexists(final):
         check_target(final, overwrite)  # it may have appeared or changed while we wrote

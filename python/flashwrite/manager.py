@@ -492,6 +492,8 @@ class CheckpointManager:
         p = self._inflight
         if p is not None and p.step == step and not p.done.is_set():
             return  # this manager's own save of it is being committed
+        if step in self.all_steps():
+            return  # committed since restore() looked (this manager's own save, just finished)
         state = self._state_of(res, None, {})
         log.warning("step %d was never committed to %s: writing it from its local snapshot", step, self.root)
         self._start(step, state, overwrite=False, policy="wait")

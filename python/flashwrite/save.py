@@ -246,11 +246,15 @@ class Writer:
             try:
                 if ls is not None:
                     ls.seal()
+                # Manifest, index and their encoding need only the checksums: made while
+                # the stripes are still being written and fsync'd.
+                early = sw.early_manifest()
+                files = commit.encode_files(early, build_index(early)) if early is not None else None
                 sw.job.wait()
                 commit_gate()
                 manifest = sw.wait_durable()
-                commit.finalize(tmp, path, manifest, build_index(manifest), overwrite,
-                                extra={hf.CONFIG_NAME: config} if config is not None else None)
+                commit.finalize(tmp, path, manifest, build_index(manifest) if files is None else None, overwrite,
+                                extra={hf.CONFIG_NAME: config} if config is not None else None, encoded=files)
                 if ls is not None:
                     ls.committed()
             finally:

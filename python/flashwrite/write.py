@@ -121,6 +121,7 @@ class StripeWrite:
         self.engine, self.job, self.files, self.tree = engine, job, files, tree
         self.aliases, self.metadata, self.stats, self.t0, self.direct = aliases, metadata, stats, t0, direct
         self.hf_section: dict | None = None  # which stripes Hugging Face's index lists (hf_model=)
+        self._manifest: dict | None = None
 
     def wait_durable(self) -> dict:
         """Wait until every stripe is written and fsync'd (raising what failed) and
@@ -138,7 +139,20 @@ class StripeWrite:
         return self.manifest()
 
     def manifest(self) -> dict:
-        """This write's manifest; valid once the job is checksummed (every byte staged)."""
+        """This write's manifest; valid once the job is checksummed (every byte staged).
+        Made once: ``wait_durable`` returns the one ``early_manifest`` made."""
+        if self._manifest is None:
+            self._manifest = self._build_manifest()
+        return self._manifest
+
+    def early_manifest(self) -> dict | None:
+        """The manifest as soon as every byte is checksummed, while the stripes are still
+        being written and fsync'd (its CPU work then overlaps the I/O); None if the job
+        failed or was cancelled first (``wait_durable`` raises why)."""
+        self.job.wait_checksummed()
+        return self.manifest() if self.job.checksummed else None
+
+    def _build_manifest(self) -> dict:
         with gcpause.paused():
             sums = iter(self.job.checksums())  # one list per non-empty tensor, in plan order
             by_key = {p.key: (next(sums) if p.nbytes else []) for f in self.files for p in f.tensors}
