@@ -226,10 +226,9 @@ void LoadJob::verify_worker() {
 }
 
 void LoadJob::run() {
-  // A thread that cannot be started must not escape this one (that would
-  // terminate the process): the load fails instead.
   // Workers start even with nothing to verify or place: they fault in the
-  // destinations ahead of the reads.
+  // destinations ahead of the reads. A thread that cannot be started must not
+  // escape this one (that would terminate the process): the load fails instead.
   std::vector<std::thread> workers;
   try {
     for (unsigned i = 0; i < opt_.verify_threads && !requests_.empty(); ++i)
