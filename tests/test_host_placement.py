@@ -41,6 +41,39 @@ def _file(tmp_path, n, seed=0):
     return str(p), data
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("backend", ["threads", "auto"])
+def test_one_file_of_many_chunks_placed_at_unaligned_offsets(tmp_path, backend, workers):
+    # The workers fault destinations in ahead of the reads while they copy earlier
+    # chunks out; slots (fewer than chunks) are reused. Every byte must land once.
+    chunk = 8192
+    path, data = _file(tmp_path, 300 * chunk + 4097, seed=workers)
+    rnd = random.Random(workers)
+    cuts = sorted({0, len(data), 8 + 117, *(rnd.randrange(len(data)) for _ in range(120))})
+    dests = [(a, torch.empty(b - a, dtype=torch.uint8)) for a, b in zip(cuts, cuts[1:])]
+    placements = [(0, a, len(d), -1, d.data_ptr()) for a, d in dests]
+    job = _core.start_load([(path, len(data))], [], backend, 4, chunk, workers, True, placements=placements)
+    job.wait()
+    job.rethrow()
+    assert job.buffers() == [None]
+    for a, d in dests:
+        assert bytes(d.numpy()) == data[a:a + len(d)], a
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("backend", ["threads", "auto"])
+def test_whole_file_buffers_with_nothing_to_verify_or_place(tmp_path, backend, workers):
+    # No checksums and no placements: the workers only fault the buffers in, racing
+    # the reads into them (neither writes a byte the other needs).
+    chunk = 8192
+    files = [_file(tmp_path, n, seed=i) for i, n in enumerate([0, 1, 4095, 3 * chunk + 1, 200 * chunk + 5])]
+    job = _core.start_load([(p, len(d)) for p, d in files], [], backend, 4, chunk, workers, True)
+    job.wait()
+    job.rethrow()
+    for (_, data), buf in zip(files, job.buffers()):
+        assert bytes(buf) == data
+
+
 @pytest.mark.parametrize("backend", ["threads", "auto"])
 @pytest.mark.parametrize("seed", range(6))
 def test_placements_at_any_offset_get_their_bytes(tmp_path, backend, seed):

@@ -23,6 +23,22 @@ AlignedBuffer::AlignedBuffer(size_t bytes, bool populate) : size_(bytes), cap_(r
   if (populate) prefault(0, cap_);
 }
 
+AlignedBuffer AlignedBuffer::huge_pages(size_t bytes) {
+  constexpr size_t kHuge = 2 << 20;
+  AlignedBuffer b;
+  b.size_ = bytes;
+  b.cap_ = round_up(bytes ? bytes : 1, kAlign);
+  b.map_len_ = b.cap_ + kHuge;  // room to align up
+  void* p = mmap(nullptr, b.map_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw_errno(errno, "mmap host buffer", "", -1, static_cast<int64_t>(b.map_len_));
+  b.map_ = p;
+  b.ptr_ = reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(p), kHuge));
+#ifdef MADV_HUGEPAGE
+  madvise(b.ptr_, b.cap_, MADV_HUGEPAGE);  // advisory: 4 KiB pages where THP is off
+#endif
+  return b;
+}
+
 AlignedBuffer AlignedBuffer::map_shared(int fd, uint64_t file_offset, size_t bytes) {
   AlignedBuffer b;
   b.size_ = bytes;

@@ -7,7 +7,10 @@
 namespace fw {
 
 HostPlacer::HostPlacer(PlacementMap map, uint64_t slot_bytes, size_t slots)
-    : map_(std::move(map)), slot_bytes_(slot_bytes), mem_(slot_bytes * slots), faulted_(slots, 0) {
+    : map_(std::move(map)),
+      slot_bytes_(slot_bytes),
+      mem_(AlignedBuffer::huge_pages(slot_bytes * slots)),
+      faulted_(slots, 0) {
   for (size_t i = slots; i-- > 0;) free_.push_back(mem_.data() + i * slot_bytes_);
 }
 

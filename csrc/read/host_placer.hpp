@@ -17,7 +17,8 @@ namespace fw {
 class HostPlacer final : public ChunkPlacer {
  public:
   // Every placement is in host memory (device -1). `slots` bounce slots of
-  // slot_bytes (the load's chunk size) are mapped now and faulted in on first use.
+  // slot_bytes (the load's chunk size) are mapped now, in transparent huge pages where
+  // the kernel gives them (AlignedBuffer::huge_pages), and faulted in on first use.
   HostPlacer(PlacementMap map, uint64_t slot_bytes, size_t slots);
 
   void begin() override {}

@@ -90,6 +90,8 @@ void LoadJob::start() {
   file_of_request_.swap(file_of);
   for (size_t i = 0; i < requests_.size(); ++i) requests_[i].tag = i;
   to_placer_.assign(requests_.size(), 0);
+  fault_state_ = std::make_unique<std::atomic<uint8_t>[]>(requests_.size());
+  for (size_t i = 0; i < requests_.size(); ++i) fault_state_[i].store(0, std::memory_order_relaxed);
   if (opt_.placer)
     for (size_t i = 0; i < requests_.size(); ++i)
       to_placer_[i] = !requests_[i].buf || opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
@@ -155,13 +157,44 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
   }
 }
 
+bool LoadJob::claim_fault(size_t i, uint8_t to) {
+  uint8_t expected = 0;
+  return fault_state_[i].compare_exchange_strong(expected, to);
+}
+
+void LoadJob::fault_in(size_t i) {
+  const IoRequest& r = requests_[i];
+  const uint32_t f = file_of_request_[i];
+  if (to_placer_[i])
+    opt_.placer->prepare(f, r.offset, r.want);
+  else
+    buffers_[f]->prefault(static_cast<size_t>(r.offset), r.len);
+}
+
+void LoadJob::fault_ahead_one() {
+  size_t i = fault_next_.fetch_add(1);
+  if (i >= requests_.size() || !claim_fault(i, 1)) return;
+  fault_in(i);
+  fault_state_[i].store(2);
+}
+
 void LoadJob::verify_worker() {
   for (;;) {
     uint32_t ci;
     {
       std::unique_lock<std::mutex> lk(ctl_.mutex());
-      verify_cv_.wait(lk, [&] { return reads_done_ || !verify_queue_.empty(); });
-      if (verify_queue_.empty()) return;
+      // Chunks that have arrived come first (they free bounce slots for later
+      // reads); in between, fault in what later reads will fill. fault_next_
+      // only grows, so once this wait sees no fault work it never reappears.
+      verify_cv_.wait(lk, [&] {
+        return reads_done_ || !verify_queue_.empty() || (fault_next_.load() < requests_.size() && !ctl_.cancelled());
+      });
+      if (verify_queue_.empty()) {
+        if (reads_done_) return;
+        lk.unlock();
+        fault_ahead_one();
+        continue;
+      }
       ci = verify_queue_.front();
       verify_queue_.pop_front();
     }
@@ -178,6 +211,12 @@ void LoadJob::verify_worker() {
       }
     }
     if (to_placer_[ci]) {
+      // Not faulted in ahead (the workers were busy with earlier chunks): in
+      // one call here, far cheaper than the copy's page-by-page faults.
+      if (claim_fault(ci, 1)) {
+        fault_in(ci);
+        fault_state_[ci].store(2);
+      }
       // Verified before it is copied: damaged bytes never reach a tensor.
       uint32_t f = file_of_request_[ci];
       char* host_dst = buffers_[f] ? buffers_[f]->data() + r.offset : nullptr;
@@ -187,16 +226,18 @@ void LoadJob::verify_worker() {
 }
 
 void LoadJob::run() {
-  // A thread that cannot be started must not escape this one (that would
-  // terminate the process): the load fails instead.
-  std::vector<std::thread> verifiers;
+  // Workers start even with nothing to verify or place: they fault in the
+  // destinations ahead of the reads. A thread that cannot be started must not
+  // escape this one (that would terminate the process): the load fails instead.
+  std::vector<std::thread> workers;
   try {
-    for (unsigned i = 0; i < opt_.verify_threads && (!pieces_.empty() || opt_.placer); ++i)
-      verifiers.emplace_back([this] { verify_worker(); });
+    for (unsigned i = 0; i < opt_.verify_threads && !requests_.empty(); ++i)
+      workers.emplace_back([this] { verify_worker(); });
   } catch (...) {
     fail(std::current_exception());
   }
-  const bool verify_inline = verifiers.empty() && (!pieces_.empty() || opt_.placer);
+  const bool fault_ahead = !workers.empty();
+  const bool verify_inline = !fault_ahead && (!pieces_.empty() || opt_.placer);
   if (opt_.placer) {
     try {
       opt_.placer->begin();
@@ -212,18 +253,21 @@ void LoadJob::run() {
       // copied out, which paces reading to the copies.
       r.buf = opt_.placer->acquire(&ctl_.cancel_flag());
       if (!r.buf) break;
-      const uint32_t f = file_of_request_[r.tag];
-      const uint64_t off = r.offset, want = r.want;  // r belongs to the backend once submitted
+      const size_t i = r.tag;  // r belongs to the backend once submitted
       backend_->submit(&r);
-      // After the submit: the read goes to the slot, so faulting in the
-      // destinations overlaps it (and may race the copy out safely).
-      opt_.placer->prepare(f, off, want);
+      // Without workers, here, after the submit: the read goes to the slot, so
+      // faulting in the destinations overlaps it (and may race the copy out safely).
+      if (!fault_ahead && claim_fault(i, 2)) fault_in(i);
       continue;
     }
-    // Fault the destination in here, while earlier reads are in flight, rather
-    // than in the kernel's direct-I/O path where it stalls the request.
-    const AlignedBuffer& b = *buffers_[file_of_request_[r.tag]];
-    b.prefault(static_cast<size_t>(r.buf - b.data()), r.len);
+    // The read goes straight to the buffer: fault it in before the submit, while
+    // earlier reads are in flight, rather than in the kernel's direct-I/O path
+    // where it stalls the request; unless a worker has claimed it already (one
+    // still at it races the kernel's faults safely: neither writes a byte).
+    if (claim_fault(r.tag, 1)) {
+      fault_in(r.tag);
+      fault_state_[r.tag].store(2);
+    }
     backend_->submit(&r);
   }
   backend_->drain();
@@ -234,7 +278,7 @@ void LoadJob::run() {
   }
   verify_cv_.notify_all();
   if (verify_inline) verify_worker();  // drains what was queued (slots go back to the placer)
-  for (auto& t : verifiers) t.join();
+  for (auto& t : workers) t.join();
   if (opt_.placer) {
     try {
       opt_.placer->finish();

@@ -1,9 +1,15 @@
 // One load: read stripe files with large O_DIRECT requests, queue_depth in
-// flight across all files, and verify each checksummed piece on verifier
+// flight across all files, and verify each checksummed piece on worker
 // threads as soon as its chunk has arrived, so verification overlaps the
 // reads. A file whose bytes are all placed (read/placements.hpp) goes through
 // the placer's bounce slots only; the others are read whole into page-aligned
 // buffers that tensors then view.
+//
+// Fresh destination memory costs more to fault in than the disk takes to fill
+// it on some hosts (a VM that hands freed pages back to its host: ~1 s per GiB
+// per core, against ~1 GB/s of reads), so the reading thread does not fault
+// anything in: the workers fault in the destinations of chunks in read order
+// whenever they have nothing to verify or copy out, ahead of the reads.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -69,6 +75,11 @@ class LoadJob {
   void run();
   void on_io(IoRequest* r, int64_t res);
   void verify_worker();
+  // Fault-ahead state per request: 0 not yet, 1 being faulted in, 2 done or
+  // not wanted. claim_fault moves 0 to `to`; whoever claims it does the work.
+  bool claim_fault(size_t request, uint8_t to);
+  void fault_in(size_t request);  // the request's destinations (placed bytes or buffer)
+  void fault_ahead_one();  // the next unclaimed request in read order
   void fail(std::exception_ptr e);
   bool fall_back_to_buffered(IoRequest* r, uint32_t file);
   int read_fd(uint32_t file);
@@ -85,6 +96,8 @@ class LoadJob {
   std::vector<uint32_t> file_of_request_;  // per request (by tag)
   std::vector<char> to_placer_;  // per request: read into a placer slot
   std::vector<std::vector<uint32_t>> chunk_pieces_;  // per request: pieces inside it
+  std::unique_ptr<std::atomic<uint8_t>[]> fault_state_;  // per request, see claim_fault
+  std::atomic<size_t> fault_next_{0};  // requests below it are claimed by someone
   std::unique_ptr<IoBackend> backend_;
   std::string backend_name_;
   std::atomic<unsigned> files_direct_{0};
