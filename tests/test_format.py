@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import dtypes
+from flashwrite import _core, dtypes
 from flashwrite.format import FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME, read_manifest
 from flashwrite.format import decode_manifest_json
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
+xxhash = pytest.importorskip("xxhash")
 
 
 def _state():
@@ -126,3 +127,11 @@ def test_checksums_match_an_independent_xxh3(writer, ckdir):
     data = (ckdir / "ck" / m.files[e.file].name).read_bytes()
     for (off, n), h in zip(fw.format.piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums):
         assert xxhash.xxh3_64_hexdigest(data[off:off + n]) == h
+
+
+@pytest.mark.parametrize("n", [0, 1, 16, 239, 240, 241, 1024, 4095, 131071, 131072, 131073, 1 << 20, (3 << 20) + 17])
+def test_checksum_is_xxh3_at_every_length(n):
+    """The native hash (AVX2 where the CPU has it, else generic) is XXH3-64, whatever
+    the input length: short inputs, the 128 KiB blocks the staging copy hashes, odd tails."""
+    data = os.urandom(n)
+    assert _core.checksum(data) == xxhash.xxh3_64_intdigest(data)

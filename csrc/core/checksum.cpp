@@ -1,31 +1,37 @@
 #include "core/checksum.hpp"
 
-#include <algorithm>
-#include <cstring>
+#include <stddef.h>
+#include <stdint.h>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "core/checksum_impl.inc"
 
 namespace fw {
-
-uint64_t checksum(const void* data, size_t len) { return XXH3_64bits(data, len); }
-
-uint64_t copy_and_checksum(void* dst, const void* src, size_t len) {
-  constexpr size_t kBlock = 128 * 1024;  // fits L2 on every x86/ARM server core
-  if (len <= kBlock) {
-    std::memcpy(dst, src, len);
-    return XXH3_64bits(dst, len);
-  }
-  XXH3_state_t state;
-  XXH3_64bits_reset(&state);
-  auto* d = static_cast<char*>(dst);
-  auto* s = static_cast<const char*>(src);
-  for (size_t off = 0; off < len; off += kBlock) {
-    size_t n = std::min(kBlock, len - off);
-    std::memcpy(d + off, s + off, n);
-    XXH3_64bits_update(&state, d + off, n);
-  }
-  return XXH3_64bits_digest(&state);
+namespace generic {
+static uint64_t checksum_impl(const void* data, size_t len) { return ::checksum_impl(data, len); }
+static uint64_t copy_and_checksum_impl(void* dst, const void* src, size_t len) {
+  return ::copy_and_checksum_impl(dst, src, len);
 }
+}  // namespace generic
+
+#if defined(FLASHWRITE_HAVE_AVX2_XXH3)
+namespace avx2 {
+uint64_t checksum(const void* data, size_t len);
+uint64_t copy_and_checksum(void* dst, const void* src, size_t len);
+}  // namespace avx2
+
+static const bool kAvx2 = __builtin_cpu_supports("avx2");
+
+uint64_t checksum(const void* data, size_t len) {
+  return kAvx2 ? avx2::checksum(data, len) : generic::checksum_impl(data, len);
+}
+uint64_t copy_and_checksum(void* dst, const void* src, size_t len) {
+  return kAvx2 ? avx2::copy_and_checksum(dst, src, len) : generic::copy_and_checksum_impl(dst, src, len);
+}
+#else
+uint64_t checksum(const void* data, size_t len) { return generic::checksum_impl(data, len); }
+uint64_t copy_and_checksum(void* dst, const void* src, size_t len) {
+  return generic::copy_and_checksum_impl(dst, src, len);
+}
+#endif
 
 }  // namespace fw
