@@ -239,8 +239,19 @@ def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = Fal
 
 def diagnose(state: Any) -> None:
     """Raise the clear error for the first tensor of ``state`` that cannot be stored
-    (quantized, meta, nested, sparse, a subclass), naming its key; return if none is."""
-    flatten(state, allow_pickle=True, check_storable=True)
+    (quantized, meta, nested, sparse, a subclass), naming its key as ``flatten`` does;
+    return if none is (anything else about the state is not this function's to judge)."""
+    def walk(v: Any, prefix: str | None, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            _check_storable(v, prefix or "<root>")
+        elif depth <= MAX_DEPTH and isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, str(k) if prefix is None else f"{prefix}.{k}", depth + 1)
+        elif depth <= MAX_DEPTH and type(v) in (list, tuple):
+            for i, x in enumerate(v):
+                walk(x, str(i) if prefix is None else f"{prefix}.{i}", depth + 1)
+
+    walk(state, None, 0)
 
 
 def _share(tensors: list[FlatTensor], tensor_nodes: list[dict], alias_nodes: list[tuple[str, dict]],
