@@ -6,12 +6,6 @@
 #include "core/checksum_impl.inc"
 
 namespace fw {
-namespace generic {
-static uint64_t checksum_impl(const void* data, size_t len) { return ::checksum_impl(data, len); }
-static uint64_t copy_and_checksum_impl(void* dst, const void* src, size_t len) {
-  return ::copy_and_checksum_impl(dst, src, len);
-}
-}  // namespace generic
 
 #if defined(FLASHWRITE_HAVE_AVX2_XXH3)
 namespace avx2 {
@@ -22,15 +16,15 @@ uint64_t copy_and_checksum(void* dst, const void* src, size_t len);
 static const bool kAvx2 = __builtin_cpu_supports("avx2");
 
 uint64_t checksum(const void* data, size_t len) {
-  return kAvx2 ? avx2::checksum(data, len) : generic::checksum_impl(data, len);
+  return kAvx2 ? avx2::checksum(data, len) : ::checksum_impl(data, len);
 }
 uint64_t copy_and_checksum(void* dst, const void* src, size_t len) {
-  return kAvx2 ? avx2::copy_and_checksum(dst, src, len) : generic::copy_and_checksum_impl(dst, src, len);
+  return kAvx2 ? avx2::copy_and_checksum(dst, src, len) : ::copy_and_checksum_impl(dst, src, len);
 }
 #else
-uint64_t checksum(const void* data, size_t len) { return generic::checksum_impl(data, len); }
+uint64_t checksum(const void* data, size_t len) { return ::checksum_impl(data, len); }
 uint64_t copy_and_checksum(void* dst, const void* src, size_t len) {
-  return generic::copy_and_checksum_impl(dst, src, len);
+  return ::copy_and_checksum_impl(dst, src, len);
 }
 #endif
 

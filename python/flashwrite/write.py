@@ -86,18 +86,14 @@ def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int,
         for p in f.tensors:
             src = p.source
             dev = -1
-            if src.is_cpu:  # the common case first: per tensor of 100,000
-                keepalive.append(src)
-                p.source = None
-                if p.nbytes:
-                    segments.append((src.data_ptr(), p.nbytes, fi, p.offset, -1))
-                continue
-            if _cuda.uses_native(src):
+            if src.is_cpu:  # the common case, checked first (cheap): per tensor of 100,000
+                pass
+            elif _cuda.uses_native(src):
                 dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
                 devices.add(dev)
             elif src.is_meta:  # no bytes to copy (flatten.diagnose names the key)
                 raise TypeError(f"{p.key}: a meta tensor has no data to store")
-            elif src.device.type != "cpu":
+            else:
                 # No native path to this device: PyTorch copies it to host memory
                 # (synchronously, so the snapshot is exact).
                 src = src.to("cpu")
