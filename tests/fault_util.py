@@ -15,6 +15,15 @@ from flashwrite import commit
 _BASES: dict[int, torch.Tensor] = {}
 
 
+def flip_byte(path, offset: int, mask: int = 0x01) -> None:
+    """Damage one byte of a file in place: XOR the byte at ``offset`` with ``mask``."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ mask]))
+
+
 def _base(n: int) -> torch.Tensor:
     if n not in _BASES:
         _BASES[n] = torch.randn(n, generator=torch.Generator().manual_seed(1234))

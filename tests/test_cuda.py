@@ -18,6 +18,7 @@ import textwrap
 import pytest
 import torch
 
+from fault_util import flip_byte
 import flashwrite as fw
 from flashwrite import _core, dtypes
 from flashwrite.flatten import flatten
@@ -340,11 +341,7 @@ def test_damaged_chunk_never_reaches_the_gpu(gpu, ckdir):
     e = m["tensors"]["a"]
     stripe = ckdir / "ck" / m["files"][e["file"]]["name"]
     at = e["offset"] + (9 << 20) + 123  # inside the second 8 MiB read chunk
-    with open(stripe, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip_byte(stripe, at, 0x40)
     dst = {"a": torch.zeros(4 << 20, device=gpu)}
     with pytest.raises(fw.ChecksumMismatchError, match="'a'"):
         fw.load(ckdir / "ck", into=dst)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashwrite as fw
-from fault_util import mounted
+from fault_util import flip_byte, mounted
 from flashwrite import _core
 
 load_module = sys.modules["flashwrite.load"]  # the module; flashwrite.load is the function
@@ -135,11 +135,7 @@ def test_flipped_byte_named_precisely(writer, tmp_path):
     m = fw.format.read_manifest(tmp_path / "ck")
     e = m.tensors["b"]
     path = tmp_path / "ck" / m.files[e.file].name
-    with open(path, "r+b") as fh:
-        fh.seek(e.offset + 12345)
-        byte = fh.read(1)
-        fh.seek(e.offset + 12345)
-        fh.write(bytes([byte[0] ^ 0x10]))
+    flip_byte(path, e.offset + 12345, 0x10)
     with pytest.raises(fw.ChecksumMismatchError) as ei:
         fw.load(tmp_path / "ck")
     err = ei.value

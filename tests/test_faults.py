@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 from conftest import assert_same
-from fault_util import Zygote, fill, loop_ext4, make_state, need_root, temp_entries, tmpfs
+from fault_util import Zygote, fill, flip_byte, loop_ext4, make_state, need_root, temp_entries, tmpfs
 
 import flashwrite as fw
 from flashwrite import commit
@@ -417,14 +417,6 @@ def damaged(tmp_path):
     return path, state, manifest
 
 
-def _flip(path, offset, mask=0x01):
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([b[0] ^ mask]))
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_flipped_byte_is_named(damaged, seed):
     path, state, m = damaged
@@ -433,7 +425,7 @@ def test_flipped_byte_is_named(damaged, seed):
     t = m["tensors"][key]
     fname = m["files"][t["file"]]["name"]
     pos = rng.randrange(t["nbytes"])
-    _flip(path / fname, t["offset"] + pos, 1 << rng.randrange(8))
+    flip_byte(path / fname, t["offset"] + pos, 1 << rng.randrange(8))
     for check in (lambda: fw.load(path), lambda: fw.verify(path)):
         with pytest.raises(fw.ChecksumMismatchError) as ei:
             check()
@@ -457,7 +449,7 @@ def test_flipped_byte_in_header_is_named(damaged):
     with open(path / fname, "rb") as fh:
         head = fh.read(200)
     pos = head.index(b'"dtype"') + 2
-    _flip(path / fname, pos, 0x20)
+    flip_byte(path / fname, pos, 0x20)
     for verify in (True, False):
         with pytest.raises(fw.CorruptCheckpointError) as ei:
             fw.load(path, verify=verify)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import assert_same
 
+from fault_util import flip_byte
 import flashwrite as fw
 from flashwrite import _core, dtypes
 from flashwrite.errors import ChecksumMismatchError
@@ -191,11 +192,7 @@ def test_checksum_mismatch_still_names_file_tensor_and_offset(writer, ckdir):
     m = read_manifest(str(ckdir / "ck"))
     e = m.tensors["w"]
     path = ckdir / "ck" / m.files[e.file].name
-    with open(path, "r+b") as f:
-        f.seek(e.offset + 1000)
-        b = f.read(1)
-        f.seek(e.offset + 1000)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(path, e.offset + 1000, 0xFF)
     with pytest.raises(ChecksumMismatchError) as ei:
         fw.load(ckdir / "ck")
     err = ei.value

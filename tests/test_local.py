@@ -15,7 +15,7 @@ import torch
 import flashwrite as fw
 from flashwrite import CheckpointManager, Writer, local
 from conftest import assert_same
-from fault_util import make_state, tmpfs
+from fault_util import flip_byte, make_state, tmpfs
 
 HERE = os.path.dirname(__file__)
 CHUNK = 1 << 20
@@ -102,11 +102,7 @@ def test_restore_prefers_memory_and_skips_a_flipped_byte(tmp_path, shmdir, caplo
     w_key = snap.body["manifest"]["tensors"]["model.w"]
     chunk = next(c for c in snap.body["chunks"] if c[0] == w_key["file"] and c[1] <= w_key["offset"] < c[1] + c[2])
     at = chunk[3] + w_key["offset"] - chunk[1] + 100
-    with open(snap.pool, "r+b") as fh:
-        fh.seek(at)
-        b = fh.read(1)
-        fh.seek(at)
-        fh.write(bytes([b[0] ^ 0x40]))
+    flip_byte(snap.pool, at, 0x40)
     caplog.clear()
     m3 = CheckpointManager(root, local_snapshots=True, local_dir=shmdir)
     with caplog.at_level(logging.INFO, logger="flashwrite"):

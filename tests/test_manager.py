@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from conftest import assert_same
-from fault_util import make_state, temp_entries
+from fault_util import flip_byte, make_state, temp_entries
 
 import flashwrite as fw
 from flashwrite import commit
@@ -272,11 +272,7 @@ def test_restore_falls_back_past_a_damaged_newest(tmp_path, small_writer, caplog
         mgr.maybe_save(s, state(s))
     mgr.close()
     stripe = sorted(p for p in os.listdir(tmp_path / "step-00000002") if p.endswith(".safetensors"))[0]
-    with open(tmp_path / "step-00000002" / stripe, "r+b") as fh:
-        fh.seek(8192)
-        b = fh.read(1)
-        fh.seek(8192)
-        fh.write(bytes([b[0] ^ 0x10]))
+    flip_byte(tmp_path / "step-00000002" / stripe, 8192, 0x10)
     mgr = fw.CheckpointManager(tmp_path)
     dst = state(0)
     step, out = mgr.restore(into=dst)
