@@ -92,6 +92,41 @@ def scenario_trim_race(d):
     return {"hung": False, "freed_while_running": freed_while_running}
 
 
+def scenario_held_slots(d, reps):
+    """A save that holds its slots (a local snapshot) has exactly one slot per chunk. A
+    copy thread that waited for a slot before it claimed a chunk waited for good when
+    another thread held the last slot and was about to claim the last chunk. Runs
+    while CPU hogs preempt the copy threads inside that window."""
+    import multiprocessing
+
+    hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 1)]
+    for h in hogs:
+        h.start()
+    try:
+        for rep in range(reps):
+            path = os.path.join(d, f"held-{rep % 2}")
+            if os.path.exists(path):
+                os.unlink(path)
+            eng = _core.Engine(MiB, 0)
+            job, want = save(eng, path, [Source((1 + rep % 3) * MiB, rep)], hold_slots=True,
+                             copy_threads=2 + rep % 3)
+            if not job.wait(10):
+                return {"hung": True, "rep": rep}
+            job.rethrow()
+            job.release_slots()
+            if open(path, "rb").read() != want:
+                return {"hung": False, "equal": False, "rep": rep}
+    finally:
+        for h in hogs:
+            h.kill()
+    return {"hung": False, "equal": True, "saves": reps}
+
+
+def _spin():
+    while True:
+        pass
+
+
 def scenario_huge_timeouts(d):
     """Issue 12 bug 3: wait(timeout=inf / 1e300 / 1e10) on a running job waits for it."""
     out = {}

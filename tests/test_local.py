@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -165,14 +166,20 @@ def _spawn(root, local_dir, mode, n):
 
 
 def _wait_line(p, word, timeout=120):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        line = p.stdout.readline()
-        if not line:
-            raise AssertionError(f"child ended before {word}: {p.stderr.read()}")
-        if line.strip() == word:
-            return
-    raise AssertionError(f"no {word} from the child")
+    """Read the child's lines until ``word``. readline() blocks, so a timer kills a
+    child that hangs: the test then fails with its stderr instead of stalling the suite."""
+    timer = threading.Timer(timeout, p.kill)
+    timer.start()
+    try:
+        while True:
+            line = p.stdout.readline()
+            if not line:
+                hung = " (killed: no line for %d s)" % timeout if not timer.is_alive() else ""
+                raise AssertionError(f"child ended before {word}{hung}: {p.stderr.read()}")
+            if line.strip() == word:
+                return
+    finally:
+        timer.cancel()
 
 
 TRIALS = int(os.environ.get("FW_KILL_TRIALS", "20"))

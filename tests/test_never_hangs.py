@@ -47,6 +47,14 @@ def test_trim_never_frees_the_slots_of_a_starting_save(tmp_path):
     assert out == {"hung": False, "freed_while_running": 0}
 
 
+def test_saves_that_hold_their_slots_never_starve(tmp_path):
+    # Before the fix: a copy thread took a slot before it claimed a chunk; with one slot
+    # per chunk held for a local snapshot, it waited for good (the kill -9 test of
+    # issue 15 hung in CI once; this loop hung at about 1 save in 600 under load).
+    out = _child("held_slots", tmp_path, 400, timeout=240)
+    assert out == {"hung": False, "equal": True, "saves": 400}
+
+
 def test_huge_timeouts_wait_instead_of_overflowing(fake_cudart, tmp_path):
     # Before the fix: inf / 1e300 / 1e10 s overflowed the conversion to nanoseconds
     # (signed overflow, UB) and wait returned False after ~50 ms.

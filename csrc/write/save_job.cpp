@@ -178,6 +178,7 @@ void SaveJob::copy_worker() {
   const bool gpu = !device_chunks_.empty();
   std::function<bool()> interrupt;
   if (gpu) interrupt = [this] { return has_landed(); };
+  size_t claimed = SIZE_MAX;  // a host chunk this thread owns but has no slot for yet
   try {
     for (;;) {
       if (ctl_.cancelled()) return;
@@ -202,14 +203,21 @@ void SaveJob::copy_worker() {
           continue;
         }
       }
-      if (next_chunk_.load() < host_chunks_.size()) {
-        char* slot = pool_->acquire(&ctl_.cancel_flag(), interrupt);
-        if (!slot) continue;  // cancelled, or a landed chunk to write first
-        size_t hi = next_chunk_.fetch_add(1);
-        if (hi >= host_chunks_.size()) {  // another thread took the last one
-          pool_->release(slot);
-          continue;
+      if (claimed != SIZE_MAX || next_chunk_.load() < host_chunks_.size()) {
+        // The chunk first, then a slot: a thread that waited for a slot before it
+        // knew a chunk was left could wait for good when the save holds its slots
+        // (hold_slots: none comes back) and another thread took the last chunk.
+        if (claimed == SIZE_MAX) {
+          claimed = next_chunk_.fetch_add(1);
+          if (claimed >= host_chunks_.size()) {
+            claimed = SIZE_MAX;
+            continue;
+          }
         }
+        char* slot = pool_->acquire(&ctl_.cancel_flag(), interrupt);
+        if (!slot) continue;  // cancelled, or a landed chunk to write first (the claim stays)
+        const size_t hi = claimed;
+        claimed = SIZE_MAX;
         copy_host_chunk(host_chunks_[hi], slot);
         chunk_staged();
         write_chunk(host_chunks_[hi]);
