@@ -129,6 +129,28 @@ def test_pool_is_reused_across_saves(tmp_path):
     assert w.pool_bytes == 0  # close() frees it
 
 
+def test_checksums_after_staging_give_every_slot_back(tmp_path):
+    # With a slot for every chunk, the copy threads checksum the chunks after staging,
+    # while the writes are in flight: a slot is free only when both are done. Stopped
+    # at every point (just staged, cancelled, failed midway, finished), the pool ends
+    # with every slot free, so trim() can release all of it.
+    src = torch.randint(0, 256, (48 << 20,), dtype=torch.uint8)
+    eng = _core.Engine(1 << 20)
+    for i, how in enumerate(["finish", "cancel", "cancel", "finish"]):
+        path = str(tmp_path / f"s{i}")
+        job = eng.start_save([(path, b"", src.nbytes)], [(src.data_ptr(), src.nbytes, 0, 0, -1)], [src],
+                             copy_threads=2)
+        assert job.wait_staged(60)
+        if how == "cancel":
+            job.cancel()
+        assert job.wait(60)
+        if how == "finish":
+            job.rethrow()
+            with open(path, "rb") as f:
+                assert f.read() == src.numpy().tobytes()
+        assert eng.trim() == 48 << 20, how
+
+
 def test_flipped_byte_named_precisely(writer, tmp_path):
     sd = {"a": torch.randn(50_000), "b": torch.randn(70_000), "c": torch.arange(1000)}
     writer.save(sd, tmp_path / "ck")

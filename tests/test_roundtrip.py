@@ -129,6 +129,19 @@ def test_large_tensor_spans_many_chunks(ckdir):
     assert torch.equal(out["x"], x) and torch.equal(out["y"], y)
 
 
+def test_streamed_copies_at_every_alignment(ckdir):
+    # Pieces of 256 KiB and more are staged with non-temporal stores (stream_copy): an
+    # unaligned head, 64-byte blocks and a tail. Odd sizes put every piece at a
+    # different alignment in its slot; the sizes straddle the threshold.
+    sizes = [1, 7, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, (256 << 10) + 63, 1000003, (3 << 20) + 5]
+    g = torch.Generator().manual_seed(7)
+    state = {f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for i, n in enumerate(sizes)}
+    state["unaligned_src"] = torch.randint(0, 256, ((1 << 20) + 9,), dtype=torch.uint8, generator=g)[9:]
+    with fw.Writer(stripes=1, chunk_bytes=4 << 20) as w:
+        w.save(state, ckdir / "ck")
+    assert_same(fw.load(ckdir / "ck"), state)
+
+
 def test_pickle_needs_opt_in_on_both_sides(writer, ckdir):
     sd = {"obj": collections.Counter("hello"), "t": torch.ones(1)}
     with pytest.raises(TypeError, match="allow_pickle"):

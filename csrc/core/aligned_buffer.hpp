@@ -3,8 +3,8 @@
 // No transparent huge pages by default: with THP in madvise mode, faults of
 // fresh 2 MiB pages paid for compaction and zeroing (perf: clear_page_erms) and
 // made a cold 2 GiB load 3x slower than with 4 KiB pages when every load buffer
-// had them. huge_pages() is for small buffers that O_DIRECT reads reuse many
-// times (a load's bounce slots): see there.
+// had them. huge_pages() is for buffers that O_DIRECT requests reuse many times,
+// faulted once: a load's bounce slots and the staging pool (see there).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -89,7 +89,14 @@ AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
       backing_error_ = e.what();
     }
   }
-  return AlignedBuffer(bytes);
+  // Huge pages where THP allows: every save's O_DIRECT writes go out of these
+  // slots, in requests that 4 KiB pages would cut at the device's segment limit
+  // (254 pages on virtio-blk), and the kernel pins 512x fewer pages per write.
+  // 2 GiB on the benchmark VM: stall 0.24-0.27 s against 0.30-0.33 s, durable
+  // 2.8-3.0 s against 3.1-3.5 s. Faulting them in costs more once (1.0 s
+  // against 0.45 s for 2 GiB the host had taken back): reserve() does it
+  // before the first save, in the background when asked to.
+  return AlignedBuffer::huge_pages(bytes);
 }
 
 size_t StagingPool::capacity_bytes() const {

@@ -7,6 +7,7 @@
 
 #include "core/checksum.hpp"
 #include "core/error.hpp"
+#include "core/stream_copy.hpp"
 #include "io/files.hpp"
 
 namespace fw {
@@ -107,6 +108,9 @@ void SaveJob::start() {
     backend_name_ = backend_->name();
     pool_->reserve(plan_.chunks.size());
     reserved_ = true;
+    // A slot for every chunk: no copy waits for another chunk's checksum.
+    defer_hash_ = pool_->max_slots() == 0 || plan_.chunks.size() <= pool_->max_slots();
+    slot_refs_.reset(new std::atomic<uint8_t>[plan_.chunks.size()]());
     ctl_.start([this] { run(); });
   } catch (...) {
     if (reserved_) pool_->unreserve();
@@ -156,14 +160,40 @@ static void zero_unfilled(const Chunk& c, char* slot) {
     std::memset(slot + c.data_len, 0, c.write_len - c.data_len);
 }
 
-void SaveJob::copy_host_chunk(size_t ci, char* slot) {
+void SaveJob::copy_host_chunk(size_t ci, char* slot, bool hash) {
   const Chunk& c = plan_.chunks[ci];
   zero_unfilled(c, slot);
   for (uint32_t i = 0; i < c.piece_count; ++i) {
     const Piece& p = plan_.pieces[c.first_piece + i];
-    hashes_[p.hash_index] = copy_and_checksum(slot + p.chunk_offset, segments_[p.segment].src + p.src_offset, p.len);
+    const char* src = segments_[p.segment].src + p.src_offset;
+    if (hash)
+      hashes_[p.hash_index] = copy_and_checksum(slot + p.chunk_offset, src, p.len);
+    else
+      stream_copy(slot + p.chunk_offset, src, p.len);
   }
   requests_[ci].buf = slot;
+}
+
+// A deferred chunk, from its slot (its write may be in flight: both only read).
+void SaveJob::hash_host_chunk(size_t ci) {
+  const Chunk& c = plan_.chunks[ci];
+  const char* slot = requests_[ci].buf;
+  for (uint32_t i = 0; i < c.piece_count; ++i) {
+    const Piece& p = plan_.pieces[c.first_piece + i];
+    hashes_[p.hash_index] = checksum(slot + p.chunk_offset, p.len);
+  }
+}
+
+// The write or the checksum of a deferred chunk is over; the last one frees the slot.
+void SaveJob::slot_done(size_t ci) {
+  if (slot_refs_[ci].fetch_sub(1) != 1) return;
+  char* buf = requests_[ci].buf;
+  if (hold_) {
+    std::lock_guard<std::mutex> lk(held_mu_);
+    held_.push_back(buf);
+    return;
+  }
+  pool_->release(buf);
 }
 
 // Copy threads stage the chunks that live in host memory and checksum the
@@ -179,6 +209,16 @@ void SaveJob::copy_worker() {
   std::function<bool()> interrupt;
   if (gpu) interrupt = [this] { return has_landed(); };
   size_t claimed = SIZE_MAX;  // a host chunk this thread owns but has no slot for yet
+  // Chunks this thread copied and has yet to checksum (defer_hash_). Whatever
+  // ends the thread, each gives up its share of the slot.
+  std::vector<size_t> unhashed;
+  struct Unhashed {
+    SaveJob* job;
+    std::vector<size_t>& list;
+    ~Unhashed() {
+      for (size_t ci : list) job->slot_done(ci);
+    }
+  } unhashed_guard{this, unhashed};
   try {
     for (;;) {
       if (ctl_.cancelled()) return;
@@ -218,10 +258,23 @@ void SaveJob::copy_worker() {
         if (!slot) continue;  // cancelled, or a landed chunk to write first (the claim stays)
         const size_t hi = claimed;
         claimed = SIZE_MAX;
-        copy_host_chunk(host_chunks_[hi], slot);
+        const size_t ci = host_chunks_[hi];
+        copy_host_chunk(ci, slot, !defer_hash_);
+        if (defer_hash_) {
+          slot_refs_[ci].store(2);
+          unhashed.push_back(ci);
+        }
         chunk_staged();
-        write_chunk(host_chunks_[hi]);
+        write_chunk(ci);
         continue;
+      }
+      // Every host chunk is staged: checksum this thread's own, from the slots.
+      while (!unhashed.empty()) {
+        if (ctl_.cancelled()) return;
+        const size_t ci = unhashed.back();
+        hash_host_chunk(ci);
+        unhashed.pop_back();
+        slot_done(ci);
       }
       if (!gpu) return;
       // Only device chunks are left: wait for the next one to land.
@@ -303,8 +356,9 @@ void SaveJob::landed(size_t ci, bool ok) {
 }
 
 void SaveJob::chunk_staged() {
-  // A CPU-only save counts as staged when its copy threads are done (run()).
-  if (unstaged_.fetch_sub(1) == 1 && !device_chunks_.empty()) mark_staged();
+  // The last chunk's bytes are in the pool: nothing reads the sources any more
+  // (checksums of deferred chunks read the slots).
+  if (unstaged_.fetch_sub(1) == 1) mark_staged();
 }
 
 void SaveJob::mark_staged() {
@@ -356,13 +410,16 @@ void SaveJob::on_io(IoRequest* r, int64_t res) {
                                          static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
   } else {
     bytes_written_ += c.data_len;
-    if (hold_) {
+    if (hold_ && !slot_refs_[r->tag].load()) {
       std::lock_guard<std::mutex> lk(held_mu_);
       held_.push_back(r->buf);
       return;
     }
   }
-  pool_->release(r->buf);
+  if (slot_refs_[r->tag].load())
+    slot_done(r->tag);  // the checksum may still be reading it
+  else
+    pool_->release(r->buf);
 }
 
 void SaveJob::finish_files() {

@@ -113,7 +113,9 @@ class SaveJob {
 
   void run();
   void copy_worker();
-  void copy_host_chunk(size_t ci, char* slot);
+  void copy_host_chunk(size_t ci, char* slot, bool hash);
+  void hash_host_chunk(size_t ci);
+  void slot_done(size_t ci);
   void stage_device_chunks();  // D2H issuer thread
   void landed(size_t ci, bool ok);
   void write_chunk(size_t ci);
@@ -156,6 +158,12 @@ class SaveJob {
   std::atomic<bool> staged_{false};
   std::atomic<bool> checksummed_{false};
   bool hold_ = false;
+  // When the pool has a slot for every chunk, host chunks are copied first and
+  // checksummed after staging (the caller resumes at memcpy speed): such a
+  // chunk's slot is free again only once both its write and its checksum are
+  // done; slot_refs_[ci] counts them down from 2 (0: not deferred).
+  bool defer_hash_ = false;
+  std::unique_ptr<std::atomic<uint8_t>[]> slot_refs_;
   std::mutex held_mu_;
   std::vector<char*> held_;  // written slots kept for the snapshot
   double staged_s_ = -1, done_s_ = -1;
