@@ -380,7 +380,17 @@ void SaveJob::write_chunk(size_t ci) {
   r.write = true;
   r.done = 0;
   r.tag = ci;
-  backend_->submit(&r);
+  try {
+    backend_->submit(&r);
+  } catch (...) {
+    // Not queued (the backends throw only before they take the request): the
+    // write's share of the slot goes back here, as on_io would have given it.
+    if (slot_refs_[ci].load())
+      slot_done(ci);
+    else
+      pool_->release(r.buf);
+    throw;
+  }
 }
 
 void SaveJob::on_io(IoRequest* r, int64_t res) {
