@@ -161,15 +161,20 @@ def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = Fal
         return leaf(k, where)
 
     def tensor_node(v: torch.Tensor, prefix: str | None) -> dict:
-        if type(v) not in plain_types or (check_storable and (v.is_quantized or v.layout != torch.strided
-                                                              or v.is_meta or v.is_nested)):
+        tv = type(v)
+        if tv not in plain_types or (check_storable and (v.is_quantized or v.layout != torch.strided
+                                                         or v.is_meta or v.is_nested)):
             _check_storable(v, prefix or "<root>")
         node: dict = {"t": "tensor"}
-        if type(v) is torch.nn.Parameter:
+        if tv is torch.nn.Parameter:
             node["param"] = True
         if v.requires_grad:
             node["rg"] = True
-        key = unique_key(prefix)
+        if prefix is not None and prefix not in used:  # the common case, without a call
+            key = prefix
+            used.add(key)
+        else:
+            key = unique_key(prefix)
         if v.numel():
             ptr = v.data_ptr()
             first = first_at.get(ptr)
@@ -189,7 +194,8 @@ def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = Fal
             else:
                 first_at[ptr] = len(tensors)
             if share_storage:
-                base = ptr - v.storage_offset() * v.element_size()
+                off = v.storage_offset()
+                base = ptr - off * v.element_size() if off else ptr
                 gk = base if v.is_cpu else (v.device, base)  # is_cpu: a third of .device's cost
                 g = groups.get(gk)
                 if g is None:

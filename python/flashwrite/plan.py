@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import re
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -80,11 +79,12 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous()
 
 
-_PLAIN_KEY = re.compile(r"[ !#-\[\]-~]*")  # printable ASCII but '"' and '\\': a JSON string as it is
-
-
 def _json_key(key: str) -> str:
-    return f'"{key}"' if _PLAIN_KEY.fullmatch(key) else json.dumps(key)
+    # Printable ASCII but '"' and '\\' is a JSON string as it is (str methods: a regex
+    # match per key of 100,000 costs more).
+    if key.isascii() and key.isprintable() and '"' not in key and "\\" not in key:
+        return f'"{key}"'
+    return json.dumps(key)
 
 
 def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
@@ -99,9 +99,13 @@ def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
         codes[dt] = dtypes.safetensors_code(dt)
     nbytes = [s.nbytes for s in srcs]
     devs = ["cpu" if s.is_cpu else str(s.device) for s in srcs]
-    planned = list(map(PlannedTensor, [ft.key for ft in tensors], srcs, dts, [list(s.shape) for s in srcs],
-                       nbytes, devs))
+    shapes = [s.shape for s in srcs]  # torch.Size: a tuple, so its header text is made once per shape
+    keys = [ft.key for ft in tensors]
+    planned = list(map(PlannedTensor, keys, srcs, dts, map(list, shapes), nbytes, devs))
     del srcs
+    itemsize = {dt: dt.itemsize for dt in codes}
+    sizes = [itemsize[dt] for dt in dts]
+    shape_text: dict[torch.Size, str] = {}
 
     n = max(1, min(stripes, sum(1 for b in nbytes if b) or 1))
     files = [PlannedFile(stripe_name(prefix, i, n)) for i in range(n)]
@@ -118,16 +122,22 @@ def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
     meta = json.dumps({"format": "pt", "writer": "flashwrite", **(metadata or {})}, separators=(",", ":"))
     for fi, (f, idx) in enumerate(zip(files, members)):
         idx.sort()
-        idx.sort(key=lambda j: dts[j].itemsize, reverse=True)  # largest elements first: all stay aligned
+        idx.sort(key=sizes.__getitem__, reverse=True)  # largest elements first: all stay aligned
         parts = ['{"__metadata__":', meta]
+        rels = []
         rel = 0
         for j in idx:
-            p = planned[j]
-            code, nb = codes[p.dtype], p.nbytes
-            shape = ",".join(map(str, p.shape)) if code else str(nb)
-            parts.append(f',{_json_key(p.key)}:{{"dtype":"{code or "U8"}","shape":[{shape}],'
+            code, nb = codes[dts[j]], nbytes[j]
+            if code:
+                sh = shapes[j]
+                shape = shape_text.get(sh)
+                if shape is None:
+                    shape = shape_text[sh] = ",".join(map(str, sh))
+            else:
+                shape = str(nb)
+            parts.append(f',{_json_key(keys[j])}:{{"dtype":"{code or "U8"}","shape":[{shape}],'
                          f'"data_offsets":[{rel},{rel + nb}]}}')
-            p.offset, p.file = rel, fi  # offset relative for now
+            rels.append(rel)
             rel += nb
         parts.append("}")
         body = "".join(parts).encode()
@@ -138,7 +148,7 @@ def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
         f.header = struct.pack("<Q", padded) + body + b" " * (padded - len(body))
         hb = len(f.header)
         f.tensors = [planned[j] for j in idx]
-        for p in f.tensors:
-            p.offset += hb
+        for p, r in zip(f.tensors, rels):
+            p.offset, p.file = hb + r, fi
         f.size = hb + rel
     return files
