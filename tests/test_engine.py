@@ -131,9 +131,9 @@ def test_pool_is_reused_across_saves(tmp_path):
 
 def test_checksums_after_staging_give_every_slot_back(tmp_path):
     # With a slot for every chunk, the copy threads checksum the chunks after staging,
-    # while the writes are in flight: a slot is free only when both are done. Stopped
-    # at every point (just staged, cancelled, failed midway, finished), the pool ends
-    # with every slot free, so trim() can release all of it.
+    # while the writes are in flight: a slot is free only when both are done. Finished,
+    # or cancelled right after staging (checksums and writes still running), the pool
+    # ends with every slot free, so trim() can release all of it.
     src = torch.randint(0, 256, (48 << 20,), dtype=torch.uint8)
     eng = _core.Engine(1 << 20)
     for i, how in enumerate(["finish", "cancel", "cancel", "finish"]):

@@ -1,6 +1,6 @@
 // XXH3 with AVX2 (this file alone is compiled with -mavx2; checksum.cpp calls
-// it only where the CPU has AVX2). 2-3x the SSE2 hash: the staging copy of a
-// save hashes every byte it copies, so this is most of its cost beyond memcpy.
+// it only where the CPU has AVX2). 2-3x the SSE2 hash: a save hashes every
+// byte it stages, and a load every byte it verifies.
 #include <stddef.h>
 #include <stdint.h>
 

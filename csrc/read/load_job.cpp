@@ -171,11 +171,15 @@ void LoadJob::fault_in(size_t i) {
     buffers_[f]->prefault(static_cast<size_t>(r.offset), r.len);
 }
 
-void LoadJob::fault_ahead_one() {
-  size_t i = fault_next_.fetch_add(1);
-  if (i >= requests_.size() || !claim_fault(i, 1)) return;
+void LoadJob::fault_in_once(size_t i) {
+  if (!claim_fault(i, 1)) return;
   fault_in(i);
   fault_state_[i].store(2);
+}
+
+void LoadJob::fault_ahead_one() {
+  size_t i = fault_next_.fetch_add(1);
+  if (i < requests_.size()) fault_in_once(i);
 }
 
 void LoadJob::verify_worker() {
@@ -213,10 +217,7 @@ void LoadJob::verify_worker() {
     if (to_placer_[ci]) {
       // Not faulted in ahead (the workers were busy with earlier chunks): in
       // one call here, far cheaper than the copy's page-by-page faults.
-      if (claim_fault(ci, 1)) {
-        fault_in(ci);
-        fault_state_[ci].store(2);
-      }
+      fault_in_once(ci);
       // Verified before it is copied: damaged bytes never reach a tensor.
       uint32_t f = file_of_request_[ci];
       char* host_dst = buffers_[f] ? buffers_[f]->data() + r.offset : nullptr;
@@ -264,10 +265,7 @@ void LoadJob::run() {
     // earlier reads are in flight, rather than in the kernel's direct-I/O path
     // where it stalls the request; unless a worker has claimed it already (one
     // still at it races the kernel's faults safely: neither writes a byte).
-    if (claim_fault(r.tag, 1)) {
-      fault_in(r.tag);
-      fault_state_[r.tag].store(2);
-    }
+    fault_in_once(r.tag);
     backend_->submit(&r);
   }
   backend_->drain();

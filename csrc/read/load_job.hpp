@@ -79,6 +79,7 @@ class LoadJob {
   // not wanted. claim_fault moves 0 to `to`; whoever claims it does the work.
   bool claim_fault(size_t request, uint8_t to);
   void fault_in(size_t request);  // the request's destinations (placed bytes or buffer)
+  void fault_in_once(size_t request);  // fault_in unless someone has claimed it
   void fault_ahead_one();  // the next unclaimed request in read order
   void fail(std::exception_ptr e);
   bool fall_back_to_buffered(IoRequest* r, uint32_t file);

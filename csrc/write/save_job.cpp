@@ -184,16 +184,20 @@ void SaveJob::hash_host_chunk(size_t ci) {
   }
 }
 
-// The write or the checksum of a deferred chunk is over; the last one frees the slot.
-void SaveJob::slot_done(size_t ci) {
-  if (slot_refs_[ci].fetch_sub(1) != 1) return;
-  char* buf = requests_[ci].buf;
-  if (hold_) {
+// A chunk is done with its slot: kept for the snapshot (hold_slots, once written)
+// or back to the pool.
+void SaveJob::return_slot(char* buf, bool written) {
+  if (hold_ && written) {
     std::lock_guard<std::mutex> lk(held_mu_);
     held_.push_back(buf);
     return;
   }
   pool_->release(buf);
+}
+
+// The write or the checksum of a deferred chunk is over; the last one frees the slot.
+void SaveJob::slot_done(size_t ci) {
+  if (slot_refs_[ci].fetch_sub(1) == 1) return_slot(requests_[ci].buf, true);
 }
 
 // Copy threads stage the chunks that live in host memory and checksum the
@@ -388,13 +392,14 @@ void SaveJob::write_chunk(size_t ci) {
     if (slot_refs_[ci].load())
       slot_done(ci);
     else
-      pool_->release(r.buf);
+      return_slot(r.buf, false);
     throw;
   }
 }
 
 void SaveJob::on_io(IoRequest* r, int64_t res) {
   const Chunk& c = plan_.chunks[r->tag];
+  bool written = false;
   File& f = *files_[c.file];
   if (res == -EINVAL && (f.direct.load() || r->fd != f.fd.load())) {
     // The file system took O_DIRECT at open but refuses the write: switch this
@@ -420,16 +425,12 @@ void SaveJob::on_io(IoRequest* r, int64_t res) {
                                          static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
   } else {
     bytes_written_ += c.data_len;
-    if (hold_ && !slot_refs_[r->tag].load()) {
-      std::lock_guard<std::mutex> lk(held_mu_);
-      held_.push_back(r->buf);
-      return;
-    }
+    written = true;
   }
   if (slot_refs_[r->tag].load())
     slot_done(r->tag);  // the checksum may still be reading it
   else
-    pool_->release(r->buf);
+    return_slot(r->buf, written);
 }
 
 void SaveJob::finish_files() {

@@ -115,6 +115,7 @@ class SaveJob {
   void copy_worker();
   void copy_host_chunk(size_t ci, char* slot, bool hash);
   void hash_host_chunk(size_t ci);
+  void return_slot(char* buf, bool written);
   void slot_done(size_t ci);
   void stage_device_chunks();  // D2H issuer thread
   void landed(size_t ci, bool ok);

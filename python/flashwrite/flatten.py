@@ -170,11 +170,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = Fal
             node["param"] = True
         if v.requires_grad:
             node["rg"] = True
-        if prefix is not None and prefix not in used:  # the common case, without a call
-            key = prefix
-            used.add(key)
-        else:
-            key = unique_key(prefix)
+        key = unique_key(prefix)
         if v.numel():
             ptr = v.data_ptr()
             first = first_at.get(ptr)
