@@ -66,18 +66,18 @@ def save(sd, d, device_of, streams=(), engine=None, stripes=3, wait=True, on_dev
     os.makedirs(d, exist_ok=True)
     _, tensors, _ = flatten(sd)
     files = plan_files(tensors, stripes)
-    def address(p):
+    def address(p, source):
         if device_of(p.key) < 0:
-            return p.source.data_ptr()
-        addr = to_device(p.source)
+            return source.data_ptr()
+        addr = to_device(source)
         on_device(addr)
         return addr
 
-    segs = [(address(p), p.nbytes, fi, p.offset, device_of(p.key)) for fi, f in enumerate(files) for p in f.tensors
-            if p.nbytes]
+    segs = [(address(p, f.columns.sources[j]), p.nbytes, fi, p.offset, device_of(p.key))
+            for fi, f in enumerate(files) for p, j in zip(f.tensors, f.members) if p.nbytes]
     eng = engine or _core.Engine(1 << 20)
     job = eng.start_save([(os.path.join(d, f.name), f.header, f.size) for f in files], segs,
-                         [p.source for f in files for p in f.tensors], streams=list(streams))
+                         [f.columns.sources for f in files], streams=list(streams))
     if wait:
         job.wait()
     return eng, job, files

@@ -154,13 +154,13 @@ def test_engine_accepts_four_and_five_field_segments(tmp_path):
     sd = {"a": torch.randn(300_000), "b": torch.arange(1000, dtype=torch.int64), "c": torch.randn(3, 3)}
     for fields in (4, 5):
         files = _plan(sd)
-        segs = [(p.source.data_ptr(), p.nbytes, fi, p.offset, -1)[:fields]
-                for fi, f in enumerate(files) for p in f.tensors if p.nbytes]
+        segs = [(f.columns.sources[j].data_ptr(), p.nbytes, fi, p.offset, -1)[:fields]
+                for fi, f in enumerate(files) for p, j in zip(f.tensors, f.members) if p.nbytes]
         eng = _core.Engine(1 << 20)
         d = tmp_path / str(fields)
         d.mkdir()
         job = eng.start_save([(str(d / f.name), f.header, f.size) for f in files], segs,
-                             [p.source for f in files for p in f.tensors])
+                             [f.columns.sources for f in files])
         assert job.wait(60)
         job.rethrow()
         assert job.stats()["device_bytes"] == 0

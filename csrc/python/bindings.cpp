@@ -9,10 +9,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <thread>
 
 #include "core/checksum.hpp"
@@ -24,6 +26,8 @@
 #include "engine/engine.hpp"
 #include "shim/cuda.hpp"
 #include "write/chunk_plan.hpp"
+#include "write/stripe_layout.hpp"
+#include "python/state_walk.hpp"
 
 namespace py = pybind11;
 using namespace fw;
@@ -99,15 +103,48 @@ std::vector<Segment> parse_segments(const py::sequence& segments, std::vector<in
   return segs;
 }
 
+// Host-memory segments straight from a plan's columns, with no tuple per tensor:
+// (file, members, offsets, ptrs, nbytes) per file; member k is tensor members[k],
+// at offsets[k] in the file, at address ptrs[j] with nbytes[j] bytes (empty ones skipped).
+void append_host_segments(const py::sequence& host_files, std::vector<Segment>& segs) {
+  auto u64 = [](PyObject* list, Py_ssize_t i, const char* what) {
+    if (i < 0 || i >= PyList_GET_SIZE(list)) throw py::index_error(std::string("host_files: ") + what + " out of range");
+    unsigned long long v = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(list, i));
+    if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
+    return static_cast<uint64_t>(v);
+  };
+  for (py::handle h : host_files) {
+    auto t = py::reinterpret_borrow<py::tuple>(h);
+    if (t.size() != 5) throw py::value_error("a host file is (file, members, offsets, ptrs, nbytes)");
+    const uint32_t file = t[0].cast<uint32_t>();
+    PyObject* members = t[1].ptr();
+    PyObject* offsets = t[2].ptr();
+    PyObject* ptrs = t[3].ptr();
+    PyObject* nbytes = t[4].ptr();
+    for (PyObject* l : {members, offsets, ptrs, nbytes})
+      if (!PyList_Check(l)) throw py::type_error("host_files: members, offsets, ptrs and nbytes are lists");
+    if (PyList_GET_SIZE(members) != PyList_GET_SIZE(offsets)) throw py::value_error("host_files: members != offsets");
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(members); ++k) {
+      const auto j = static_cast<Py_ssize_t>(u64(members, k, "member"));
+      const uint64_t n = u64(nbytes, j, "member");
+      if (!n) continue;
+      const uint64_t addr = u64(ptrs, j, "member");
+      if (!addr) throw py::value_error("host_files: a tensor with bytes has no address");
+      segs.push_back(Segment{reinterpret_cast<const char*>(addr), n, file, u64(offsets, k, "offset")});
+    }
+  }
+}
+
 // Engine.start_save's arguments, parsed with the GIL held.
 std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<std::string, py::object, uint64_t>>& files,
                                       const py::sequence& segments, py::object keepalive, const std::string& backend,
                                       unsigned queue_depth, unsigned copy_threads, bool direct, const GivenStreams& streams,
-                                      bool hold_slots) {
+                                      bool hold_slots, const py::sequence& host_files) {
   std::vector<FileSpec> fs;
   for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
   std::vector<int> devices;
   std::vector<Segment> segs = parse_segments(segments, devices);
+  append_host_segments(host_files, segs);
   SaveOptions opt;
   opt.backend = parse_backend(backend);
   opt.queue_depth = queue_depth;
@@ -246,9 +283,11 @@ PYBIND11_MODULE(_core, m) {
            py::arg("backend") = "auto", py::arg("queue_depth") = defaults::kWriteQueueDepth,
            py::arg("copy_threads") = defaults::kCopyThreads,
            py::arg("direct") = true, py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
-           py::arg("hold_slots") = false,
+           py::arg("hold_slots") = false, py::arg("host_files") = py::list(),
            "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "
-           "[(address, nbytes, file, offset[, device])] with device -1 for host memory; keepalive must own "
+           "[(address, nbytes, file, offset[, device])] with device -1 for host memory; host_files: more "
+           "host-memory segments as columns, [(file, members, offsets, ptrs, nbytes)] (member k of a file is "
+           "tensor members[k] at offsets[k], with ptrs[members[k]] and nbytes[members[k]]); keepalive must own "
            "every address until staged. streams: [(device, cudaStream_t)] the GPU copies are ordered after "
            "(PyTorch's current streams; a device without one uses its legacy default stream). Returns once "
            "that ordering is in place. hold_slots: keep the staged image whole in the pool until "
@@ -408,6 +447,101 @@ PYBIND11_MODULE(_core, m) {
       },
       "The chunk arithmetic of a save, exposed for tests: ([(file, offset, data_len, write_len, has_gaps, "
       "[(segment, src_offset, chunk_offset, len, hash_index)])], segment_hash_start).");
+
+  m.attr("HEADER_ALIGN") = kHeaderAlign;
+  m.attr("MAX_HEADER_BYTES") = kMaxHeaderBytes;
+  m.attr("WALK_CPU") = static_cast<long long>(kCpu);
+  m.attr("WALK_PARAM") = static_cast<long long>(kParam);
+  m.attr("WALK_REQUIRES_GRAD") = static_cast<long long>(kRequiresGrad);
+  m.attr("WALK_DENSE") = static_cast<long long>(kDense);
+  m.def(
+      "walk_state",
+      [](py::handle state, py::type tensor, py::type parameter, py::type odict, py::object other, py::object leaf,
+         py::object check, bool check_all, int max_depth) {
+        WalkTypes types{reinterpret_cast<PyTypeObject*>(tensor.ptr()), reinterpret_cast<PyTypeObject*>(parameter.ptr()),
+                        reinterpret_cast<PyTypeObject*>(odict.ptr())};
+        WalkResult r = walk_state(state.ptr(), types, std::move(other), std::move(leaf), std::move(check), check_all,
+                                  max_depth);
+        return py::make_tuple(r.tree, r.tensors, r.keys, r.nodes, r.dtypes, r.shapes, r.ptrs, r.bases, r.nbytes,
+                              r.flags, r.used);
+      },
+      py::arg("state"), py::arg("tensor"), py::arg("parameter"), py::arg("odict"), py::arg("other"), py::arg("leaf"),
+      py::arg("check"), py::arg("check_all"), py::arg("max_depth"),
+      "flatten.py's tree walk: (tree, tensors, keys, nodes, dtypes, shapes, ptrs, bases, nbytes, flags, used keys), "
+      "one column entry per tensor met. See csrc/python/state_walk.hpp.");
+
+  m.def(
+      "layout_stripes",
+      [](const py::list& keys, const py::list& dtypes, const py::list& shapes, const py::list& nbytes,
+         const py::dict& dtype_codes, const std::vector<std::string>& names, const std::string& metadata_json,
+         const py::object& quote) {
+        const size_t n = keys.size();
+        if (dtypes.size() != n || shapes.size() != n || nbytes.size() != n)
+          throw py::value_error("layout_stripes: keys, dtypes, shapes and nbytes differ in length");
+        std::vector<LayoutTensor> ts(n);
+        std::deque<std::string> made;  // strings made here (escaped keys, byte counts): ts views them
+        auto utf8 = [](PyObject* o) -> std::optional<std::string_view> {
+          Py_ssize_t len = 0;
+          const char* p = PyUnicode_Check(o) ? PyUnicode_AsUTF8AndSize(o, &len) : nullptr;
+          if (!p) {
+            PyErr_Clear();
+            return std::nullopt;
+          }
+          return std::string_view(p, static_cast<size_t>(len));
+        };
+        for (size_t i = 0; i < n; ++i) {
+          LayoutTensor& t = ts[i];
+          PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
+          auto key = utf8(k);
+          bool plain = key.has_value();
+          for (size_t c = 0; plain && c < key->size(); ++c) {
+            unsigned char ch = static_cast<unsigned char>((*key)[c]);
+            plain = ch >= 0x20 && ch < 0x7f && ch != '"' && ch != '\\';
+          }
+          if (plain) {
+            t.key = *key;
+          } else {
+            t.key = made.emplace_back(quote(py::handle(k)).cast<std::string>());  // json.dumps' escapes
+            t.quoted = true;
+          }
+          PyObject* info = PyDict_GetItemWithError(dtype_codes.ptr(), PyList_GET_ITEM(dtypes.ptr(), i));
+          if (!info) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            throw py::value_error("layout_stripes: a dtype missing from dtype_codes");
+          }
+          if (!PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 2)
+            throw py::type_error("layout_stripes: dtype_codes values are (code or None, itemsize)");
+          PyObject* code = PyTuple_GET_ITEM(info, 0);
+          t.nbytes = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(nbytes.ptr(), i));
+          t.itemsize = static_cast<unsigned>(PyLong_AsUnsignedLong(PyTuple_GET_ITEM(info, 1)));
+          if (PyErr_Occurred()) throw py::error_already_set();
+          if (code == Py_None) {  // stored as bytes: U8 of its byte count
+            t.code = "U8";
+            t.shape = made.emplace_back(std::to_string(t.nbytes));
+          } else {
+            auto c = utf8(code);
+            auto shape = utf8(PyList_GET_ITEM(shapes.ptr(), i));
+            if (!c || !shape) throw py::type_error("layout_stripes: codes and shapes are str");
+            t.code = *c;
+            t.shape = *shape;
+          }
+        }
+        std::vector<LayoutFile> files;
+        try {
+          files = layout_stripes(ts, names, metadata_json);
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+        py::list out;
+        for (auto& f : files)
+          out.append(py::make_tuple(py::bytes(f.header), f.size, py::cast(f.members), py::cast(f.offsets)));
+        return out;
+      },
+      py::arg("keys"), py::arg("dtypes"), py::arg("shapes"), py::arg("nbytes"), py::arg("dtype_codes"),
+      py::arg("names"), py::arg("metadata_json"), py::arg("quote"),
+      "plan.py's stripe layout, one file per name: [(header, size, members, offsets)]. shapes: as text "
+      "(\"4096,1024\"). dtype_codes: {dtype: (safetensors "
+      "code or None for bytes, itemsize)}; quote(key) -> the key as a JSON string, for keys that need escapes.");
 
   m.def("fsync_dir", [](const std::string& p) {
     py::gil_scoped_release nogil;

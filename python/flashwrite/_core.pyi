@@ -15,6 +15,13 @@ from typing_extensions import Buffer as _BufferLike
 __version__: str
 CHECKSUM_ALGORITHM: str  # "xxh3-64"
 ALIGN: int  # 4096: every O_DIRECT offset, length and buffer is a multiple of it
+HEADER_ALIGN: int  # 4096: a stripe's tensor data starts on this boundary
+MAX_HEADER_BYTES: int  # safetensors' own limit on a header
+# walk_state's per-tensor flags
+WALK_CPU: int  # host memory
+WALK_PARAM: int  # an nn.Parameter
+WALK_REQUIRES_GRAD: int  # requires_grad
+WALK_DENSE: int  # stored as it is: contiguous, not a negative or conjugate view
 
 class _Defaults(TypedDict):
     stripes: int
@@ -40,6 +47,10 @@ SaveFile = tuple[str, _BufferLike, int]
 # (address, nbytes, file, offset, device) where device -1 is host memory and
 # >= 0 a GPU. file indexes the files list, offset is within that file.
 Segment = tuple[int, int, int, int] | tuple[int, int, int, int, int]
+# Host-memory segments of one file as columns: (file, members, offsets, ptrs, nbytes):
+# member k is tensor members[k], at offsets[k] in the file, from address
+# ptrs[members[k]], nbytes[members[k]] bytes (empty tensors are skipped).
+HostFile = tuple[int, list[int], list[int], list[int], list[int]]
 # A caller's stream the GPU copies are ordered after: (device, cudaStream_t as int);
 # a device without one uses its legacy default stream (0).
 Stream = tuple[int, int]
@@ -133,9 +144,11 @@ class Engine:
     def __init__(self, chunk_bytes: int, max_staging_bytes: int = 0) -> None: ...
     def start_save(self, files: Sequence[SaveFile], segments: Sequence[Segment], keepalive: Any,
                    backend: str = "auto", queue_depth: int = ..., copy_threads: int = ...,
-                   direct: bool = True, streams: Sequence[Stream] = ..., hold_slots: bool = False) -> SaveJob:
+                   direct: bool = True, streams: Sequence[Stream] = ..., hold_slots: bool = False,
+                   host_files: Sequence[HostFile] = ...) -> SaveJob:
         """Open the stripes and start staging + writing; keepalive must own every
-        segment address until staged. Returns once the GPU copies are ordered after
+        segment address until staged. host_files: more host-memory segments as a
+        plan's columns (no tuple per tensor). Returns once the GPU copies are ordered after
         `streams`. Defaults: DEFAULTS["write_queue_depth"], DEFAULTS["copy_threads"]."""
     @property
     def chunk_bytes(self) -> int: ...
@@ -209,6 +222,26 @@ def plan_chunks(sizes: Sequence[int], segments: Sequence[tuple[int, int, int]],
                 chunk_bytes: int) -> tuple[list[PlanChunk], list[int]]:
     """The chunk arithmetic of a save, for tests. segments: (nbytes, file, offset).
     Returns (chunks, segment_hash_start)."""
+
+# walk_state's result: (tree, tensors, keys, nodes, dtypes, shapes as text, ptrs,
+# bases, nbytes, flags, used keys), one column entry per tensor met in walk order.
+WalkResult = tuple[dict, list[Any], list[str], list[dict], list[Any], list[str], list[int], list[int], list[int],
+                   list[int], set[str]]
+
+def walk_state(state: Any, tensor: type, parameter: type, odict: type, other: Any, leaf: Any, check: Any,
+               check_all: bool, max_depth: int) -> WalkResult:
+    """flatten.py's tree walk, natively (csrc/python/state_walk.hpp): the plain containers
+    and tensors here; other(v, prefix) -> node | tensor for everything else, leaf(k, where)
+    -> node for dict keys that are not str or tuple, check(t, where) raises for a tensor
+    that cannot be stored (called for subclasses, and every tensor when check_all)."""
+
+def layout_stripes(keys: list[str], dtypes: list[Any], shapes: list[str], nbytes: list[int],
+                   dtype_codes: dict[Any, tuple[str | None, int]], names: Sequence[str], metadata_json: str,
+                   quote: Any) -> list[tuple[bytes, int, list[int], list[int]]]:
+    """plan.py's stripe layout, one file per name: [(header, size, members, offsets)].
+    dtype_codes: {dtype: (safetensors code or None for bytes, itemsize)}; quote(key)
+    spells a key that needs escapes as a JSON string (json.dumps). ValueError names the
+    file whose header would pass MAX_HEADER_BYTES."""
 
 def fsync_dir(path: str, /) -> None: ...
 def rename_exchange(a: str, b: str, /) -> bool:

@@ -23,12 +23,13 @@ import collections
 import math
 import pickle
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
-from . import dtypes
+from . import _core, dtypes
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
 MAX_DEPTH = 200
@@ -87,6 +88,55 @@ def _check_storable(v: torch.Tensor, where: str) -> None:
                         "(only torch.Tensor and nn.Parameter); store a plain tensor, e.g. t.as_subclass(torch.Tensor)")
 
 
+@dataclass(slots=True)
+class Columns:
+    """What the plan and the stager need of each stored tensor, read once by the walk
+    (aligned with the tensors list; sources as stored: contiguous, resolved)."""
+    keys: list[str]
+    # Contiguous, on their original device. Handed to the native job (which keeps them
+    # alive only until staged) and then dropped (None), so the caller's memory is not
+    # held until the checkpoint commits.
+    sources: list[torch.Tensor] | None
+    dtypes: list[torch.dtype]
+    shapes: list[str]  # as the header spells them: "4096,1024" ("" for a scalar)
+    nbytes: list[int]
+    ptrs: list[int]  # data_ptr() of each source, 0 for an empty one
+    devices: list[str]  # "cpu", "cuda:0", ...
+
+    def flat(self) -> list[FlatTensor]:
+        """As (key, tensor) pairs, for the paths that still work tensor by tensor."""
+        if self.sources is None:
+            raise RuntimeError("these columns were staged already: their sources are gone")
+        return list(map(FlatTensor, self.keys, self.sources))
+
+
+def stored_form(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes are stored for ``t``: contiguous, conjugate and negative
+    views resolved (``t`` itself in the common case)."""
+    if not t.requires_grad and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t  # the common case, without detach()'s cost per tensor
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.is_contiguous():
+        return t
+    with warnings.catch_warnings():  # our own copy of a complex32 view is no experiment of the user's
+        warnings.filterwarnings("ignore", "ComplexHalf support is experimental")
+        return t.contiguous()
+
+
+def columns_of(tensors: list[FlatTensor]) -> Columns:
+    """The columns of tensors that did not come straight from the walk (shared storage
+    resolved, a model split off for Hugging Face, a conversion): read here, as stored."""
+    srcs = [stored_form(ft.tensor) for ft in tensors]
+    return Columns([ft.key for ft in tensors], srcs, [s.dtype for s in srcs],
+                   [",".join(map(str, s.shape)) for s in srcs], [s.nbytes for s in srcs],
+                   [s.data_ptr() if s.nbytes and s.device.type != "meta" else 0 for s in srcs],
+                   ["cpu" if s.is_cpu else str(s.device) for s in srcs])
+
+
 def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = False,
             check_storable: bool = True) -> tuple[dict, list[FlatTensor], dict[str, str]]:
     """Returns (tree, unique tensors, aliases {key: canonical key}).
@@ -95,35 +145,29 @@ def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = Fal
     cover, and the others become ``view`` nodes (what a save wants). Without it every
     distinct view is its own tensor (what matching keys against a destination wants).
 
-    Runs once per tensor of states with 100,000 of them: the per-tensor path reads
-    only cheap attributes, and the exact alias identity is computed only for tensors
-    whose data pointer was seen before.
-
     check_storable=False skips the per-tensor checks for tensors that hold no plain
     bytes (quantized, meta, nested, sparse): for a caller that fails on them anyway
     later (the save path) and then calls ``diagnose`` for the message that names the key.
     """
-    tensors: list[FlatTensor] = []
-    tensor_nodes: list[dict] = []  # the node of each stored tensor, by index
-    alias_nodes: list[tuple[str, dict]] = []  # (canonical key, node) of every alias
-    aliases: dict[str, str] = {}
-    first_at: dict[int, int] = {}  # data pointer -> index of the first stored tensor there
-    exact: dict[tuple, str] = {}  # alias identity -> key, for tensors whose pointer collided
-    identified: set[int] = set()
-    used: set[str] = set()
-    groups: dict[Any, int | list[int]] = {}  # storage address (with the device if not CPU) -> indices into tensors
-    np = sys.modules.get("numpy")  # no numpy imported: no numpy values can be in the state
-    plain_types = (torch.Tensor, torch.nn.Parameter)
+    tree, tensors, aliases, columns = _flatten(state, allow_pickle, share_storage, check_storable)
+    return tree, tensors if tensors is not None else columns.flat(), aliases
 
-    def unique_key(prefix: str | None) -> str:
-        key = "tensor" if prefix is None else prefix
-        if key in used:
-            n = 1
-            while f"{key}#{n}" in used:
-                n += 1
-            key = f"{key}#{n}"
-        used.add(key)
-        return key
+
+def flatten_columns(state: Any, *, allow_pickle: bool = False) -> tuple[dict, dict[str, str], Columns]:
+    """``flatten`` as a save wants it (shared storage resolved, tensors unchecked): (tree,
+    aliases, the stored tensors as columns). The walk read the columns; a tensor object
+    is made per tensor only for views that are stored resolved."""
+    tree, tensors, aliases, columns = _flatten(state, allow_pickle, True, False)
+    return tree, aliases, columns if columns is not None else columns_of(tensors)
+
+
+def _flatten(state: Any, allow_pickle: bool, share_storage: bool,
+             check_storable: bool) -> tuple[dict, list[FlatTensor] | None, dict[str, str], Columns | None]:
+    """(tree, tensors, aliases, columns): columns when the walk's stand (no shared
+    storage to resolve), and then tensors only if share_storage is off."""
+    # The walk is native (csrc/python/state_walk.cpp: about 3 µs of Python per tensor
+    # before); it calls back here for everything that is not a container or a tensor.
+    np = sys.modules.get("numpy")  # no numpy imported: no numpy values can be in the state
 
     def leaf(v: Any, where: str) -> dict:
         if np is not None and isinstance(v, np.generic) and v.dtype.kind in _NUMPY_KINDS:  # before float: float64
@@ -153,26 +197,71 @@ def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = Fal
             f"{where}: cannot store {type(v).__module__}.{type(v).__qualname__} without pickling; "
             "pass allow_pickle=True to save (and to load) to opt in")
 
-    def key_node(k: Any, where: str) -> dict:
-        if type(k) is str:
-            return {"t": "str", "v": k}
-        if type(k) is tuple:  # tuple keys of plain values, e.g. (layer, head)
-            return {"t": "tuple", "items": [key_node(x, where) for x in k]}
-        return leaf(k, where)
+    def other(v: Any, prefix: str | None) -> dict | torch.Tensor:
+        """A value that is not a container or a tensor: its node, or for a numpy array
+        of a numeric dtype the tensor that stores its data (an ``ndarray`` node)."""
+        if np is not None and isinstance(v, np.ndarray) and v.dtype.kind in _NUMPY_KINDS and v.dtype.fields is None:
+            arr = v if v.dtype.isnative else v.astype(v.dtype.newbyteorder("="))
+            t = torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy())
+            return t.reshape(arr.shape)
+        if isinstance(v, torch.Size):
+            return {"t": "size", "v": list(v)}
+        return leaf(v, prefix or "<root>")
 
-    def tensor_node(v: torch.Tensor, prefix: str | None) -> dict:
-        tv = type(v)
-        if tv not in plain_types or (check_storable and (v.is_quantized or v.layout != torch.strided
-                                                         or v.is_meta or v.is_nested)):
-            _check_storable(v, prefix or "<root>")
-        node: dict = {"t": "tensor"}
-        if tv is torch.nn.Parameter:
-            node["param"] = True
-        if v.requires_grad:
-            node["rg"] = True
-        key = unique_key(prefix)
-        if v.numel():
-            ptr = v.data_ptr()
+    (tree, objs, keys, nodes, dts, shapes, ptrs, bases, nbytes, flags,
+     used) = _core.walk_state(state, torch.Tensor, torch.nn.Parameter, collections.OrderedDict, other, leaf,
+                              _check_storable, check_storable, MAX_DEPTH)
+    stored = len(nbytes) - nbytes.count(0)
+    distinct_ptrs, distinct_bases = set(ptrs), set(bases) if share_storage else None
+    distinct_ptrs.discard(0)
+    if distinct_bases is not None:
+        distinct_bases.discard(0)
+    if len(distinct_ptrs) == stored and (distinct_bases is None or len(distinct_bases) == stored):
+        # No two tensors show bytes at one address and none shares a storage (the common
+        # case): every tensor is stored as it is, and the columns stand.
+        if not share_storage:  # not a save: the caller wants the tensors as they are
+            return tree, list(map(FlatTensor, keys, objs)), {}, None
+        devices = ["cpu" if f & _CPU else str(t.device) for f, t in zip(flags, objs)]
+        for i in [i for i, f in enumerate(flags) if not f & _DENSE]:  # stored resolved: a copy of its own
+            objs[i] = stored_form(objs[i])
+            ptrs[i] = objs[i].data_ptr() if nbytes[i] else 0
+        return tree, None, {}, Columns(keys, objs, dts, shapes, nbytes, ptrs, devices)
+    return (tree, *_resolve_shared(objs, keys, nodes, ptrs, bases, nbytes, flags, used, share_storage), None)
+
+
+_CPU, _DENSE = _core.WALK_CPU, _core.WALK_DENSE
+
+
+def _resolve_shared(objs: list, keys: list[str], nodes: list[dict], ptrs: list[int], bases: list[int],
+                    nbytes: list[int], flags: list[int], used: set[str],
+                    share_storage: bool) -> tuple[dict, list[FlatTensor], dict[str, str]]:
+    """Tied weights and shared storage, for a walk that met two tensors at one address
+    (or, with share_storage, two tensors of one storage). A tensor whose exact bytes were
+    met before (same storage, offset, shape, strides, dtype) becomes an alias; with
+    share_storage, tensors that view one storage are stored once (see ``_share``).
+
+    The exact identity is computed only for tensors whose data pointer was seen before."""
+    tensors: list[FlatTensor] = []
+    tensor_nodes: list[dict] = []  # the node of each stored tensor, by index
+    alias_nodes: list[tuple[str, dict]] = []  # (canonical key, node) of every alias
+    aliases: dict[str, str] = {}
+    first_at: dict[int, int] = {}  # data pointer -> index of the first stored tensor there
+    exact: dict[tuple, str] = {}  # alias identity -> key, for tensors whose pointer collided
+    identified: set[int] = set()
+    groups: dict[Any, int | list[int]] = {}  # storage address (with the device if not CPU) -> indices into tensors
+
+    def unique_key(prefix: str) -> str:
+        key = prefix
+        if key in used:
+            n = 1
+            while f"{key}#{n}" in used:
+                n += 1
+            key = f"{key}#{n}"
+        used.add(key)
+        return key
+
+    for v, key, node, ptr, base, nb, fl in zip(objs, keys, nodes, ptrs, bases, nbytes, flags):
+        if nb:
             first = first_at.get(ptr)
             if first is not None:  # maybe the same bytes again (tied weights): compare exactly
                 if first not in identified:
@@ -184,15 +273,13 @@ def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = Fal
                     aliases[key] = canon
                     node["k"] = canon
                     alias_nodes.append((canon, node))
-                    return node
+                    continue
                 exact[ident] = key
                 identified.add(len(tensors))
             else:
                 first_at[ptr] = len(tensors)
             if share_storage:
-                off = v.storage_offset()
-                base = ptr - off * v.element_size() if off else ptr
-                gk = base if v.is_cpu else (v.device, base)  # is_cpu: a third of .device's cost
+                gk = base if fl & _CPU else (v.device, base)
                 g = groups.get(gk)
                 if g is None:
                     groups[gk] = len(tensors)  # a list only once a second tensor shares it
@@ -202,41 +289,10 @@ def flatten(state: Any, *, allow_pickle: bool = False, share_storage: bool = Fal
                     g.append(len(tensors))
         tensors.append(FlatTensor(key, v))
         tensor_nodes.append(node)
-        node["k"] = key
-        return node
-
-    def walk(v: Any, prefix: str | None, depth: int) -> dict:
-        if type(v) in plain_types or isinstance(v, torch.Tensor):
-            return tensor_node(v, prefix)
-        if depth > MAX_DEPTH:
-            raise ValueError(f"{prefix or '<root>'}: state is nested deeper than {MAX_DEPTH} levels")
-        if np is not None and isinstance(v, np.ndarray) and v.dtype.kind in _NUMPY_KINDS and v.dtype.fields is None:
-            arr = v if v.dtype.isnative else v.astype(v.dtype.newbyteorder("="))
-            t = torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy())
-            return {"t": "ndarray", "v": tensor_node(t.reshape(arr.shape), prefix)}
-        if isinstance(v, torch.Size):
-            return {"t": "size", "v": list(v)}
-        tv = type(v)
-        if tv is dict or tv is collections.OrderedDict:
-            where = prefix or "<root>"
-            items = []
-            for k, x in v.items():
-                if isinstance(k, (torch.Tensor, dict, list)):
-                    raise TypeError(f"{where}: unsupported key type {type(k).__qualname__}")
-                items.append([key_node(k, where), walk(x, str(k) if prefix is None else f"{prefix}.{k}", depth + 1)])
-            return {"t": "odict" if tv is collections.OrderedDict else "dict", "items": items}
-        if tv is list or tv is tuple:
-            return {"t": "list" if tv is list else "tuple",
-                    "items": [walk(x, str(i) if prefix is None else f"{prefix}.{i}", depth + 1)
-                              for i, x in enumerate(v)]}
-        return leaf(v, prefix or "<root>")
-
-    tree = walk(state, None, 0)
-    # They reach themselves through their closures: break the cycle so the caller's tensors go with the caller.
-    walk = tensor_node = None  # type: ignore[assignment]  # noqa: F841
+    tree_tensors = tensors
     if any(type(g) is list for g in groups.values()):
-        tensors = _share(tensors, tensor_nodes, alias_nodes, aliases, groups, unique_key)
-    return tree, tensors, aliases
+        tree_tensors = _share(tensors, tensor_nodes, alias_nodes, aliases, groups, unique_key)
+    return tree_tensors, aliases
 
 
 def diagnose(state: Any) -> None:

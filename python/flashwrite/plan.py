@@ -9,33 +9,24 @@ lightest stripe).
 
 from __future__ import annotations
 
-import heapq
 import json
-import struct
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from . import dtypes
-from .flatten import FlatTensor
+from . import _core, dtypes
+from .flatten import Columns, FlatTensor, columns_of
 
-ALIGN = 4096
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+MAX_HEADER_BYTES = _core.MAX_HEADER_BYTES  # safetensors' own limit
 
 
 @dataclass(slots=True)
 class PlannedTensor:
     key: str
-    # Contiguous, on its original device. Handed to the native job (which keeps it
-    # alive only until staged) and then dropped here, so the caller's memory is
-    # not held until the checkpoint commits.
-    source: torch.Tensor | None
     dtype: torch.dtype
     shape: list[int]
     nbytes: int
     device: str = "cpu"
-    file: int = 0
     offset: int = 0  # absolute offset in the stripe file
 
     @property
@@ -47,12 +38,31 @@ class PlannedTensor:
         return self.shape if dtypes.safetensors_code(self.dtype) else [self.nbytes]
 
 
-@dataclass
 class PlannedFile:
-    name: str
-    header: bytes = b""
-    size: int = 0
-    tensors: list[PlannedTensor] = field(default_factory=list)
+    """One stripe: its name, header and size, and where each of its tensors goes.
+
+    Its tensors are rows of the plan's ``Columns`` (``members``, at ``offsets``); the
+    ``PlannedTensor`` objects are made only when asked for (by the manifest, after
+    staging), so a save of 100,000 tensors makes none of them while the caller waits."""
+
+    __slots__ = ("name", "header", "size", "keys", "columns", "members", "offsets", "_tensors")
+
+    def __init__(self, name: str, header: bytes, size: int, keys: list[str], columns: Columns,
+                 members: list[int], offsets: list[int]):
+        self.name, self.header, self.size = name, header, size
+        self.keys, self.columns, self.members, self.offsets = keys, columns, members, offsets
+        self._tensors: list[PlannedTensor] | None = None
+
+    @property
+    def tensors(self) -> list[PlannedTensor]:
+        if self._tensors is None:
+            k, c = self.keys, self.columns
+            dims: dict[str, tuple[int, ...]] = {}  # shape text -> dims, parsed once per shape
+            for text in {c.shapes[j] for j in self.members}:
+                dims[text] = tuple(map(int, text.split(","))) if text else ()
+            self._tensors = [PlannedTensor(k[j], c.dtypes[j], list(dims[c.shapes[j]]), c.nbytes[j], c.devices[j], off)
+                             for j, off in zip(self.members, self.offsets)]
+        return self._tensors
 
 
 def stripe_name(prefix: str, i: int, n: int) -> str:
@@ -64,91 +74,23 @@ def rank_prefix(rank: int) -> str:
     return f"model-rank{rank:05d}"
 
 
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    if not t.requires_grad and t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        return t  # the common case, without detach()'s cost per tensor
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if t.is_contiguous():
-        return t
-    with warnings.catch_warnings():  # our own copy of a complex32 view is no experiment of the user's
-        warnings.filterwarnings("ignore", "ComplexHalf support is experimental")
-        return t.contiguous()
+def plan_files(tensors: list[FlatTensor] | None, stripes: int, prefix: str = "model",
+               metadata: dict[str, str] | None = None, columns: Columns | None = None) -> list[PlannedFile]:
+    """Stripes for ``tensors`` (or for the tensors of ``columns``, as the walk read them).
 
-
-def _json_key(key: str) -> str:
-    # Printable ASCII but '"' and '\\' is a JSON string as it is (str methods: a regex
-    # match per key of 100,000 costs more).
-    if key.isascii() and key.isprintable() and '"' not in key and "\\" not in key:
-        return f'"{key}"'
-    return json.dumps(key)
-
-
-def plan_files(tensors: list[FlatTensor], stripes: int, prefix: str = "model",
-               metadata: dict[str, str] | None = None) -> list[PlannedFile]:
-    """Runs once per save of states with 100,000 tensors: attributes are read column by
-    column, each dtype is checked once, and the headers are written as text."""
-    srcs = [_contiguous(ft.tensor) for ft in tensors]
-    dts = [s.dtype for s in srcs]
+    Runs once per save of states with 100,000 tensors: the tensors' attributes come in
+    columns, each dtype is checked once, and the layout and the headers are made
+    natively (csrc/write/stripe_layout.cpp)."""
+    if columns is None:
+        columns = columns_of(tensors or [])
+    dts, nbytes = columns.dtypes, columns.nbytes
     codes = {}
     for dt in set(dts):
         dtypes.dtype_name(dt)  # raises for dtypes we cannot store
-        codes[dt] = dtypes.safetensors_code(dt)
-    nbytes = [s.nbytes for s in srcs]
-    devs = ["cpu" if s.is_cpu else str(s.device) for s in srcs]
-    shapes = [s.shape for s in srcs]  # torch.Size: a tuple, so its header text is made once per shape
-    keys = [ft.key for ft in tensors]
-    planned = list(map(PlannedTensor, keys, srcs, dts, map(list, shapes), nbytes, devs))
-    del srcs
-    itemsize = {dt: dt.itemsize for dt in codes}
-    sizes = [itemsize[dt] for dt in dts]
-    shape_text: dict[torch.Size, str] = {}
-
-    n = max(1, min(stripes, sum(1 for b in nbytes if b) or 1))
-    files = [PlannedFile(stripe_name(prefix, i, n)) for i in range(n)]
-    members: list[list[int]] = [[] for _ in range(n)]
-    if n == 1:
-        members[0] = list(range(len(planned)))
-    else:
-        # Largest first to the lightest stripe; equal sizes keep the state's order (a stable sort).
-        heap = [(0, i) for i in range(n)]
-        for j in sorted(range(len(planned)), key=nbytes.__getitem__, reverse=True):
-            load, i = heap[0]
-            members[i].append(j)
-            heapq.heapreplace(heap, (load + nbytes[j], i))
+        codes[dt] = (dtypes.safetensors_code(dt), dt.itemsize)
+    n = max(1, min(stripes, len(nbytes) - nbytes.count(0)))
+    names = [stripe_name(prefix, i, n) for i in range(n)]
     meta = json.dumps({"format": "pt", "writer": "flashwrite", **(metadata or {})}, separators=(",", ":"))
-    for fi, (f, idx) in enumerate(zip(files, members)):
-        idx.sort()
-        idx.sort(key=sizes.__getitem__, reverse=True)  # largest elements first: all stay aligned
-        parts = ['{"__metadata__":', meta]
-        rels = []
-        rel = 0
-        for j in idx:
-            code, nb = codes[dts[j]], nbytes[j]
-            if code:
-                sh = shapes[j]
-                shape = shape_text.get(sh)
-                if shape is None:
-                    shape = shape_text[sh] = ",".join(map(str, sh))
-            else:
-                shape = str(nb)
-            parts.append(f',{_json_key(keys[j])}:{{"dtype":"{code or "U8"}","shape":[{shape}],'
-                         f'"data_offsets":[{rel},{rel + nb}]}}')
-            rels.append(rel)
-            rel += nb
-        parts.append("}")
-        body = "".join(parts).encode()
-        padded = -(-(8 + len(body)) // ALIGN) * ALIGN - 8
-        if padded > MAX_HEADER_BYTES:
-            raise ValueError(f"{f.name}: safetensors header would be {padded} bytes (limit {MAX_HEADER_BYTES}); "
-                             "use more stripes")
-        f.header = struct.pack("<Q", padded) + body + b" " * (padded - len(body))
-        hb = len(f.header)
-        f.tensors = [planned[j] for j in idx]
-        for p, r in zip(f.tensors, rels):
-            p.offset, p.file = hb + r, fi
-        f.size = hb + rel
-    return files
+    layout = _core.layout_stripes(columns.keys, dts, columns.shapes, nbytes, codes, names, meta, json.dumps)
+    return [PlannedFile(name, header, size, columns.keys, columns, members, offsets)
+            for name, (header, size, members, offsets) in zip(names, layout)]

@@ -20,7 +20,7 @@ import torch
 
 from . import _core, commit, defaults, distributed, hf, local, tuning
 from . import write as _write
-from .flatten import flatten
+from .flatten import flatten_columns
 from .plan import plan_files
 from .format import build_index
 from .future import SaveFuture, SaveStats
@@ -311,9 +311,9 @@ class Writer:
 def _planned_bytes(state: Any, stripes: int, chunk_bytes: int) -> tuple[int, Any]:
     """(pool bytes the save of ``state`` needs, the device of its first CUDA tensor or None):
     planned as a save plans it, so the count of chunks is exact."""
-    _, tensors, _ = flatten(state, allow_pickle=True, share_storage=True)
-    device = next((t.tensor.device for t in tensors if t.tensor.device.type == "cuda"), None)
-    files = plan_files(tensors, stripes)
+    _, _, columns = flatten_columns(state, allow_pickle=True)
+    device = next((torch.device(d) for d in columns.devices if d.startswith("cuda")), None)
+    files = plan_files(None, stripes, columns=columns)
     return sum(-(-f.size // chunk_bytes) for f in files) * chunk_bytes, device
 
 

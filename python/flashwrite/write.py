@@ -18,7 +18,7 @@ import torch
 
 from . import _core, gcpause, hf
 from . import cuda as _cuda
-from .flatten import diagnose, flatten
+from .flatten import diagnose, flatten_columns
 from .format import build_manifest
 from .future import SaveStats
 from .plan import PlannedFile, plan_files
@@ -45,63 +45,76 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
         try:
             # Unchecked: a tensor with no plain bytes fails below (no data pointer, no
             # shape, a dtype we cannot name, a copy out of meta), and is named then.
-            tree, tensors, aliases = flatten(state_dict, allow_pickle=allow_pickle, share_storage=True,
-                                             check_storable=False)
+            tree, aliases, columns = flatten_columns(state_dict, allow_pickle=allow_pickle)
             hf_section = None
             if hf_model is None:
-                files = plan_files(tensors, stripes, prefix=prefix, metadata=metadata)
+                files = plan_files(None, stripes, prefix=prefix, metadata=metadata, columns=columns)
             else:
-                model, rest = hf.split(state_dict, tree, tensors, aliases, hf_model)
+                model, rest = hf.split(state_dict, tree, columns.flat(), aliases, hf_model)
                 files = plan_files(model, stripes, prefix=hf.MODEL_PREFIX, metadata=metadata)
                 hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
                 if rest:
                     files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
-            keepalive, segments, streams = _stage_sources(files)
+            keepalive, segments, host_files, streams = _stage_sources(files)
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             diagnose(state_dict)  # the clear error naming the key, if that is what failed
             raise
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in files], segments,
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
-                            hold_slots=hold_slots)
+                            hold_slots=hold_slots, host_files=host_files)
     if streams and engine.pin_error:
         _warn_unpinned(engine.pin_error)
-    stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(tensors), stripes=len(files))
+    stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(columns.keys),
+                      stripes=len(files))
     sw = StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
     sw.hf_section = hf_section
     return sw
 
 
-def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int, int, int, int]], list[tuple[int, int]]]:
-    """(objects that own the bytes, [(address, nbytes, file, offset, device)], [(device, stream)])
-    for the native stager. device is -1 for host memory; CUDA tensors are copied by the
-    native engine on its own streams, ordered after the returned current streams.
+def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int, int, int, int]], list[tuple],
+                                                       list[tuple[int, int]]]:
+    """(objects that own the bytes, [(address, nbytes, file, offset, device)], host files,
+    [(device, stream)]) for the native stager. device is -1 for host memory; CUDA tensors
+    are copied by the native engine on its own streams, ordered after the returned
+    current streams. A file of host tensors only goes as its columns (see
+    ``Engine.start_save``'s host_files), with no tuple per tensor.
 
-    The keepalive list is held by the native job until staging ends, so callers may
-    drop their references right after save_async returns.
+    The keepalive list is held by the native job until staging ends, and the plan drops
+    its sources, so callers may drop their references right after save_async returns.
     """
     keepalive: list = []
-    segments = []
+    segments: list[tuple[int, int, int, int, int]] = []
+    host_files: list[tuple] = []
     devices: set[int] = set()
-    for fi, f in enumerate(files):
-        for p in f.tensors:
-            src = p.source
-            dev = -1
-            if src.is_cpu:  # the common case, checked first (cheap): per tensor of 100,000
-                pass
-            elif _cuda.uses_native(src):
-                dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
-                devices.add(dev)
-            elif src.is_meta:  # no bytes to copy (flatten.diagnose names the key)
-                raise TypeError(f"{p.key}: a meta tensor has no data to store")
-            else:
-                # No native path to this device: PyTorch copies it to host memory
-                # (synchronously, so the snapshot is exact).
-                src = src.to("cpu")
-            keepalive.append(src)
-            p.source = None  # from here on only the job's keepalive holds it
-            if p.nbytes:
-                segments.append((src.data_ptr(), p.nbytes, fi, p.offset, dev))
-    return keepalive, segments, _cuda.current_streams(devices) if devices else []
+    for columns in {id(f.columns): f.columns for f in files}.values():
+        srcs, ptrs, nbytes = columns.sources, columns.ptrs, columns.nbytes
+        if srcs is None:
+            raise RuntimeError("this plan was staged already")
+        host = all(d == "cpu" for d in columns.devices)
+        for fi, f in enumerate(files):
+            if f.columns is not columns:
+                continue
+            if host:  # the common case, without a look at each tensor: per tensor of 100,000
+                host_files.append((fi, f.members, f.offsets, ptrs, nbytes))
+                continue
+            for j, off in zip(f.members, f.offsets):
+                src, dev = srcs[j], -1
+                if columns.devices[j] == "cpu":
+                    pass
+                elif _cuda.uses_native(src):
+                    dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
+                    devices.add(dev)
+                elif src.is_meta:  # no bytes to copy (flatten.diagnose names the key)
+                    raise TypeError(f"{columns.keys[j]}: a meta tensor has no data to store")
+                else:
+                    # No native path to this device: PyTorch copies it to host memory
+                    # (synchronously, so the snapshot is exact).
+                    src = srcs[j] = src.to("cpu")
+                if nbytes[j]:
+                    segments.append((src.data_ptr(), nbytes[j], fi, off, dev))
+        keepalive.append(srcs)
+        columns.sources = None  # from here on only the job's keepalive holds them
+    return keepalive, segments, host_files, _cuda.current_streams(devices) if devices else []
 
 
 @functools.lru_cache(maxsize=None)
