@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstring>
 #include <numeric>
 #include <queue>
 #include <stdexcept>
@@ -39,46 +40,58 @@ std::vector<LayoutFile> layout_stripes(const std::vector<LayoutTensor>& tensors,
     std::sort(idx.begin(), idx.end());
     std::stable_sort(idx.begin(), idx.end(),
                      [&](uint32_t a, uint32_t b) { return tensors[a].itemsize > tensors[b].itemsize; });
-    // The header is made in place: 8 bytes for its length, the JSON, then spaces.
-    std::string& h = f.header;
-    size_t guess = 8 + 16 + metadata_json.size() + 2;
-    for (uint32_t j : idx) guess += tensors[j].key.size() + tensors[j].shape.size() + 80;
-    h.reserve(guess + kHeaderAlign);
-    h.assign(8, '\0');
-    h += "{\"__metadata__\":";
-    h += metadata_json;
+    // The header is made in place, sized exactly first: 8 bytes for its length, the
+    // JSON, then spaces up to the boundary (one allocation, no regrowth).
+    static constexpr std::string_view kOpen = "{\"__metadata__\":", kDtype = "\":{\"dtype\":\"",
+                                      kShape = "\",\"shape\":[", kOffsets = "],\"data_offsets\":[", kClose = "]}";
+    auto digits = [](uint64_t v) {
+      size_t d = 1;
+      while (v >= 10) v /= 10, ++d;
+      return d;
+    };
     std::vector<uint64_t> rels;
     rels.reserve(idx.size());
     uint64_t rel = 0;
-    auto number = [&h](uint64_t v) {
-      char num[24];
-      h.append(num, std::to_chars(num, num + sizeof num, v).ptr);
-    };
+    size_t body = kOpen.size() + metadata_json.size() + 1;
     for (uint32_t j : idx) {
       const LayoutTensor& t = tensors[j];
-      h += t.quoted ? "," : ",\"";
-      h += t.key;
-      h += t.quoted ? ":{" : "\":{";
-      h += "\"dtype\":\"";
-      h += t.code;
-      h += "\",\"shape\":[";
-      h += t.shape;
-      h += "],\"data_offsets\":[";
-      number(rel);
-      h += ',';
-      number(rel + t.nbytes);
-      h += "]}";
       rels.push_back(rel);
+      body += 1 + t.key.size() + (t.quoted ? 0 : 1) + kDtype.size() - (t.quoted ? 1 : 0) + t.code.size() +
+              kShape.size() + t.shape.size() + kOffsets.size() + digits(rel) + 1 + digits(rel + t.nbytes) +
+              kClose.size();
       rel += t.nbytes;
     }
-    h += '}';
-    const uint64_t body = h.size() - 8;
     const uint64_t padded = (8 + body + kHeaderAlign - 1) / kHeaderAlign * kHeaderAlign - 8;
     if (padded > kMaxHeaderBytes)
       throw std::invalid_argument(names[fi] + ": safetensors header would be " + std::to_string(padded) +
                                   " bytes (limit " + std::to_string(kMaxHeaderBytes) + "); use more stripes");
-    for (int b = 0; b < 8; ++b) h[b] = static_cast<char>((padded >> (8 * b)) & 0xff);
-    h.append(padded - body, ' ');
+    std::string& h = f.header;
+    h.assign(8 + padded, ' ');
+    char* out = h.data();
+    for (int b = 0; b < 8; ++b) *out++ = static_cast<char>((padded >> (8 * b)) & 0xff);
+    auto put = [&out](std::string_view sv) {
+      std::memcpy(out, sv.data(), sv.size());
+      out += sv.size();
+    };
+    auto number = [&out](uint64_t v) { out = std::to_chars(out, out + 24, v).ptr; };
+    put(kOpen);
+    put(metadata_json);
+    for (size_t m = 0; m < idx.size(); ++m) {
+      const LayoutTensor& t = tensors[idx[m]];
+      put(t.quoted ? std::string_view(",") : std::string_view(",\""));
+      put(t.key);
+      put(t.quoted ? kDtype.substr(1) : kDtype);
+      put(t.code);
+      put(kShape);
+      put(t.shape);
+      put(kOffsets);
+      number(rels[m]);
+      *out++ = ',';
+      number(rels[m] + t.nbytes);
+      put(kClose);
+    }
+    *out++ = '}';
+    if (static_cast<size_t>(out - h.data()) != 8 + body) throw std::logic_error("layout_stripes: header size");
     const uint64_t hb = f.header.size();
     f.offsets.reserve(rels.size());
     for (uint64_t r : rels) f.offsets.push_back(hb + r);
