@@ -62,13 +62,46 @@ struct DtypeInfo {
   bool complex;
 };
 
+// A tensor attribute or no-argument method, read through torch.Tensor's own
+// descriptor found once: the lookup through the type per call is skipped (the
+// getter itself is torch's, as `t.requires_grad` runs it). Only for tensors whose
+// type is exactly torch.Tensor or nn.Parameter, which override none of them.
+class Getter {
+ public:
+  Getter(PyTypeObject* type, PyObject* name) : name_(name) {
+    descr_ = steal(PyObject_GetAttr(reinterpret_cast<PyObject*>(type), name));
+    getter_ = Py_TYPE(descr_.ptr())->tp_descr_get;
+    method_ = PyVectorcall_Function(descr_.ptr()) != nullptr;
+    if (!method_ && !getter_) throw py::type_error("torch.Tensor attribute without a getter");
+  }
+  py::object operator()(PyObject* v, bool exact) const {
+    if (!exact) return steal(method_ ? PyObject_CallMethodNoArgs(v, name_) : PyObject_GetAttr(v, name_));
+    if (method_) {
+      PyObject* args[1] = {v};
+      return steal(PyObject_Vectorcall(descr_.ptr(), args, 1, nullptr));
+    }
+    return steal(getter_(descr_.ptr(), v, reinterpret_cast<PyObject*>(Py_TYPE(v))));
+  }
+
+ private:
+  PyObject* name_;  // interned, held by Names
+  py::object descr_;
+  descrgetfunc getter_ = nullptr;
+  bool method_ = false;
+};
+
 class Walker {
  public:
   Walker(const WalkTypes& types, py::object other, py::object leaf, py::object check, bool check_all, int max_depth)
       : ty_(types), other_(std::move(other)), leaf_(std::move(leaf)), check_(std::move(check)),
         check_all_(check_all), max_depth_(max_depth), used_(steal(PySet_New(nullptr))),
         root_(steal(PyUnicode_InternFromString("<root>"))), dot_(steal(PyUnicode_InternFromString("."))),
-        default_key_(steal(PyUnicode_InternFromString("tensor"))) {}
+        default_key_(steal(PyUnicode_InternFromString("tensor"))),
+        requires_grad_(types.tensor, n_.requires_grad.ptr()), dtype_(types.tensor, n_.dtype.ptr()),
+        shape_(types.tensor, n_.shape.ptr()), data_ptr_(types.tensor, n_.data_ptr.ptr()),
+        storage_offset_(types.tensor, n_.storage_offset.ptr()), is_cpu_(types.tensor, n_.is_cpu.ptr()),
+        is_contiguous_(types.tensor, n_.is_contiguous.ptr()), is_neg_(types.tensor, n_.is_neg.ptr()),
+        is_conj_(types.tensor, n_.is_conj.ptr()) {}
 
   WalkResult run(PyObject* state) {
     WalkResult r;
@@ -87,6 +120,7 @@ class Walker {
   int max_depth_;
   Names n_;
   py::object used_, root_, dot_, default_key_;
+  Getter requires_grad_, dtype_, shape_, data_ptr_, storage_offset_, is_cpu_, is_contiguous_, is_neg_, is_conj_;
   py::list tensors_, keys_, nodes_, dtypes_, shapes_;
   py::list ptrs_, bases_, nbytes_, flags_;
   std::unordered_map<PyObject*, DtypeInfo> dtype_info_;  // dtypes are singletons, held by torch
@@ -153,7 +187,6 @@ class Walker {
     return steal(PyUnicode_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size())));
   }
 
-  py::object call0(PyObject* o, PyObject* name) { return steal(PyObject_CallMethodNoArgs(o, name)); }
   py::object attr(PyObject* o, PyObject* name) { return steal(PyObject_GetAttr(o, name)); }
 
   py::object tensor_node(PyObject* v, PyObject* prefix) {
@@ -167,27 +200,27 @@ class Walker {
       flags |= kParam;
       if (PyDict_SetItem(node.ptr(), n_.param.ptr(), Py_True) < 0) throw py::error_already_set();
     }
-    if (truth(attr(v, n_.requires_grad.ptr()).ptr())) {
+    if (truth(requires_grad_(v, plain_type).ptr())) {
       flags |= kRequiresGrad;
       if (PyDict_SetItem(node.ptr(), n_.rg.ptr(), Py_True) < 0) throw py::error_already_set();
     }
     py::object key = unique_key(prefix);
     if (PyDict_SetItem(node.ptr(), n_.k.ptr(), key.ptr()) < 0) throw py::error_already_set();
 
-    py::object dt = attr(v, n_.dtype.ptr());
+    py::object dt = dtype_(v, plain_type);
     const DtypeInfo& info = dtype_info(dt.ptr());
     long long numel = 1;
-    py::object shape = shape_text(attr(v, n_.shape.ptr()).ptr(), numel);
+    py::object shape = shape_text(shape_(v, plain_type).ptr(), numel);
     const long long nbytes = numel * info.itemsize;  // what tensor.nbytes says, without asking
     long long ptr = 0, base = 0;
     if (nbytes) {
-      ptr = as_ll(call0(v, n_.data_ptr.ptr()).ptr());
-      long long off = as_ll(call0(v, n_.storage_offset.ptr()).ptr());
+      ptr = as_ll(data_ptr_(v, plain_type).ptr());
+      long long off = as_ll(storage_offset_(v, plain_type).ptr());
       base = ptr - off * info.itemsize;
     }
-    if (truth(attr(v, n_.is_cpu.ptr()).ptr())) flags |= kCpu;
-    if (truth(call0(v, n_.is_contiguous.ptr()).ptr()) && !truth(call0(v, n_.is_neg.ptr()).ptr()) &&
-        !(info.complex && truth(call0(v, n_.is_conj.ptr()).ptr())))
+    if (truth(is_cpu_(v, plain_type).ptr())) flags |= kCpu;
+    if (truth(is_contiguous_(v, plain_type).ptr()) && !truth(is_neg_(v, plain_type).ptr()) &&
+        !(info.complex && truth(is_conj_(v, plain_type).ptr())))
       flags |= kDense;
     tensors_.append(py::reinterpret_borrow<py::object>(v));
     keys_.append(key);
