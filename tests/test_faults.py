@@ -264,6 +264,28 @@ def test_disk_full_ext4_mid_write(tmp_path, caplog):
 
 
 @pytest.mark.root
+def test_failed_writes_give_every_slot_back(tmp_path):
+    """A save whose writes fail (the disk fills in the middle of a write) still ends with
+    every staging slot free: each slot's write failed or never ran, its checksum ran,
+    and trim() can release the whole pool. Twice, so a leaked slot would also show as a
+    second save that cannot stage."""
+    from flashwrite import _core
+    src = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8)
+    with loop_ext4(str(tmp_path / "mnt"), 16, extents=False) as mnt:
+        eng = _core.Engine(1 << 20)
+        for i in range(2):
+            path = os.path.join(mnt, f"s{i}")
+            job = eng.start_save([(path, b"", src.nbytes)], [(src.data_ptr(), src.nbytes, 0, 0, -1)], [src],
+                                 copy_threads=2)
+            assert job.wait_staged(60) and job.wait(60)
+            with pytest.raises(OSError) as ei:
+                job.rethrow()
+            assert ei.value.errno == errno.ENOSPC and ei.value.filename == path
+            os.unlink(path)
+            assert eng.trim() == 24 << 20, i
+
+
+@pytest.mark.root
 @pytest.mark.parametrize("extra_pages", [0, 1], ids=["index", "manifest"])
 def test_disk_full_at_commit(tmp_path, extra_pages):
     """Every stripe fits, then the index (or the manifest) does not: the failure comes
