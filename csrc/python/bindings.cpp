@@ -108,7 +108,8 @@ std::vector<Segment> parse_segments(const py::sequence& segments, std::vector<in
 // at offsets[k] in the file, at address ptrs[j] with nbytes[j] bytes (empty ones skipped).
 void append_host_segments(const py::sequence& host_files, std::vector<Segment>& segs) {
   auto u64 = [](PyObject* list, Py_ssize_t i, const char* what) {
-    if (i < 0 || i >= PyList_GET_SIZE(list)) throw py::index_error(std::string("host_files: ") + what + " out of range");
+    if (i < 0 || i >= PyList_GET_SIZE(list))
+      throw py::index_error(std::string("host_files: ") + what + " out of range");
     unsigned long long v = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(list, i));
     if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
     return static_cast<uint64_t>(v);

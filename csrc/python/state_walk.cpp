@@ -43,13 +43,14 @@ bool truth(PyObject* o) {
 
 // Attribute and method names, interned once.
 struct Names {
-  py::object t, v, k, items, param, rg, tensor_, dict_, odict_, list_, tuple_, str_;
+  py::object t, v, k, items, param, rg, tensor_, dict_, odict_, list_, tuple_, str_, ndarray;
   py::object requires_grad, data_ptr, storage_offset, is_cpu, dtype, shape, is_contiguous, is_neg, is_conj,
       itemsize, is_complex, qualname;
   Names() {
     auto s = [](const char* c) { return steal(PyUnicode_InternFromString(c)); };
     t = s("t"), v = s("v"), k = s("k"), items = s("items"), param = s("param"), rg = s("rg");
-    tensor_ = s("tensor"), dict_ = s("dict"), odict_ = s("odict"), list_ = s("list"), tuple_ = s("tuple"), str_ = s("str");
+    tensor_ = s("tensor"), dict_ = s("dict"), odict_ = s("odict"), list_ = s("list"), tuple_ = s("tuple");
+    str_ = s("str"), ndarray = s("ndarray");
     requires_grad = s("requires_grad"), data_ptr = s("data_ptr");
     storage_offset = s("storage_offset"), is_cpu = s("is_cpu"), dtype = s("dtype"), shape = s("shape");
     is_contiguous = s("is_contiguous"), is_neg = s("is_neg"), is_conj = s("is_conj");
@@ -248,7 +249,8 @@ class Walker {
     if (PyTuple_CheckExact(k)) {
       Py_ssize_t n = PyTuple_GET_SIZE(k);
       py::object items = tree_list(n);
-      for (Py_ssize_t i = 0; i < n; ++i) PyList_SET_ITEM(items.ptr(), i, key_node(PyTuple_GET_ITEM(k, i), w).release().ptr());
+      for (Py_ssize_t i = 0; i < n; ++i)
+        PyList_SET_ITEM(items.ptr(), i, key_node(PyTuple_GET_ITEM(k, i), w).release().ptr());
       return node2(n_.t.ptr(), n_.items.ptr(), n_.tuple_.ptr(), items.ptr());
     }
     return steal(PyObject_CallFunctionObjArgs(leaf_.ptr(), k, w, nullptr));
@@ -302,9 +304,8 @@ class Walker {
     // Leaves, numpy values, torch.Size: flatten.py's; a tensor back means an ndarray stored as tensor data.
     py::object out = steal(PyObject_CallFunctionObjArgs(other_.ptr(), v, prefix ? prefix : Py_None, nullptr));
     if (PyObject_TypeCheck(out.ptr(), ty_.tensor)) {
-      static py::object ndarray = steal(PyUnicode_InternFromString("ndarray"));
       py::object tn = tensor_node(out.ptr(), prefix);
-      return node2(n_.t.ptr(), n_.v.ptr(), ndarray.ptr(), tn.ptr());
+      return node2(n_.t.ptr(), n_.v.ptr(), n_.ndarray.ptr(), tn.ptr());
     }
     return out;
   }
