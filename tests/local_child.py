@@ -5,8 +5,8 @@
 MODE "staged": commits step 1, then saves step 2 and prints "STAGED" once
 save() returned; the commit of step 2 is slowed down (1 s) so that a kill at a
 random moment lands after staging and before the commit.
-MODE "staging": commits step 1, prints "STAGING" and saves step 2 with copies
-slowed down, so a kill lands while step 2 is being staged.
+MODE "staging": commits step 1, prints "STAGING" and saves step 2 (many small
+tensors, so a kill can land while step 2 is being staged), then prints "STAGED".
 """
 
 import os
@@ -18,6 +18,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 import flashwrite  # noqa: E402
 from flashwrite import commit  # noqa: E402
 from fault_util import make_state  # noqa: E402
+
+
+def staging_state(step: int, n: int) -> dict:
+    """Many small tensors: staging takes a while, and a kill lands inside it."""
+    w = make_state(step, n)["model"]["w"][: n // 64]
+    return {f"t{i}": w + i for i in range(400)}
 
 
 def main() -> None:
@@ -37,8 +43,7 @@ def main() -> None:
         mgr.save(2, state)
         print("STAGED", flush=True)
     elif mode == "staging":
-        # Many small tensors: staging takes a while, and the kill lands inside it.
-        state = {f"t{i}": make_state(2, n)["model"]["w"][: n // 64] + i for i in range(400)}
+        state = staging_state(2, n)
         print("STAGING", flush=True)
         mgr.save(2, state)
         print("STAGED", flush=True)
