@@ -55,6 +55,30 @@ def test_saves_that_hold_their_slots_never_starve(tmp_path):
     assert out == {"hung": False, "equal": True, "saves": 400}
 
 
+def test_two_saves_staging_at_once_on_one_pool_never_wait_for_each_other(tmp_path):
+    """Each save keeps the slots it staged until it is staged whole (its checksums run
+    after staging), so two saves staging at once on one pool need slots for both: a
+    pool grown only to the larger of the two left each holding part and waiting for
+    the other's (hung on the first try before the fix; the suite hung on it in
+    test_faults' shared-writer threads)."""
+    src = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
+    eng = _core.Engine(1 << 20)
+    for i in range(10):
+        paths = [str(tmp_path / f"s{i}-{k}") for k in range(2)]
+        jobs = [eng.start_save([(p, b"", src.nbytes)], [(src.data_ptr(), src.nbytes, 0, 0, -1)], [src],
+                               copy_threads=2) for p in paths]
+        done = [j.wait(60) for j in jobs]
+        if not all(done):
+            for j in jobs:
+                j.cancel()
+            pytest.fail(f"round {i}: two saves on one pool did not end ({done})")
+        for j, p in zip(jobs, paths):
+            j.rethrow()
+            assert os.path.getsize(p) == src.nbytes
+            os.unlink(p)
+    assert eng.trim() == 128 << 20  # a slot for every chunk of both, and all of them free
+
+
 def test_huge_timeouts_wait_instead_of_overflowing(fake_cudart, tmp_path):
     # Before the fix: inf / 1e300 / 1e10 s overflowed the conversion to nanoseconds
     # (signed overflow, UB) and wait returned False after ~50 ms.

@@ -42,8 +42,9 @@ void Engine::reserve(uint64_t bytes, int device) {
     pin_pool(device);
   }
   const uint64_t slot = pool_->slot_bytes();
-  pool_->reserve(static_cast<size_t>((bytes + slot - 1) / slot));
-  pool_->unreserve();  // the slots stay; only the hold against trim() goes
+  const auto slots = static_cast<size_t>((bytes + slot - 1) / slot);
+  pool_->reserve(slots);
+  pool_->unreserve(slots);  // the slots stay; only the hold against trim() goes
 }
 
 // Later slabs are pinned as they are created (the hooks stay set).

@@ -116,19 +116,22 @@ void StagingPool::pin_slab(Slab& s) {
   if (!s.pinned && hooks_.pin) s.pinned = hooks_.pin(s.mem.data(), s.mem.capacity());
 }
 
-void StagingPool::reserve(size_t slots) {
+bool StagingPool::reserve(size_t slots) {
   std::lock_guard<std::mutex> lk(mu_);
   ++reservations_;
-  if (max_slots_) slots = std::min(slots, max_slots_);
-  if (slots <= total_slots_) return;
-  size_t add = slots - total_slots_;
+  reserved_slots_ += slots;
+  size_t want = reserved_slots_;
+  if (max_slots_) want = std::min(want, max_slots_);
+  if (want <= total_slots_) return total_slots_ >= reserved_slots_;
+  size_t add = want - total_slots_;
   auto slab = std::make_unique<Slab>();
   struct Undo {  // the reservation does not outlive a failed allocation
-    size_t* n;
+    StagingPool* pool;
+    size_t slots;
     ~Undo() {
-      if (n) --*n;
+      if (pool) --pool->reservations_, pool->reserved_slots_ -= slots;
     }
-  } undo{&reservations_};
+  } undo{this, slots};
   // Faulted in now, in parallel: every slot is then resident for good, so
   // later saves neither pay for page faults nor grow the process (slots are
   // reused last-in-first-out, and a save may touch only some of them).
@@ -152,13 +155,15 @@ void StagingPool::reserve(size_t slots) {
   for (size_t i = 0; i < add; ++i) free_.push_back(slab->mem.data() + i * slot_bytes_);
   total_slots_ += add;
   slabs_.push_back(std::move(slab));
-  undo.n = nullptr;
+  undo.pool = nullptr;
   cv_.notify_all();
+  return total_slots_ >= reserved_slots_;
 }
 
-void StagingPool::unreserve() {
+void StagingPool::unreserve(size_t slots) {
   std::lock_guard<std::mutex> lk(mu_);
   if (reservations_) --reservations_;
+  reserved_slots_ -= std::min(slots, reserved_slots_);
 }
 
 char* StagingPool::acquire(const std::atomic<bool>* cancel, const std::function<bool()>& interrupt) {

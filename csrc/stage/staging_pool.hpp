@@ -43,12 +43,16 @@ class StagingPool {
   size_t capacity_bytes() const;
   bool pinned() const;
 
-  // Make sure up to `slots` slots exist (capped by the bound), allocating one
-  // slab, and hold them for a job until unreserve(): trim() frees nothing while
-  // a reservation is held, so a job that has reserved but not yet acquired
-  // never waits for slots that trim() unmapped.
-  void reserve(size_t slots);
-  void unreserve();
+  // Reserve `slots` slots for a job on top of every reservation still held,
+  // growing the pool (one slab, capped by the bound), until unreserve(slots):
+  // trim() frees nothing while a reservation is held, so a job that has
+  // reserved but not yet acquired never waits for slots that trim() unmapped.
+  // Returns true when the pool holds every slot reserved by all jobs: then each
+  // can hold all of its slots at once (two saves staging at once on one pool,
+  // each holding its slots until it is staged, would otherwise wait for each
+  // other for good).
+  bool reserve(size_t slots);
+  void unreserve(size_t slots);
   // Blocks until a slot is free (returns it), *cancel becomes true or
   // interrupt() returns true (returns nullptr). interrupt is checked under the
   // pool's lock (it must not take a lock that is held around release()) each
@@ -89,6 +93,7 @@ class StagingPool {
   std::vector<char*> free_;
   size_t total_slots_ = 0;
   size_t reservations_ = 0;
+  size_t reserved_slots_ = 0;  // the sum of the reservations held
   PinHooks hooks_;
   std::string backing_path_, backing_error_;
   int backing_fd_ = -1;

@@ -106,14 +106,16 @@ void SaveJob::start() {
     }
     backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
     backend_name_ = backend_->name();
-    pool_->reserve(plan_.chunks.size());
+    // A slot for every chunk, on top of what other saves staging now on this
+    // pool reserved: then no copy waits for another chunk's checksum, and the
+    // checksums can wait until staging is over (each chunk keeps its slot until
+    // then). Else each chunk is checksummed as it is copied, and slots recycle.
+    defer_hash_ = pool_->reserve(plan_.chunks.size());
     reserved_ = true;
-    // A slot for every chunk: no copy waits for another chunk's checksum.
-    defer_hash_ = pool_->max_slots() == 0 || plan_.chunks.size() <= pool_->max_slots();
     slot_refs_.reset(new std::atomic<uint8_t>[plan_.chunks.size()]());
     ctl_.start([this] { run(); });
   } catch (...) {
-    if (reserved_) pool_->unreserve();
+    if (reserved_) pool_->unreserve(plan_.chunks.size());
     reserved_ = false;
     backend_.reset();
     for (auto& f : files_) close_fd(f->fd.load());
@@ -479,7 +481,7 @@ void SaveJob::run() {
   }
   // Staging is over: nothing of this job acquires again, so trim() may free
   // the slots once the writes in flight have returned theirs.
-  pool_->unreserve();
+  pool_->unreserve(plan_.chunks.size());
   mark_staged();  // also when the save failed: nothing reads the sources any more
 
   backend_->drain();
