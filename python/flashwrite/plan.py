@@ -45,18 +45,19 @@ class PlannedFile:
     ``PlannedTensor`` objects are made only when asked for (by the manifest, after
     staging), so a save of 100,000 tensors makes none of them while the caller waits."""
 
-    __slots__ = ("name", "header", "size", "keys", "columns", "members", "offsets", "_tensors")
+    __slots__ = ("name", "header", "size", "columns", "members", "offsets", "_tensors")
 
-    def __init__(self, name: str, header: bytes, size: int, keys: list[str], columns: Columns,
-                 members: list[int], offsets: list[int]):
+    def __init__(self, name: str, header: bytes, size: int, columns: Columns, members: list[int],
+                 offsets: list[int]):
         self.name, self.header, self.size = name, header, size
-        self.keys, self.columns, self.members, self.offsets = keys, columns, members, offsets
+        self.columns, self.members, self.offsets = columns, members, offsets
         self._tensors: list[PlannedTensor] | None = None
 
     @property
     def tensors(self) -> list[PlannedTensor]:
         if self._tensors is None:
-            k, c = self.keys, self.columns
+            c = self.columns
+            k = c.keys
             dims: dict[str, tuple[int, ...]] = {}  # shape text -> dims, parsed once per shape
             for text in {c.shapes[j] for j in self.members}:
                 dims[text] = tuple(map(int, text.split(","))) if text else ()
@@ -92,5 +93,5 @@ def plan_files(tensors: list[FlatTensor] | None, stripes: int, prefix: str = "mo
     names = [stripe_name(prefix, i, n) for i in range(n)]
     meta = json.dumps({"format": "pt", "writer": "flashwrite", **(metadata or {})}, separators=(",", ":"))
     layout = _core.layout_stripes(columns.keys, dts, columns.shapes, nbytes, codes, names, meta, json.dumps)
-    return [PlannedFile(name, header, size, columns.keys, columns, members, offsets)
+    return [PlannedFile(name, header, size, columns, members, offsets)
             for name, (header, size, members, offsets) in zip(names, layout)]
