@@ -2,10 +2,13 @@
 
 1. first and later saves, with and without ``Writer.reserve`` ahead of the first;
 2. restore of the same state from local memory (a snapshot in /dev/shm left by a
-   process that exited, restored by a new ``CheckpointManager``): owned tensors
-   (the default), ``zero_copy=True`` (the snapshot's pages adopted copy-on-write)
-   and ``into=`` existing tensors, against ``flashwrite.load`` from storage with a
-   cold page cache (owned, and into existing tensors) and ``torch.load`` (cold too);
+   process that exited after committing it, restored by a new ``CheckpointManager``):
+   the default (the snapshot taken: its pages become the tensors), copied into fresh
+   memory (``zero_copy=False``, what a snapshot that is the only copy of its step
+   gets) and ``into=`` existing tensors, against ``flashwrite.load`` from storage with
+   a cold page cache (owned, and into existing tensors) and ``torch.load`` (cold too);
+   and, after the default and the copying restore, the first write of every byte (an
+   optimizer step's), to show what each leaves to pay later;
 3. the memory local snapshots cost: the shared-memory file against the private pool.
 
     python benchmarks/tiers.py --gib 1 4 --rounds 3 2 --dir /work/tiers-bench [--json out.json]
@@ -72,15 +75,15 @@ def _stage_in_child(gib: float, root: str, shm: str) -> None:
 
 
 def restores(gib: float, state: dict, d: str, rounds: int, settle_s: float) -> dict:
-    out: dict = {k: [] for k in ("local_s", "local_zero_copy_s", "local_into_s", "flashwrite_cold_s",
-                                 "flashwrite_cold_into_s", "torch_cold_s")}
+    out: dict = {k: [] for k in ("local_s", "local_first_write_s", "local_copy_s", "local_copy_first_write_s",
+                                 "local_into_s", "flashwrite_cold_s", "flashwrite_cold_into_s", "torch_cold_s")}
     dest = {"model": {k: torch.empty_like(v).fill_(0) for k, v in state["model"].items()}, "step": 0}
     tpath = os.path.join(d, "state.pt")
     pool = 0
     try:
         torch.save(state, tpath)
 
-        def one(key: str, fn, cold: bool = False) -> None:
+        def one(key: str, fn, cold: bool = False, then_write: str | None = None) -> None:
             # Freed memory goes back to the hypervisor after a moment (free page reporting):
             # every contender starts from memory that is not backed yet, as after a restart.
             time.sleep(settle_s)
@@ -89,6 +92,13 @@ def restores(gib: float, state: dict, d: str, rounds: int, settle_s: float) -> d
             t0 = time.perf_counter()
             got = fn()
             out[key].append(time.perf_counter() - t0)
+            if then_write:
+                tensors = list(got[1]["model"].values())
+                t0 = time.perf_counter()
+                for t in tensors:
+                    t.add_(1.0)
+                out[then_write].append(time.perf_counter() - t0)
+                del tensors
             del got
 
         for r in range(rounds):
@@ -102,10 +112,11 @@ def restores(gib: float, state: dict, d: str, rounds: int, settle_s: float) -> d
                 _stage_in_child(gib, root, shm)
                 pool = sum(os.path.getsize(os.path.join(shm, f)) for f in os.listdir(shm) if f.endswith(".pool"))
                 m2 = fw.CheckpointManager(root, local_snapshots=True, local_dir=shm, cleanup=False)
-                one("local_s", lambda: m2.restore())
-                one("local_zero_copy_s", lambda: m2.restore(zero_copy=True))
+                one("local_copy_s", lambda: m2.restore(zero_copy=False), then_write="local_copy_first_write_s")
                 one("local_into_s", lambda: m2.restore(into=dest))
-                m2._writer.close(keep_local=True)  # it saved nothing
+                one("local_s", lambda: m2.restore(), then_write="local_first_write_s")  # takes it: last
+                assert not m2.local_snapshots(), "the default restore did not take the snapshot"
+                m2._writer.close()  # it saved nothing
                 one("flashwrite_cold_s", lambda: fw.load(m2.path_for(1)), cold=True)
                 one("flashwrite_cold_into_s", lambda: fw.load(m2.path_for(1), into=dest), cold=True)
                 one("torch_cold_s", lambda: torch.load(tpath, weights_only=True), cold=True)
@@ -147,8 +158,10 @@ def main() -> None:
               f"reserve, {r['first_stall_s']:.3f}/{r['later_stall_s']:.3f} s after reserve "
               f"({r['reserve_s']:.3f} s in the background)")
         fc = rs["flashwrite_cold_s"]
-        print(f"{gib:g} GiB  restore from memory: {rs['local_s']:.3f} s ({fc / rs['local_s']:.1f}x), zero_copy "
-              f"{rs['local_zero_copy_s']:.3f} s ({fc / rs['local_zero_copy_s']:.1f}x); flashwrite.load cold "
+        print(f"{gib:g} GiB  restore from memory: {rs['local_s']:.3f} s ({fc / rs['local_s']:.1f}x) then first "
+              f"write {rs['local_first_write_s']:.3f} s; copied (zero_copy=False) {rs['local_copy_s']:.3f} s "
+              f"({fc / rs['local_copy_s']:.1f}x) then first write {rs['local_copy_first_write_s']:.3f} s; "
+              f"flashwrite.load cold "
               f"{fc:.3f} s, torch.load cold {rs['torch_cold_s']:.3f} s; into existing tensors: local "
               f"{rs['local_into_s']:.3f} s, flashwrite.load cold {rs['flashwrite_cold_into_s']:.3f} s "
               f"({rs['flashwrite_cold_into_s'] / rs['local_into_s']:.1f}x); shm pool "

@@ -5,6 +5,8 @@
 MODE "staged": commits step 1, then saves step 2 and prints "STAGED" once
 save() returned; the commit of step 2 is slowed down (1 s) so that a kill at a
 random moment lands after staging and before the commit.
+MODE "committed": commits steps 1 and 2, then prints "COMMITTED" (a crash
+later in training: the newest snapshot is of a step storage holds too).
 MODE "staging": commits step 1, prints "STAGING" and saves step 2 (many small
 tensors, so a kill can land while step 2 is being staged), then prints "STAGED".
 """
@@ -42,6 +44,10 @@ def main() -> None:
         state = make_state(2, n)
         mgr.save(2, state)
         print("STAGED", flush=True)
+    elif mode == "committed":
+        mgr.save(2, make_state(2, n))
+        mgr.wait()
+        print("COMMITTED", flush=True)
     elif mode == "staging":
         state = staging_state(2, n)
         print("STAGING", flush=True)

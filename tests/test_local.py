@@ -1,9 +1,12 @@
 """The node-local tier (issue 15): a reserved pool, staged snapshots in shared
 memory that outlive the process, restarts from memory, hygiene."""
 
+import fcntl
+import gc
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -360,4 +363,131 @@ def test_zero_copy_restore_adopts_a_dead_writers_pool_copy_on_write(tmp_path):
         m.close()
     finally:
         import shutil
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _mapping_of(t):
+    """(permissions, file) of the mapping under t's data, per /proc/self/maps, or None."""
+    a = t.data_ptr()
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= a < hi:
+                parts = line.split(maxsplit=5)
+                return parts[1], parts[5].strip() if len(parts) > 5 else None
+    return None
+
+
+def _copied(t):
+    """Whether t's bytes lie in memory of this process's own (anonymous or heap), not a pool file."""
+    return ".pool" not in (_mapping_of(t)[1] or "")
+
+
+def _crashed_after_commit(root, shm, n):
+    """A training process that committed steps 1 and 2 with local snapshots, then was killed."""
+    p = _spawn(root, shm, "committed", n)
+    _wait_line(p, "COMMITTED")
+    p.send_signal(signal.SIGKILL)
+    p.communicate()
+    snaps = local.scan(shm)
+    assert [(s.path, s.state) for s in snaps] == [(str(root / "step-00000002"), "committed")]
+    return snaps[0]
+
+
+def _locked(fd, how):
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def test_restart_takes_a_committed_snapshot_copying_nothing(tmp_path):
+    root, shm = tmp_path / "ck", f"/dev/shm/fwtest-take-{os.getpid()}"
+    n = 1 << 19  # "w" is 2 MiB: taken; the smaller tensors are copied
+    try:
+        snap = _crashed_after_commit(root, shm, n)
+        keep = os.open(snap.pool, os.O_RDONLY)  # to look at the file once it is unlinked
+        pool_bytes = os.fstat(keep).st_blocks * 512
+        m = CheckpointManager(root, local_snapshots=True, local_dir=shm)
+        step, copied = m.restore(zero_copy=False)  # fresh memory; the snapshot stays
+        assert step == 2 and _copied(copied["model"]["w"]) and os.path.exists(snap.header)
+        step, state = m.restore()
+        assert step == 2
+        assert_same(state, make_state(2, n))
+        w = state["model"]["w"]
+        assert _owns_its_bytes(w) and _owns_its_bytes(state["model"]["h"])
+        # w is the snapshot's own pages, shared (no copy-on-write later); h was copied.
+        perms, mapped = _mapping_of(w)
+        assert mapped == f"{snap.pool} (deleted)" and perms.startswith("rw") and perms.endswith("s")
+        assert _copied(state["model"]["h"])
+        # Taken: gone from the local tier; only w's pages stay allocated.
+        assert not os.path.exists(snap.header) and not os.path.exists(snap.pool) and m.local_snapshots() == {}
+        held = os.fstat(keep).st_blocks * 512
+        assert w.nbytes <= held <= w.nbytes + 2 * local.PAGE < pool_bytes, (held, pool_bytes)
+        # The pool is this process's while w lives: nobody adopts or takes it.
+        assert _locked(keep, fcntl.LOCK_SH)
+        w.add_(1)
+        assert torch.equal(w, make_state(2, n)["model"]["w"] + 1)
+        step, again = m.restore()  # nothing local is left: from storage, which w's writes never touch
+        assert step == 2
+        assert_same(again, make_state(2, n))
+        del state, w
+        gc.collect()
+        assert not _locked(keep, fcntl.LOCK_EX)  # the lock went with the tensors
+        os.close(keep)
+        m.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_snapshot_in_use_is_never_taken(tmp_path):
+    root, shm = tmp_path / "ck", f"/dev/shm/fwtest-inuse-{os.getpid()}"
+    n = 1 << 19
+    want = make_state(2, n)["model"]["w"]
+    try:
+        snap = _crashed_after_commit(root, shm, n)
+        # Another header pointing into the same pool: taking it would take that snapshot too.
+        twin = snap.header.replace("-000002", "-000099")
+        shutil.copyfile(snap.header, twin)
+        _, t = local.read_snapshot(snap, take=True)
+        assert os.path.exists(snap.pool) and _copied(t["model.w"])
+        os.unlink(twin)
+        # An adopter (copy-on-write) holds the pool: the take copies instead.
+        _, adopted = local.read_snapshot(snap, adopt=True)
+        assert _mapping_of(adopted["model.w"]) == ("rw-p", snap.pool)
+        _, t = local.read_snapshot(snap, take=True)
+        assert os.path.exists(snap.pool) and _copied(t["model.w"])
+        t["model.w"].add_(1)
+        assert torch.equal(adopted["model.w"], want)
+        del adopted
+        gc.collect()
+        _, t = local.read_snapshot(snap, take=True)  # free now
+        assert _mapping_of(t["model.w"]) == ("rw-s", f"{snap.pool} (deleted)")
+        # The adopter that comes too late finds nothing; one that opened the file before
+        # the take cannot lock it, so it copies what it reads and checks it.
+        assert not os.path.exists(snap.pool) and local.scan(shm) == []
+        assert torch.equal(t["model.w"], want)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_damaged_snapshot_is_not_taken_and_goes(tmp_path, caplog):
+    root, shm = tmp_path / "ck", f"/dev/shm/fwtest-dmg-{os.getpid()}"
+    n = 1 << 19
+    try:
+        snap = _crashed_after_commit(root, shm, n)
+        e = snap.body["manifest"]["tensors"]["model.w"]
+        chunk = next(c for c in snap.body["chunks"] if c[0] == e["file"] and c[1] <= e["offset"] < c[1] + c[2])
+        flip_byte(snap.pool, chunk[3] + e["offset"] - chunk[1] + (1 << 20), 0x40)
+        m = CheckpointManager(root, local_snapshots=True, local_dir=shm)
+        with caplog.at_level(logging.INFO, logger="flashwrite"):
+            step, state = m.restore()
+        assert step == 2 and "cannot be restored" in caplog.text and "'model.w'" in caplog.text
+        assert_same(state, make_state(2, n))  # from storage
+        assert _copied(state["model"]["w"])
+        assert not os.path.exists(snap.header) and not os.path.exists(snap.pool)
+        m.close()
+    finally:
         shutil.rmtree(shm, ignore_errors=True)

@@ -413,17 +413,30 @@ PYBIND11_MODULE(_core, m) {
       "checksummed as it is copied, its pages populated first; returns [(index, actual)] of the pieces that "
       "did not match. The caller keeps every buffer alive for the call (GIL released).");
 
-  py::class_<PrivateMapping, std::shared_ptr<PrivateMapping>>(m, "PrivateMapping", py::buffer_protocol(),
-      "Page-aligned ranges of a file mapped copy-on-write, contiguously; the buffer is `size` bytes from "
-      "`lead` bytes into the first range. The file must not be written or truncated while it lives.")
+  m.def(
+      "punch_holes",
+      [](int fd, std::vector<std::pair<uint64_t, uint64_t>> keep, uint64_t size) {
+        py::gil_scoped_release nogil;
+        return punch_holes(fd, std::move(keep), size);
+      },
+      py::arg("fd"), py::arg("keep"), py::arg("size"),
+      "Free the pages of fd in [0, size) outside the (offset, nbytes) ranges of `keep` (hole punching); the "
+      "bytes freed (GIL released).");
+
+  py::class_<SnapshotMapping, std::shared_ptr<SnapshotMapping>>(m, "SnapshotMapping", py::buffer_protocol(),
+      "Page-aligned ranges of a file mapped contiguously, copy-on-write or (shared=True, for a file this process "
+      "has taken for itself) shared; the buffer is `size` bytes from `lead` bytes into the first range. It "
+      "holds the open file (and a flock on it) while it lives. A private mapping's file must not be written or "
+      "truncated meanwhile.")
       .def(py::init([](int fd, const std::vector<std::pair<uint64_t, uint64_t>>& segments, uint64_t lead,
-                       uint64_t size) {
+                       uint64_t size, bool shared) {
              py::gil_scoped_release nogil;
-             return std::make_shared<PrivateMapping>(fd, segments, lead, size);
+             return std::make_shared<SnapshotMapping>(fd, segments, lead, size, shared);
            }),
-           py::arg("fd"), py::arg("segments"), py::arg("lead"), py::arg("size"))
-      .def_property_readonly("address", [](const PrivateMapping& m) { return reinterpret_cast<uintptr_t>(m.data()); })
-      .def_buffer([](PrivateMapping& m) {
+           py::arg("fd"), py::arg("segments"), py::arg("lead"), py::arg("size"), py::arg("shared") = false)
+      .def_property_readonly("address", [](const SnapshotMapping& m) { return reinterpret_cast<uintptr_t>(m.data()); })
+      .def_property_readonly("shared", &SnapshotMapping::shared)
+      .def_buffer([](SnapshotMapping& m) {
         return py::buffer_info(m.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(m.size())}, {static_cast<py::ssize_t>(1)}, false);
       });

@@ -1,5 +1,6 @@
 #include "read/snapshot_copy.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -68,9 +69,29 @@ std::vector<std::pair<size_t, uint64_t>> copy_verify(const std::vector<SnapshotP
   return bad;
 }
 
-PrivateMapping::PrivateMapping(int fd, const std::vector<std::pair<uint64_t, uint64_t>>& segments, uint64_t lead,
-                               uint64_t size)
-    : lead_(lead), size_(size) {
+uint64_t punch_holes(int fd, std::vector<std::pair<uint64_t, uint64_t>> keep, uint64_t size) {
+  std::sort(keep.begin(), keep.end());
+  uint64_t at = 0, freed = 0;
+  auto punch = [&](uint64_t lo, uint64_t hi) {
+    lo = round_up(lo, kAlign);
+    hi = std::min(hi, size) / kAlign * kAlign;
+    if (hi <= lo) return;
+    if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(lo), static_cast<off_t>(hi - lo)))
+      throw_errno(errno, "free the unused pages of a taken snapshot", "", static_cast<int64_t>(lo),
+                  static_cast<int64_t>(hi - lo));
+    freed += hi - lo;
+  };
+  for (auto& [off, len] : keep) {
+    if (off > at) punch(at, off);
+    at = std::max(at, off + len);
+  }
+  if (size > at) punch(at, size);
+  return freed;
+}
+
+SnapshotMapping::SnapshotMapping(int fd, const std::vector<std::pair<uint64_t, uint64_t>>& segments, uint64_t lead,
+                                 uint64_t size, bool shared)
+    : lead_(lead), size_(size), shared_(shared) {
   for (auto& [off, len] : segments) {
     if (off % kAlign || len % kAlign || !len) throw std::invalid_argument("segments must be whole pages");
     map_len_ += len;
@@ -80,9 +101,10 @@ PrivateMapping::PrivateMapping(int fd, const std::vector<std::pair<uint64_t, uin
   void* r = mmap(nullptr, map_len_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (r == MAP_FAILED) throw_errno(errno, "reserve address space for a snapshot", "", -1, static_cast<int64_t>(map_len_));
   base_ = static_cast<char*>(r);
+  const int flags = (shared ? MAP_SHARED : MAP_PRIVATE) | MAP_FIXED;
   uint64_t pos = 0;
   for (auto& [off, len] : segments) {
-    void* p = mmap(base_ + pos, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, static_cast<off_t>(off));
+    void* p = mmap(base_ + pos, len, PROT_READ | PROT_WRITE, flags, fd, static_cast<off_t>(off));
     if (p == MAP_FAILED) {
       int err = errno;
       munmap(base_, map_len_);
@@ -93,7 +115,7 @@ PrivateMapping::PrivateMapping(int fd, const std::vector<std::pair<uint64_t, uin
   }
 }
 
-PrivateMapping::~PrivateMapping() {
+SnapshotMapping::~SnapshotMapping() {
   if (base_) munmap(base_, map_len_);
 }
 

@@ -3,8 +3,9 @@
 // checksums. copy_verify does copy and checksum in one pass (each block hashed
 // right after it is copied, while in cache) on several threads, with the pages
 // of each piece populated in one call first (a fault per 4 KiB page costs more
-// than copying it, more so in a VM). PrivateMapping adopts a snapshot's bytes
-// instead of copying them: the pool pages are mapped copy-on-write.
+// than copying it, more so in a VM). SnapshotMapping adopts a snapshot's bytes
+// instead of copying them: the pool pages are mapped copy-on-write, or shared
+// when the restoring process has taken the pool file for itself.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -27,26 +28,41 @@ struct SnapshotPiece {
 std::vector<std::pair<size_t, uint64_t>> copy_verify(const std::vector<SnapshotPiece>& pieces, bool verify,
                                                      unsigned threads);
 
-// Page-aligned ranges of one file mapped private (copy-on-write) and
-// contiguously, in the order given; data() is `lead` bytes into the first.
-// Writes stay in this process; the file must not be written or truncated while
-// the mapping lives (local.py adopts only pool files no Writer holds).
-class PrivateMapping {
+// Frees the pages of fd in [0, size) that no range of `keep` covers ((offset,
+// length), whole pages, any order) with FALLOC_FL_PUNCH_HOLE: a taken pool's
+// stripe headers, small tensors (copied out) and slack. Returns the bytes freed.
+uint64_t punch_holes(int fd, std::vector<std::pair<uint64_t, uint64_t>> keep, uint64_t size);
+
+// Page-aligned ranges of one file mapped contiguously, in the order given;
+// data() is `lead` bytes into the first.
+// - shared == false: copy-on-write. Writes stay in this process; the file must
+//   not be written or truncated while the mapping lives (local.py adopts only
+//   pool files no Writer holds, and holds a shared flock meanwhile).
+// A mapping holds the open file description it was made from, and with it the
+// flock taken on it: the lock lasts until the last mapping of the restore is
+// gone, with no descriptor kept open.
+// - shared == true: the file's own pages, read-write. Only for a file this
+//   process has taken for itself (local.py: an exclusive flock, the file
+//   unlinked), so nobody else sees the writes.
+class SnapshotMapping {
  public:
   // segments: (file offset, length), both multiples of 4096. Nothing is
   // faulted in here (copy_verify with dst == nullptr populates for reading; a
-  // page is copied only when it is first written).
-  PrivateMapping(int fd, const std::vector<std::pair<uint64_t, uint64_t>>& segments, uint64_t lead, uint64_t size);
-  ~PrivateMapping();
-  PrivateMapping(const PrivateMapping&) = delete;
-  PrivateMapping& operator=(const PrivateMapping&) = delete;
+  // private page is copied only when it is first written).
+  SnapshotMapping(int fd, const std::vector<std::pair<uint64_t, uint64_t>>& segments, uint64_t lead, uint64_t size,
+                  bool shared);
+  ~SnapshotMapping();
+  SnapshotMapping(const SnapshotMapping&) = delete;
+  SnapshotMapping& operator=(const SnapshotMapping&) = delete;
 
   char* data() const noexcept { return base_ + lead_; }
   uint64_t size() const noexcept { return size_; }
+  bool shared() const noexcept { return shared_; }
 
  private:
   char* base_ = nullptr;
   uint64_t map_len_ = 0, lead_ = 0, size_ = 0;
+  bool shared_ = false;
 };
 
 }  // namespace fw

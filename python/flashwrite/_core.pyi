@@ -210,12 +210,20 @@ CopyPiece = tuple[int, int, int, int]
 def copy_verify(pieces: Sequence[CopyPiece], verify: bool = True, threads: int = 1) -> list[Mismatch]:
     """Copy (and check) snapshot pieces on several threads; the mismatches by index (GIL released)."""
 
-class PrivateMapping:
-    """Whole pages of a file, (file offset, nbytes) each, mapped copy-on-write and contiguously;
-    its buffer is ``size`` bytes from ``lead`` bytes into the first."""
-    def __init__(self, fd: int, segments: Sequence[tuple[int, int]], lead: int, size: int) -> None: ...
+def punch_holes(fd: int, keep: Sequence[tuple[int, int]], size: int) -> int:
+    """Free the pages of fd in [0, size) outside the (offset, nbytes) ranges of keep; bytes freed."""
+
+class SnapshotMapping:
+    """Whole pages of a file, (file offset, nbytes) each, mapped contiguously: copy-on-write, or
+    the file's own pages with ``shared=True`` (a file this process has taken for itself); its
+    buffer is ``size`` bytes from ``lead`` bytes into the first. It holds the open file, and a
+    flock taken on it, while it lives."""
+    def __init__(self, fd: int, segments: Sequence[tuple[int, int]], lead: int, size: int,
+                 shared: bool = False) -> None: ...
     @property
     def address(self) -> int: ...
+    @property
+    def shared(self) -> bool: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
 def plan_chunks(sizes: Sequence[int], segments: Sequence[tuple[int, int, int]],

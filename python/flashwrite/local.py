@@ -16,10 +16,15 @@ its pool starts, once its own save has finished.
 ``read_snapshot`` maps the pool file and copies every piece out, checking it
 against the manifest's checksum in the same pass (native, on several threads);
 the manager rebuilds the state through the manifest's tree (the same code a load
-from storage uses). With ``adopt`` (``restore(zero_copy=True)``) large tensors map
-the pool's pages copy-on-write instead, when no Writer holds the pool file: a
-Writer holds an exclusive flock on its pool file for as long as it may write it,
-so memory that restored tensors reference is never overwritten by a later save.
+from storage uses). A restart that finds a snapshot of a step storage also holds
+*takes* it (``take``, the manager's default): large tensors become the pool file's
+own pages, and the file is unlinked, so the restore copies nothing and faults in
+no fresh memory. With ``adopt`` (``restore(zero_copy=True)``, for a snapshot that
+must stay) they map the pool's pages copy-on-write instead. Locks keep these
+apart: a Writer holds an exclusive flock on its pool file for as long as it may
+write it, an adopting restore a shared one and a taking restore an exclusive one
+for as long as their tensors live, so memory that restored tensors reference is
+never overwritten by anyone else.
 
 Files: ``flashwrite-<pid>-<nonce>.pool`` and ``flashwrite-<pid>-<nonce>-<seq>.snap``.
 The owner (pid and start time) is in each header, so a restart can tell a dead
@@ -343,18 +348,33 @@ ADOPT_MIN_BYTES = 1 << 20
 ADOPT_MAX_SEGMENTS = 16384
 
 
-def _pool_free(fd: int) -> bool:
-    """Whether no Writer holds the pool file open for writing (it holds an exclusive
-    flock for as long as it may write; a dead process holds nothing)."""
+def _try_lock(fd: int, how: int) -> bool:
+    """flock without waiting. A Writer holds LOCK_EX on its pool file for as long as it may
+    write there; a restore that adopts a pool holds LOCK_SH while its mappings live, and one
+    that takes a pool holds LOCK_EX; a dead process holds nothing."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
         return True
     except OSError:
         return False
 
 
+def _shares_pool(snap: Snapshot) -> bool:
+    """Whether another header points into snap's pool file (that snapshot would go with it)."""
+    return any(s.pool == snap.pool and s.header != snap.header for s in scan(os.path.dirname(snap.header)))
+
+
+def _open_pool(snap: Snapshot, take: bool) -> tuple[int, bool]:
+    if take:
+        try:
+            return os.open(snap.pool, os.O_RDWR | os.O_CLOEXEC), True
+        except PermissionError:
+            pass  # another user's file: read it
+    return os.open(snap.pool, os.O_RDONLY | os.O_CLOEXEC), False
+
+
 def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = None,
-                  targets: dict[str, torch.Tensor] | None = None, adopt: bool = False,
+                  targets: dict[str, torch.Tensor] | None = None, adopt: bool = False, take: bool = False,
                   timings: dict | None = None) -> tuple[Manifest, dict]:
     """(manifest, {key: CPU tensor owning its bytes}) of a snapshot, every piece checked
     against the manifest's checksum. Raises CorruptCheckpointError (naming the tensor).
@@ -366,11 +386,23 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
     stored dtype and shape; returned as themselves). If a piece fails its check, the
     targets may already hold some new bytes.
 
-    adopt: tensors of at least ADOPT_MIN_BYTES map the snapshot's own pages copy-on-write
-    instead (no copy, no fresh memory; a page is copied when first written), when no
-    Writer holds the pool file (it holds a lock while it may write there: the pool of a
-    live process is copied). Each still owns a storage of exactly its bytes. The pool's
-    shared memory then lives as long as those tensors do, even after its file is removed.
+    take: this process takes the pool file for itself, when nothing else holds it (no
+    Writer, no adopting restore) and no other header points into it. Tensors of at least
+    ADOPT_MIN_BYTES are then the file's own pages, mapped shared: no copy, no fresh memory,
+    and nothing deferred (later writes land in those pages). Once every piece verified,
+    the header and the pool file are unlinked, and the pages no taken tensor maps are
+    freed, so the snapshot costs exactly its tensors' pages until they die. The snapshot
+    is gone afterwards, also when a piece did not verify: take only a snapshot whose step
+    storage also holds.
+
+    adopt: where not taken, tensors of at least ADOPT_MIN_BYTES map the snapshot's pages
+    copy-on-write instead (no copy, no fresh memory; a page is copied when first written),
+    when no Writer holds the pool file (a live process's pool is copied). The snapshot
+    stays, and its shared memory lives as long as those tensors do, even after its file
+    is removed.
+
+    Either way each tensor owns a storage of exactly its bytes (not resizable, like
+    ``torch.load(mmap=True)``'s).
 
     timings: filled with seconds per phase (map, allocate, copy_verify)."""
     t0 = time.perf_counter()
@@ -379,7 +411,7 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
     block = m.block_bytes
     if body.get("chunk_bytes") != block or block % PAGE:
         raise CorruptCheckpointError(f"snapshot {snap.header}: chunk size is not the checksum block", file=snap.header)
-    fd = os.open(snap.pool, os.O_RDONLY | os.O_CLOEXEC)
+    fd, take = _open_pool(snap, take)
     try:
         size = os.fstat(fd).st_size
         where: dict[tuple[int, int], tuple[int, int]] = {}
@@ -389,10 +421,15 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
                 raise CorruptCheckpointError(f"snapshot {snap.header}: chunk at {off} of stripe {f} lies outside "
                                              f"{snap.pool}", file=snap.header)
             where[(f, off)] = (pool_off, n)
-        if adopt and not _pool_free(fd):
+        if take and (_shares_pool(snap) or not _try_lock(fd, fcntl.LOCK_EX)):
+            log.info("flashwrite: %s is in use or holds other snapshots; not taking it", snap.pool)
+            take = False
+        if not take and adopt and not _try_lock(fd, fcntl.LOCK_SH):
             log.info("flashwrite: %s is in use by a live writer; copying the snapshot instead of adopting it",
                      snap.pool)
             adopt = False
+        if not (take or adopt):
+            _try_lock(fd, fcntl.LOCK_SH)  # while copying, keeps a restore in another process from taking it
         # Not populated here: the copy threads fault in the pages of their own pieces.
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
         with warnings.catch_warnings():
@@ -403,6 +440,7 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
         tensors: dict[str, torch.Tensor] = {}
         pieces: list[tuple[int, int, int, int]] = []
         owners: list[tuple[str, int, str]] = []
+        kept: list[tuple[int, int]] = []  # the pool's pages that taken tensors map
         segments_left = ADOPT_MAX_SEGMENTS
         for key, e in m.tensors.items():
             dt = dtypes.dtype_from_name(e.dtype)
@@ -413,12 +451,14 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
                 raw = dst.detach().reshape(-1).view(torch.uint8)
             else:
                 dst, raw = None, None
-                if adopt and e.nbytes >= ADOPT_MIN_BYTES:
+                if (take or adopt) and e.nbytes >= ADOPT_MIN_BYTES:
                     segs = _segments(snap, where, block, size, key, e.file, e.offset, e.nbytes)
                     if len(segs) <= segments_left:
                         segments_left -= len(segs)
-                        mapping = _core.PrivateMapping(fd, segs, e.offset % PAGE, e.nbytes)
+                        mapping = _core.SnapshotMapping(fd, segs, e.offset % PAGE, e.nbytes, shared=take)
                         raw, in_place = torch.frombuffer(mapping, dtype=torch.uint8), True
+                        if take:
+                            kept += segs
                 if raw is None:
                     raw = torch.empty(e.nbytes, dtype=torch.uint8)
             base_addr = raw.data_ptr() if e.nbytes else 0
@@ -441,8 +481,18 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
         del pool
         if mm is not None:
             mm.close()
+        if take:
+            # Ours alone now; a damaged one goes too (storage holds the step).
+            _unlink(snap.header)
+            _unlink(snap.pool)
+            try:
+                _core.punch_holes(fd, [] if bad else kept, size)
+            except OSError as e:
+                log.warning("flashwrite: the unused pages of %s stay allocated while its tensors live: %s",
+                            snap.pool, e)
     finally:
-        os.close(fd)  # also drops the shared lock; the mappings need neither
+        # The lock stays while any mapping lives: each holds the open file it was made from.
+        os.close(fd)
     if timings is not None:
         timings.update(map=t1 - t0, allocate=t2 - t1, copy_verify=t3 - t2)
     if bad:

@@ -367,11 +367,17 @@ class CheckpointManager:
         ``fallback`` is true, the error is logged and the next older one is tried.
         into: fill an existing state dict in place (see ``flashwrite.load``); it is
         left untouched by a damaged checkpoint, whose bytes are checked first.
-        load_options go to ``flashwrite.load`` (map_location, verify, ...). From a local
-        snapshot, ``zero_copy=True`` maps its pages copy-on-write instead of copying them
-        (see ``local.read_snapshot``: no fresh memory to fault in, so it is several times
-        faster; the snapshot's shared memory stays held while the tensors live, and pages
-        written later are copied then). From storage it means views of read buffers.
+        load_options go to ``flashwrite.load`` (map_location, verify, ...).
+
+        From a local snapshot of a step that storage also holds, the restore takes the
+        snapshot (``local.read_snapshot(take=True)``): tensors of 1 MiB or more become its
+        shared-memory pages and the snapshot leaves the local tier, so nothing is copied
+        and no fresh memory is faulted in. A snapshot that is the only copy of its step is
+        copied into fresh memory (and written back to storage). ``zero_copy=True`` maps
+        such a snapshot copy-on-write instead of copying it (its shared memory stays held
+        while the tensors live; pages written later are copied then); ``zero_copy=False``
+        copies every snapshot into fresh memory, resizable like ``torch.load``'s. From
+        storage, ``zero_copy=True`` means views of read buffers.
         """
         with self._call():
             if self.process_group is not None:
@@ -389,7 +395,7 @@ class CheckpointManager:
             first_error: BaseException | None = None
             for s in candidates:
                 for snap in snaps.get(s, []):
-                    got = self._restore_local(s, snap, into, load_options)
+                    got = self._restore_local(s, snap, into, load_options, on_storage=s in committed)
                     if got is not None:
                         if s not in committed:
                             self._write_back(s, got[1])
@@ -416,9 +422,11 @@ class CheckpointManager:
                 raise first_error
             return None
 
-    def _read_local(self, step: int, snap: local.Snapshot, options: dict, into: Any = None) -> LoadResult | None:
+    def _read_local(self, step: int, snap: local.Snapshot, options: dict, into: Any = None,
+                    on_storage: bool = False) -> LoadResult | None:
         """What a local snapshot holds, verified; None (logged) when it does not verify.
-        into: its CPU tensors are filled in place where they fit (no second copy)."""
+        into: its CPU tensors are filled in place where they fit (no second copy).
+        on_storage: storage holds the step too, so the snapshot may be taken (see restore)."""
         t0 = time.perf_counter()
         targets = None
         if into is not None:
@@ -426,8 +434,11 @@ class CheckpointManager:
             targets = {ft.key: ft.tensor for ft in flatten(wrapped, allow_pickle=True)[1]}
         phases: dict = {}
         try:
+            zero_copy = options.get("zero_copy")
             m, tensors = local.read_snapshot(snap, verify=options.get("verify", True), targets=targets,
-                                             adopt=bool(options.get("zero_copy")) and into is None, timings=phases)
+                                             adopt=bool(zero_copy) and into is None,
+                                             take=on_storage and zero_copy is not False and into is None,
+                                             timings=phases)
         except (CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
             log.error("local snapshot of step %d (%s) cannot be restored (%s); trying other copies", step,
                       snap.header, e)
@@ -446,10 +457,10 @@ class CheckpointManager:
                           allow_pickle=self.allow_pickle)
         return state if self._rank is None else state[self._rank[0]]
 
-    def _restore_local(self, step: int, snap: local.Snapshot, into: Any,
-                       options: dict) -> tuple[Any, LoadResult] | None:
+    def _restore_local(self, step: int, snap: local.Snapshot, into: Any, options: dict,
+                       on_storage: bool) -> tuple[Any, LoadResult] | None:
         """(state, what was read) from a local snapshot, or None when it does not verify."""
-        res = self._read_local(step, snap, options, into)
+        res = self._read_local(step, snap, options, into, on_storage)
         return None if res is None else (self._state_of(res, into, options), res)
 
     def _restore_agreed(self, into: Any, options: dict) -> tuple[int, Any] | None:
@@ -465,7 +476,7 @@ class CheckpointManager:
             if s < newest:
                 break  # storage has a newer step for every rank
             for snap in snaps:
-                res = self._read_local(s, snap, options)
+                res = self._read_local(s, snap, options, on_storage=s in committed)
                 if res is not None:
                     verified[s] = res
                     break
