@@ -1,6 +1,9 @@
 """One rank of a multi-rank run with local snapshots, for the kill tests.
 
-    python local_dist_child.py RANK WORLD INIT_FILE ROOT SHM_BASE MODE
+    python local_dist_child.py RANK WORLD INIT_FILE ROOT SHM_BASE MODE [neighbours]
+
+Each rank's local_dir is SHM_BASE/r<RANK>, as if each rank ran on a node of its
+own. With "neighbours", each rank also keeps rank r-1's snapshots.
 
 MODE "one_dies": step 1 is committed; then the last rank dies (kill -9 of itself)
 before saving step 2 while the others stage step 2 and print STAGED.
@@ -35,11 +38,12 @@ def state(step: int, rank: int) -> dict:
 
 def main() -> None:
     rank, world, init, root, shm, mode = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:7]
+    neighbours = sys.argv[7:8] == ["neighbours"]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     mgr = flashwrite.CheckpointManager(root, local_snapshots=True, local_dir=os.path.join(shm, f"r{rank}"),
-                                       process_group=dist.group.WORLD)
+                                       process_group=dist.group.WORLD, neighbour_copies=neighbours)
     if mode == "restore":
         step, got = mgr.restore()
         assert_same(got, state(step, rank))

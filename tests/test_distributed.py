@@ -196,6 +196,54 @@ def _one_rank_fails_to_write(root: str, bad: int) -> dict:
     return out
 
 
+def _neighbour_copies_with_a_failure(root: str, shm: str, bad: int) -> dict:
+    from flashwrite import local
+    rank, pg = dist.get_rank(), dist.group.WORLD
+    mine = os.path.join(shm, f"r{rank}")
+    w = fw.Writer(local_snapshots=True, local_dir=mine, neighbour_copies=True, **WORLD_OPTS)
+    out: dict = {}
+    try:
+        w.save(rank_state(rank, 1), os.path.join(root, "one"), process_group=pg, timeout=30)
+        t0 = time.monotonic()
+        if rank == bad:  # fails before anything is written: it still takes part in the copies' exchange
+            with pytest.raises(TypeError):
+                w.save({"x": object()}, os.path.join(root, "bad"), process_group=pg, timeout=30)
+        else:
+            with pytest.raises(DistributedSaveError):
+                w.save_async(rank_state(rank, 2), os.path.join(root, "bad"), process_group=pg, timeout=30).result(60)
+        out["elapsed"] = time.monotonic() - t0
+        w.save(rank_state(rank, 3), os.path.join(root, "after"), process_group=pg, timeout=30)
+        copies = [s for s in local.scan(mine) if s.body.get("replica")]
+        out["copies"] = sorted((os.path.basename(s.path), s.body["rank"], s.state) for s in copies)
+        newest = max(copies, key=lambda s: s.created)
+        _, tensors = local.read_snapshot(newest)  # every byte checked against the sender's checksums
+        prev = (rank - 1) % dist.get_world_size()
+        out["same"] = all(torch.equal(tensors[f"{prev}.model.{k}"], rank_state(prev, 3)["model"][k])
+                          for k in ("w", "b", "idx"))
+    finally:
+        w.close()
+    out["left"] = sorted(os.listdir(mine))
+    return out
+
+
+def test_neighbour_copies_pair_up_when_a_rank_fails_before_writing(cluster2, tmp_path):
+    shm = f"/dev/shm/fwtest-nbfail-{os.getpid()}"
+    try:
+        res = cluster2.run(_neighbour_copies_with_a_failure, str(tmp_path), shm, 1)
+    finally:
+        import shutil
+        shutil.rmtree(shm, ignore_errors=True)
+    # A holder keeps its two newest copies. Rank 0 staged "bad" and sent it (a staged
+    # snapshot of a save that failed elsewhere, like rank 0's own); rank 1 had nothing to send.
+    assert res[0]["copies"] == [("after", 1, "committed"), ("one", 1, "committed")]
+    assert res[1]["copies"] == [("after", 0, "committed"), ("bad", 0, "staged")]
+    for r in (0, 1):
+        assert res[r]["elapsed"] < 10, res  # no wait for the timeout: the messages paired up
+        assert res[r]["same"] and res[r]["left"] == []  # close() removed the copies too
+    assert not (tmp_path / "bad").exists()
+    assert_same(fw.load(tmp_path / "after"), {0: rank_state(0, 3), 1: rank_state(1, 3)})
+
+
 def _one_rank_cancels_while_writing(root: str, bad: int) -> dict:
     rank = dist.get_rank()
     sd = {"big": torch.randn(4 << 20), **rank_state(rank, 4)}

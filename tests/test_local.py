@@ -252,10 +252,10 @@ def test_kill_while_staging_never_returns_the_half_staged_step(tmp_path):
 # ------------------------------------------------------------- many ranks
 
 
-def _ranks(world, tmp, root, shm, mode):
+def _ranks(world, tmp, root, shm, mode, *extra):
     init = tmp / f"init-{mode}-{time.monotonic_ns()}"
     return [subprocess.Popen([sys.executable, os.path.join(HERE, "local_dist_child.py"), str(r), str(world), str(init),
-                              str(root), shm, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              str(root), shm, mode, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for r in range(world)]
 
 
@@ -281,6 +281,43 @@ def test_ranks_agree_on_one_step_after_kill(tmp_path, mode, agreed, world):
             assert f"RESTORED {agreed}" in out
     finally:
         import shutil
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_lost_nodes_rank_restores_from_its_neighbours_memory(tmp_path, world):
+    # Every rank stages step 2 (never committed), then all die and rank 1's node is lost
+    # with its memory: step 2 survives only in the copy rank 2 (mod world) keeps of it.
+    root, shm = tmp_path / "ck", f"/dev/shm/fwtest-nb-{os.getpid()}-{world}"
+    step2 = str(root / "step-00000002")
+    try:
+        procs = _ranks(world, tmp_path, root, shm, "all_staged", "neighbours")
+        for p in procs:
+            _wait_line(p, "STAGED")
+        deadline = time.monotonic() + 60
+        while True:  # the copies go out while the stripes are written (the commit is held back)
+            held = {r: [s.body["rank"] for s in local.scan(f"{shm}/r{r}") if s.body.get("replica") and s.path == step2]
+                    for r in range(world)}
+            if all(held.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+        assert held == {r: [(r - 1) % world] for r in range(world)}
+        for r in range(world):  # two replica files at most per holder: steps 1 and 2
+            assert len([f for f in os.listdir(f"{shm}/r{r}") if "-replica" in f and f.endswith(".pool")]) == 2
+        assert not os.path.isdir(step2)
+        shutil.rmtree(f"{shm}/r1")  # the lost node
+        procs = _ranks(world, tmp_path, root, shm, "restore", "neighbours")
+        outs = [p.communicate(timeout=240) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+            assert "RESTORED 2" in out  # checked against what each rank saved, then committed and reloaded
+        # The fetched copy went once the write-back had a snapshot of its own.
+        assert not [f for f in os.listdir(f"{shm}/r1") if "-fetched" in f]
+    finally:
         shutil.rmtree(shm, ignore_errors=True)
 
 

@@ -52,7 +52,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import commit, defaults, local
+from . import commit, defaults, local, neighbour
 from .coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
 from .errors import DistributedSaveError, FlashwriteError
 from .format import build_index, merge_manifests, parse_manifest
@@ -86,11 +86,13 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     tmp = commit.shared_temp_dir_for(final, coord.nonce, seq)
     rank = coord.rank
 
+    pool = getattr(writer, "_local", None)  # this rank's local tier (Writer(local_snapshots=True))
+    store = getattr(writer, "_neighbours", None)  # and its neighbour's copies (neighbour_copies=True)
+
     def tell_peers(e: BaseException) -> None:
         # Tell the peers now instead of letting them wait for the timeout.
-        coord.run(_report_failure, coord, final, tmp, e, overwrite, t0)
+        coord.run(_report_failure, coord, final, tmp, e, overwrite, t0, store)
 
-    pool = getattr(writer, "_local", None)  # this rank's local tier (Writer(local_snapshots=True))
     try:
         commit.check_target(final, overwrite)
         os.makedirs(tmp, exist_ok=True)  # every rank: the name is agreed, so whoever comes first creates it
@@ -111,9 +113,17 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
         try:
             if ls is not None:
                 ls.seal()
-            stats = _agree_and_commit(coord, final, tmp, sw, None, overwrite, t0, fut, commit_gate)
+            lost = None
+            if store is not None:  # while the stripes are being written
+                try:
+                    neighbour.exchange(coord, ls.snapshot() if ls is not None else None, store)
+                except PeerLost as e:
+                    lost = e  # the rounds below fail on it, as for any lost peer
+            stats = _agree_and_commit(coord, final, tmp, sw, lost, overwrite, t0, fut, commit_gate)
             if ls is not None:
                 ls.committed()
+            if store is not None:
+                store.committed(final)
             return stats
         finally:
             if ls is not None:
@@ -127,9 +137,12 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
 
 
 def _report_failure(coord: Coordinator, final: str, tmp: str, error: BaseException, overwrite: bool,
-                    t0: float) -> None:
-    """This rank failed before its save was launched: take part in the save's rounds as failed."""
+                    t0: float, store: Any = None) -> None:
+    """This rank failed before its save was launched: take part in the save's rounds as failed
+    (and in its exchange of neighbour copies, with nothing to send)."""
     try:
+        if store is not None:
+            neighbour.exchange(coord, None, store)
         _agree_and_commit(coord, final, tmp, None, error, overwrite, t0, None, None)
     except BaseException as e:  # noqa: BLE001 - the caller already has its own error
         if e is not error:

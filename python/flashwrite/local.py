@@ -318,6 +318,14 @@ class LocalSave:
             except Exception as e:  # the snapshot is a bonus: never fail the save for it
                 log.warning("flashwrite: no local snapshot of %s: %s", self.path, e)
 
+    def snapshot(self) -> Snapshot | None:
+        """The snapshot sealed for this save (after seal()), or None."""
+        h = self.held
+        if h is None:
+            return None
+        b = h.body
+        return Snapshot(h.header, self.pool.pool_path, b["path"], b["state"], b["owner"], b["created"], b)
+
     def committed(self) -> None:
         if self.held is not None:
             try:

@@ -50,7 +50,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import _core, commit, local
+from . import _core, commit, local, neighbour
 from .errors import CorruptCheckpointError
 from .flatten import flatten, unflatten
 from .format import MANIFEST_NAME
@@ -119,7 +119,7 @@ class CheckpointManager:
                  if_busy: str = "wait", cleanup: bool = True, handle_sigterm: bool = False,
                  final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False,
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None, keep_local: bool = False,
-                 reserve: Any = None, process_group: Any = None):
+                 reserve: Any = None, process_group: Any = None, neighbour_copies: bool = False):
         for name, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
                         ("keep_every_n_steps", keep_every_n_steps)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -139,7 +139,10 @@ class CheckpointManager:
         self._owns_writer = writer is None
         if writer is not None and local_snapshots and not writer.local_snapshots:
             raise ValueError("local_snapshots=True needs a writer made with local_snapshots=True")
-        self._writer = writer if writer is not None else Writer(local_snapshots=local_snapshots, local_dir=local_dir)
+        if writer is not None and neighbour_copies and writer._neighbours is None:
+            raise ValueError("neighbour_copies=True needs a writer made with neighbour_copies=True")
+        self._writer = writer if writer is not None else Writer(local_snapshots=local_snapshots, local_dir=local_dir,
+                                                                neighbour_copies=neighbour_copies)
         self.keep_local = keep_local
         self.local_dir = self._writer._local.dir if self._writer.local_snapshots else None
         self.process_group = process_group
@@ -326,15 +329,22 @@ class CheckpointManager:
             local.remove_orphan_pools(self.local_dir)
         return touched
 
-    def local_snapshots(self) -> dict[int, list[local.Snapshot]]:
-        """Local snapshots of this root's steps (any owner), newest first per step."""
+    def local_snapshots(self, replicas: bool = False) -> dict[int, list[local.Snapshot]]:
+        """Local snapshots of this root's steps (any owner), newest first per step.
+        replicas: the copies this rank holds of rank r-1's snapshots instead
+        (``neighbour_copies``)."""
         out: dict[int, list[local.Snapshot]] = {}
         if self.local_dir is None:
             return out
+        whose = self._rank or (None, None)
+        if replicas:
+            if self._rank is None:
+                return out
+            whose = ((self._rank[0] - 1) % self._rank[1], self._rank[1])
         for snap in local.scan(self.local_dir):
             step = self._step_of(snap.path)
-            mine = (snap.body.get("rank"), snap.body.get("world_size")) == (self._rank or (None, None))
-            if step is not None and mine:
+            mine = (snap.body.get("rank"), snap.body.get("world_size")) == whose
+            if step is not None and mine and bool(snap.body.get("replica")) == replicas:
                 out.setdefault(step, []).append(snap)
         return out
 
@@ -349,7 +359,7 @@ class CheckpointManager:
         copy of the newest step: callers pick only steps older than, or equal to, a
         committed one)."""
         removed = []
-        for step, snaps in self.local_snapshots().items():
+        for step, snaps in self.local_snapshots(replicas=True).items():
             for snap in snaps:
                 if doomed(step) and not snap.alive:
                     local.remove(snap)
@@ -464,11 +474,15 @@ class CheckpointManager:
         return None if res is None else (self._state_of(res, into, options), res)
 
     def _restore_agreed(self, into: Any, options: dict) -> tuple[int, Any] | None:
-        """restore() on every rank of process_group: each rank offers the committed steps
-        and the steps its own snapshots verify; all take the newest step in every offer."""
+        """restore() on every rank of process_group: each rank offers the committed steps,
+        the steps its own snapshots verify, and those whose copy it keeps for rank r-1
+        (neighbour copies); all take the newest step that every rank can get from some
+        tier. A rank without its own snapshot of it fetches the copy from rank r+1."""
         import torch.distributed as dist
         from .coord import collective, coordinator
 
+        coord = coordinator(self.process_group)
+        rank, world = coord.rank, coord.size
         committed = self.all_steps()
         newest = committed[-1] if committed else -1
         verified: dict[int, LoadResult] = {}
@@ -480,22 +494,45 @@ class CheckpointManager:
                 if res is not None:
                     verified[s] = res
                     break
-        offer = sorted(set(committed) | set(verified))
-        coord = coordinator(self.process_group)
-        offers: list = [None] * coord.size
+        held = {s: snaps[0] for s, snaps in self.local_snapshots(replicas=True).items() if s >= newest}
+        offer = {"steps": sorted(set(committed) | set(verified)), "own": sorted(verified), "held": sorted(held),
+                 "fetch": self.local_dir is not None}
+        offers: list = [None] * world
         coord.run(collective, dist.all_gather_object, offers, offer, group=coord.group).result()
-        common = set(offers[0]).intersection(*map(set, offers[1:]))
-        log.info("rank %d offers steps %s; the ranks agree on %s", coord.rank, offer[-3:], max(common, default=None))
+        avail = [set(o["steps"]) | (set(offers[(i + 1) % world]["held"]) if o["fetch"] else set())
+                 for i, o in enumerate(offers)]
+        common = set.intersection(*avail)
+        log.info("rank %d offers steps %s; the ranks agree on %s", rank, offer["steps"][-3:], max(common, default=None))
         if not common:
             return None
         s = max(common)
-        if s in verified:
-            state = self._state_of(verified[s], into, options)
-            if s not in committed:
-                self._write_back(s, verified[s])  # every rank: none has it on storage
-            return s, state
-        return s, load(self.path_for(s), into=into, allow_pickle=self.allow_pickle, process_group=self.process_group,
-                       **options)
+        res, got = verified.get(s), None
+        # Who fetches its part of step s from its neighbour's memory: the same answer on every rank.
+        needs = [s not in o["own"] and s in offers[(i + 1) % world]["held"] and o["fetch"]
+                 for i, o in enumerate(offers)]
+        if world > 1 and any(needs):
+            prv, nxt = (rank - 1) % world, (rank + 1) % world
+            store = self._writer._neighbours or (neighbour.Store(self._writer._local) if self.local_dir else None)
+            got = coord.run(neighbour.swap, coord, prv if needs[prv] else None, held.get(s) if needs[prv] else None,
+                            nxt if needs[rank] else None, store, False).result()
+            if needs[rank]:
+                if got is not None:
+                    log.info("rank %d fetched its snapshot of step %d from rank %d's memory", rank, s, nxt)
+                    res = self._read_local(s, got, options, on_storage=s in committed)
+                if res is None and s not in committed:
+                    raise CorruptCheckpointError(f"rank {rank}: step {s} is only in memory, and the copy rank {nxt} "
+                                                 f"keeps of it did not arrive whole (see the log)")
+        try:
+            if res is not None:
+                state = self._state_of(res, into, options)
+                if s not in committed:
+                    self._write_back(s, res)  # every rank: none has it on storage
+                return s, state
+            return s, load(self.path_for(s), into=into, allow_pickle=self.allow_pickle,
+                           process_group=self.process_group, **options)
+        finally:
+            if got is not None and os.path.exists(got.header):
+                local.remove(got)  # read (not taken): the write-back has its own snapshot once staged
 
     def _write_back(self, step: int, res: LoadResult) -> None:
         """Save a step that only a local snapshot holds to root; returns once staged

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _core, commit, defaults, distributed, hf, local, tuning
+from . import _core, commit, defaults, distributed, hf, local, neighbour, tuning
 from . import write as _write
 from .flatten import flatten_columns
 from .plan import plan_files
@@ -53,12 +53,16 @@ class Writer:
     process (``flashwrite.local``; ``CheckpointManager.restore`` uses it). A save
     larger than max_staging_bytes gets none; when local_dir is too small the pool
     says so once and uses private memory.
+    neighbour_copies: with local_snapshots, in multi-rank saves (``process_group=``), each
+    rank also keeps a copy of rank r-1's snapshot (``flashwrite.neighbour``); every rank
+    must set it alike.
     """
 
     def __init__(self, stripes: int | None = None, queue_depth: int | None = None,
                  chunk_bytes: int | None = None, backend: str = "auto", direct: bool = True,
                  max_staging_bytes: int | None = None, copy_threads: int | None = None, *,
-                 local_snapshots: bool = False, local_dir: str | os.PathLike | None = None):
+                 local_snapshots: bool = False, local_dir: str | os.PathLike | None = None,
+                 neighbour_copies: bool = False):
         # Settings not given here come, per save, from a tuning saved for the target's
         # file system (`flashwrite tune --save`), else from defaults.py.
         self._explicit = {k for k, v in (("stripes", stripes), ("queue_depth", queue_depth),
@@ -83,7 +87,10 @@ class Writer:
         self.backend = backend
         self.direct = direct
         self.copy_threads = copy_threads or _default_copy_threads()
+        if neighbour_copies and not local_snapshots:
+            raise ValueError("neighbour_copies=True needs local_snapshots=True")
         self._local = local.LocalPool(local_dir) if local_snapshots else None
+        self._neighbours = neighbour.Store(self._local) if self._local is not None and neighbour_copies else None
         self._engine = self._new_engine(chunk_bytes, max_staging_bytes or 0)
         self._engine_used = False
         self._reserving: concurrent.futures.Future | None = None
@@ -288,6 +295,8 @@ class Writer:
             ex.shutdown(wait=True)
         if self._reserving is not None:
             self._reserving.exception()  # a reservation in flight ends before the pool goes
+        if self._neighbours is not None:
+            self._neighbours.close(keep_newest=keep_local)
         if self._local is not None and self._local.close(keep_newest=keep_local):
             return  # the pool file holds a snapshot: its pages stay (unmapped at exit)
         self._engine.trim()

@@ -194,7 +194,8 @@ def list_local(root: str, local_dir: str | None = None) -> list[Entry]:
             wv = man.get("writer_version")
             e.writer_version = wv[:40] if isinstance(wv, str) else None
         if "rank" in snap.body:
-            e.name = f"{name} (rank {snap.body.get('rank')} of {snap.body.get('world_size')})"
+            copy = "copy of " if snap.body.get("replica") else ""
+            e.name = f"{name} ({copy}rank {snap.body.get('rank')} of {snap.body.get('world_size')})"
         pid = snap.owner.get("pid")
         e.owner_pid = pid if isinstance(pid, int) else None
         e.owner_alive = snap.alive

@@ -1,0 +1,221 @@
+"""Neighbour copies: each rank also keeps one neighbour's snapshot in its memory.
+
+With ``local_snapshots=True`` and ``neighbour_copies=True`` (``Writer`` or
+``CheckpointManager``) in a multi-rank run, rank r sends each snapshot it seals to
+rank r+1 (mod the world size), and keeps the one rank r-1 sends it as a *replica*:
+a pool file and a header in its own ``local_dir``, like a snapshot, whose header
+says whose it is (``"replica": true``, the sender's rank and world size). When a
+node is lost, its ranks restart elsewhere with nothing in memory; the ranks after
+them still hold their snapshots, so no step is lost and no rank reads storage.
+
+The transfer runs on flashwrite's coordination group (gloo, never the training
+group), on its thread, after the save is staged and while its stripes are being
+written: it adds nothing to the stall, and nothing to the time to durable while
+it is faster than the storage. Every rank takes part in every exchange, also one
+whose save failed or has no snapshot (it then sends nothing), so the ranks' point-
+to-point messages always pair up. A holder keeps two replica files and fills the
+older one, so the previous replica stays whole until the new one is complete.
+
+At a multi-rank ``restore()`` every rank offers the steps it can restore itself
+and those whose replica it holds for rank r-1; the ranks agree on the newest step
+that every rank can get from some tier, and a rank without its own snapshot of
+that step receives it from the holder into its own local tier, then restores it
+as its own (verified against the manifest's checksums, like any snapshot).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from . import local
+from .coord import Coordinator, PeerLost
+
+log = logging.getLogger("flashwrite")
+
+PAGE = local.PAGE
+REPLICA_SLOTS = 2
+
+
+def _wait(works: list, what: str) -> None:
+    try:
+        for w in works:
+            w.wait()
+    except Exception as e:  # gloo reports a closed connection or a timeout as RuntimeError
+        raise PeerLost(f"{what}: {type(e).__name__}: {e}") from e
+
+
+def _map_pool(path: str, writable: bool) -> tuple[mmap.mmap | None, torch.Tensor]:
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return None, torch.empty(0, dtype=torch.uint8)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not writable": a sent pool is only read
+        return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _allocate(path: str, nbytes: int) -> None:
+    """A pool file of exactly nbytes, every page allocated (tmpfs: ENOSPC now, never
+    SIGBUS later while a receive writes into the mapping)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, 0)
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        os.close(fd)
+        local._unlink(path)
+        raise
+    os.close(fd)
+
+
+class Store:
+    """Where the snapshots one rank receives go: its local_dir, named after its LocalPool.
+
+    replica=True: replicas of rank r-1's snapshots, in REPLICA_SLOTS files used in
+    turn. replica=False: a snapshot of this rank's own state fetched back from its
+    holder at restore, stored as this process's own."""
+
+    def __init__(self, pool: local.LocalPool):
+        self.pool = pool
+        self._turn = 0
+        self._fetched = 0
+        self.newest: local.Snapshot | None = None  # the newest replica this process holds
+
+    def _names(self, replica: bool) -> tuple[str, str]:
+        if replica:
+            self._turn += 1
+            stem = f"replica{self._turn % REPLICA_SLOTS}"
+        else:
+            self._fetched += 1
+            stem = f"fetched{self._fetched:06d}"
+        base = os.path.join(self.pool.dir, f"{local.PREFIX}{self.pool.token}-{stem}")
+        return base + local.POOL_SUFFIX, base + local.HEADER_SUFFIX
+
+    def begin(self, body: dict, replica: bool) -> tuple[str, str, list[list[int]]] | None:
+        """Make room for a snapshot: (pool path, header path, chunks as they will lie in
+        the new pool). None (logged) when local_dir has no room."""
+        pool_path, header = self._names(replica)
+        local._unlink(header)  # the replica this slot held goes first (the other slot's stays)
+        chunks, at = [], 0
+        for f, off, n, _ in body["chunks"]:
+            chunks.append([int(f), int(off), int(n), at])
+            at += -(-int(n) // PAGE) * PAGE
+        try:
+            _allocate(pool_path, at)
+        except OSError as e:
+            self.pool.say_once("replica-room", "flashwrite: no room in %s for a neighbour's snapshot (%s); "
+                               "neighbour copies are skipped while it lasts", self.pool.dir, e)
+            return None
+        return pool_path, header, chunks
+
+    def finish(self, body: dict, pool_path: str, header: str, chunks: list, replica: bool) -> local.Snapshot:
+        body = dict(body, pool=os.path.basename(pool_path), chunks=chunks, owner=self.pool.owner,
+                    created=time.time())
+        body.pop("replica", None)
+        if replica:
+            body["replica"] = True
+        local._write_atomic(header, local._encode(body))
+        snap = local.Snapshot(header, pool_path, str(body["path"]), str(body["state"]), body["owner"],
+                              body["created"], body)
+        if replica:
+            self.newest = snap
+        return snap
+
+    def committed(self, path: str) -> None:
+        """The save of ``path`` committed: so did the newest replica, if it is of that save."""
+        snap = self.newest
+        if snap is not None and snap.path == path and snap.state != "committed" and os.path.exists(snap.header):
+            snap.state = snap.body["state"] = "committed"
+            local._write_atomic(snap.header, local._encode(snap.body))
+
+    def close(self, keep_newest: bool) -> None:
+        """Remove this process's replicas (keep_newest: all but the newest)."""
+        for k in range(REPLICA_SLOTS):
+            base = os.path.join(self.pool.dir, f"{local.PREFIX}{self.pool.token}-replica{k}")
+            if keep_newest and self.newest is not None and base + local.HEADER_SUFFIX == self.newest.header:
+                continue
+            local._unlink(base + local.HEADER_SUFFIX)
+            local._unlink(base + local.POOL_SUFFIX)
+
+
+def swap(coord: Coordinator, send_to: int | None, snap: local.Snapshot | None, recv_from: int | None,
+         store: Store | None, replica: bool) -> local.Snapshot | None:
+    """Send ``snap`` (None: nothing) to group rank ``send_to`` and receive one from
+    ``recv_from`` into ``store``, both at once; either side may be None (no peer).
+    Returns the snapshot received, or None (none sent, or no room here). Both peers
+    of each pair must call it at the same point of their coordination sequence."""
+    g, glob = coord.group, coord.global_rank
+    sent_body = None
+    if snap is not None:
+        sent_body = {k: v for k, v in snap.body.items() if k not in ("owner",)}
+    out_json = json.dumps(sent_body, separators=(",", ":")).encode() if sent_body is not None else b""
+    out_data = sum(int(c[2]) for c in snap.body["chunks"]) if snap is not None else 0
+    works, meta_in = [], torch.zeros(2, dtype=torch.int64)
+    # 1. sizes (0: nothing to send)
+    if send_to is not None:
+        works.append(dist.isend(torch.tensor([len(out_json), out_data], dtype=torch.int64), glob(send_to), group=g))
+    if recv_from is not None:
+        works.append(dist.irecv(meta_in, glob(recv_from), group=g))
+    _wait(works, "neighbour copy: sizes")
+    in_json = int(meta_in[0]) if recv_from is not None else 0
+    # 2. the header (manifest, checksums, chunk table)
+    works, body_in = [], torch.empty(in_json, dtype=torch.uint8)
+    if send_to is not None and out_json:
+        works.append(dist.isend(torch.frombuffer(bytearray(out_json), dtype=torch.uint8), glob(send_to), group=g))
+    if in_json:
+        works.append(dist.irecv(body_in, glob(recv_from), group=g))
+    _wait(works, "neighbour copy: header")
+    # 3. the receiver says whether it has room
+    room = None
+    if in_json:
+        body = json.loads(body_in.numpy().tobytes())
+        room = store.begin(body, replica) if store is not None else None
+    works, accept_in = [], torch.zeros(1, dtype=torch.int64)
+    if in_json:
+        works.append(dist.isend(torch.tensor([int(room is not None)], dtype=torch.int64), glob(recv_from), group=g))
+    if send_to is not None and out_json:
+        works.append(dist.irecv(accept_in, glob(send_to), group=g))
+    _wait(works, "neighbour copy: room")
+    # 4. the chunks, straight from the sender's pool into the receiver's
+    works = []
+    if send_to is not None and out_json and int(accept_in[0]):
+        _, src = _map_pool(snap.pool, writable=False)  # unmapped when the last view goes
+        for _f, _off, n, at in snap.body["chunks"]:
+            works.append(dist.isend(src[int(at):int(at) + int(n)], glob(send_to), group=g))
+    if room is not None:
+        pool_path, header, chunks = room
+        _, dst = _map_pool(pool_path, writable=True)
+        for _f, _off, n, at in chunks:
+            works.append(dist.irecv(dst[at:at + n], glob(recv_from), group=g))
+    _wait(works, "neighbour copy: data")
+    if room is None:
+        return None
+    return store.finish(body, *room, replica=replica)
+
+
+def exchange(coord: Coordinator, snap: local.Snapshot | None, store: Store | None) -> None:
+    """At a save, on the coordination thread, on every rank: send this rank's snapshot
+    of it (None: it has none) to rank r+1 and keep rank r-1's."""
+    n = coord.size
+    if n < 2:
+        return
+    t0 = time.perf_counter()
+    got = swap(coord, (coord.rank + 1) % n, snap, (coord.rank - 1) % n, store, replica=True)
+    if got is not None:
+        log.debug("flashwrite: kept rank %d's snapshot of %s (%.3f s)", (coord.rank - 1) % n, got.path,
+                  time.perf_counter() - t0)
+
