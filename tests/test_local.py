@@ -315,8 +315,10 @@ def test_a_lost_nodes_rank_restores_from_its_neighbours_memory(tmp_path, world):
         for p, (out, err) in zip(procs, outs):
             assert p.returncode == 0, err[-3000:]
             assert "RESTORED 2" in out  # checked against what each rank saved, then committed and reloaded
-        # The fetched copy went once the write-back had a snapshot of its own.
-        assert not [f for f in os.listdir(f"{shm}/r1") if "-fetched" in f]
+        # Nothing is left: the dead processes' snapshots and copies went once step 2 was
+        # committed, the fetched copy once the write-back had a snapshot of its own, and the
+        # restarted ranks' own files at close().
+        assert {r: os.listdir(f"{shm}/r{r}") for r in range(world)} == {r: [] for r in range(world)}
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 

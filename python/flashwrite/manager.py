@@ -359,7 +359,7 @@ class CheckpointManager:
         copy of the newest step: callers pick only steps older than, or equal to, a
         committed one)."""
         removed = []
-        for step, snaps in self.local_snapshots(replicas=True).items():
+        for step, snaps in [*self.local_snapshots().items(), *self.local_snapshots(replicas=True).items()]:
             for snap in snaps:
                 if doomed(step) and not snap.alive:
                     local.remove(snap)
