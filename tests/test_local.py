@@ -306,8 +306,8 @@ def test_a_lost_nodes_rank_restores_from_its_neighbours_memory(tmp_path, world):
             p.send_signal(signal.SIGKILL)
             p.communicate()
         assert held == {r: [(r - 1) % world] for r in range(world)}
-        for r in range(world):  # two replica files at most per holder: steps 1 and 2
-            assert len([f for f in os.listdir(f"{shm}/r{r}") if "-replica" in f and f.endswith(".pool")]) == 2
+        for r in range(world):  # one copy per holder, refilled in place: step 1's became step 2's
+            assert len([f for f in os.listdir(f"{shm}/r{r}") if "-replica" in f]) == 2  # its pool and header
         assert not os.path.isdir(step2)
         shutil.rmtree(f"{shm}/r1")  # the lost node
         procs = _ranks(world, tmp_path, root, shm, "restore", "neighbours")

@@ -13,8 +13,10 @@ group), on its thread, after the save is staged and while its stripes are being
 written: it adds nothing to the stall, and nothing to the time to durable while
 it is faster than the storage. Every rank takes part in every exchange, also one
 whose save failed or has no snapshot (it then sends nothing), so the ranks' point-
-to-point messages always pair up. A holder keeps two replica files and fills the
-older one, so the previous replica stays whole until the new one is complete.
+to-point messages always pair up. A holder keeps one replica file and refills it in
+place (its pages are reused, like the staging pool's): the saves of a group run in
+order on that thread and each is committed (or has failed) before the next one's
+copies go out, so the copy being replaced is never the only one of its step.
 
 At a multi-rank ``restore()`` every rank offers the steps it can restore itself
 and those whose replica it holds for rank r-1; the ranks agree on the newest step
@@ -41,7 +43,6 @@ from .coord import Coordinator, PeerLost
 log = logging.getLogger("flashwrite")
 
 PAGE = local.PAGE
-REPLICA_SLOTS = 2
 
 
 def _wait(works: list, what: str) -> None:
@@ -69,10 +70,10 @@ def _map_pool(path: str, writable: bool) -> tuple[mmap.mmap | None, torch.Tensor
 
 def _allocate(path: str, nbytes: int) -> None:
     """A pool file of exactly nbytes, every page allocated (tmpfs: ENOSPC now, never
-    SIGBUS later while a receive writes into the mapping)."""
+    SIGBUS later while a receive writes into the mapping). Pages it already has are kept."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        os.ftruncate(fd, 0)
+        os.ftruncate(fd, nbytes)
         if nbytes:
             os.posix_fallocate(fd, 0, nbytes)
     except OSError:
@@ -85,20 +86,18 @@ def _allocate(path: str, nbytes: int) -> None:
 class Store:
     """Where the snapshots one rank receives go: its local_dir, named after its LocalPool.
 
-    replica=True: replicas of rank r-1's snapshots, in REPLICA_SLOTS files used in
-    turn. replica=False: a snapshot of this rank's own state fetched back from its
+    replica=True: the copy of rank r-1's newest snapshot, in one file refilled in
+    place. replica=False: a snapshot of this rank's own state fetched back from its
     holder at restore, stored as this process's own."""
 
     def __init__(self, pool: local.LocalPool):
         self.pool = pool
-        self._turn = 0
         self._fetched = 0
-        self.newest: local.Snapshot | None = None  # the newest replica this process holds
+        self.newest: local.Snapshot | None = None  # the copy this process holds
 
     def _names(self, replica: bool) -> tuple[str, str]:
         if replica:
-            self._turn += 1
-            stem = f"replica{self._turn % REPLICA_SLOTS}"
+            stem = "replica"
         else:
             self._fetched += 1
             stem = f"fetched{self._fetched:06d}"
@@ -109,7 +108,7 @@ class Store:
         """Make room for a snapshot: (pool path, header path, chunks as they will lie in
         the new pool). None (logged) when local_dir has no room."""
         pool_path, header = self._names(replica)
-        local._unlink(header)  # the replica this slot held goes first (the other slot's stays)
+        local._unlink(header)  # the copy this file held goes first (its step is committed, or failed)
         chunks, at = [], 0
         for f, off, n, _ in body["chunks"]:
             chunks.append([int(f), int(off), int(n), at])
@@ -143,11 +142,9 @@ class Store:
             local._write_atomic(snap.header, local._encode(snap.body))
 
     def close(self, keep_newest: bool) -> None:
-        """Remove this process's replicas (keep_newest: all but the newest)."""
-        for k in range(REPLICA_SLOTS):
-            base = os.path.join(self.pool.dir, f"{local.PREFIX}{self.pool.token}-replica{k}")
-            if keep_newest and self.newest is not None and base + local.HEADER_SUFFIX == self.newest.header:
-                continue
+        """Remove this process's copy (keep_newest: keep it)."""
+        if not keep_newest:
+            base = os.path.join(self.pool.dir, f"{local.PREFIX}{self.pool.token}-replica")
             local._unlink(base + local.HEADER_SUFFIX)
             local._unlink(base + local.POOL_SUFFIX)
 
