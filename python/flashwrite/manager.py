@@ -112,6 +112,9 @@ class CheckpointManager:
     local snapshot, and ``restore()`` agrees across ranks on the newest step that every
     rank can restore, from memory or storage (never mixing steps). Rank 0 cleans up and
     applies retention in root.
+    neighbour_copies: with process_group and local_snapshots, each rank also keeps a copy
+    of rank r-1's snapshot, so ``restore()`` finds a lost node's part in its neighbour's
+    memory (``flashwrite.neighbour``). Every rank must set it alike.
     """
 
     def __init__(self, root: str | os.PathLike, every_n_steps: int | None = None, every_n_seconds: float | None = None,
