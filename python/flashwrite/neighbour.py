@@ -167,7 +167,7 @@ def swap(coord: Coordinator, send_to: int | None, snap: local.Snapshot | None, r
         works.append(dist.isend(torch.tensor([len(out_json), out_data], dtype=torch.int64), glob(send_to), group=g))
     if recv_from is not None:
         works.append(dist.irecv(meta_in, glob(recv_from), group=g))
-    _wait(works, "neighbour copy: sizes")
+    _wait(works, "neighbour copy: sizes (if no peer died: does every rank set neighbour_copies alike?)")
     in_json = int(meta_in[0]) if recv_from is not None else 0
     # 2. the header (manifest, checksums, chunk table)
     works, body_in = [], torch.empty(in_json, dtype=torch.uint8)
