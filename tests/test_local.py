@@ -343,16 +343,21 @@ def _owns_its_bytes(t):
     return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-def _mapped_from(t):
-    """The file the page under t's data is mapped from (per /proc/self/maps), or None."""
+def _mapping_of(t):
+    """(permissions, file) of the mapping under t's data, per /proc/self/maps, or None."""
     a = t.data_ptr()
     with open("/proc/self/maps") as fh:
         for line in fh:
             lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
             if lo <= a < hi:
                 parts = line.split(maxsplit=5)
-                return parts[5].strip() if len(parts) > 5 else None
+                return parts[1], parts[5].strip() if len(parts) > 5 else None
     return None
+
+
+def _mapped_from(t):
+    """The file the page under t's data is mapped from, or None."""
+    return (_mapping_of(t) or (None, None))[1]
 
 
 def test_restored_tensors_own_memory_and_survive_later_saves(tmp_path, shmdir):
@@ -404,17 +409,6 @@ def test_zero_copy_restore_adopts_a_dead_writers_pool_copy_on_write(tmp_path):
         import shutil
         shutil.rmtree(shm, ignore_errors=True)
 
-
-def _mapping_of(t):
-    """(permissions, file) of the mapping under t's data, per /proc/self/maps, or None."""
-    a = t.data_ptr()
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= a < hi:
-                parts = line.split(maxsplit=5)
-                return parts[1], parts[5].strip() if len(parts) > 5 else None
-    return None
 
 
 def _copied(t):

@@ -435,7 +435,6 @@ PYBIND11_MODULE(_core, m) {
            }),
            py::arg("fd"), py::arg("segments"), py::arg("lead"), py::arg("size"), py::arg("shared") = false)
       .def_property_readonly("address", [](const SnapshotMapping& m) { return reinterpret_cast<uintptr_t>(m.data()); })
-      .def_property_readonly("shared", &SnapshotMapping::shared)
       .def_buffer([](SnapshotMapping& m) {
         return py::buffer_info(m.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(m.size())}, {static_cast<py::ssize_t>(1)}, false);

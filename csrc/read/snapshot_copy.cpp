@@ -91,7 +91,7 @@ uint64_t punch_holes(int fd, std::vector<std::pair<uint64_t, uint64_t>> keep, ui
 
 SnapshotMapping::SnapshotMapping(int fd, const std::vector<std::pair<uint64_t, uint64_t>>& segments, uint64_t lead,
                                  uint64_t size, bool shared)
-    : lead_(lead), size_(size), shared_(shared) {
+    : lead_(lead), size_(size) {
   for (auto& [off, len] : segments) {
     if (off % kAlign || len % kAlign || !len) throw std::invalid_argument("segments must be whole pages");
     map_len_ += len;

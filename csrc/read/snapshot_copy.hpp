@@ -38,12 +38,12 @@ uint64_t punch_holes(int fd, std::vector<std::pair<uint64_t, uint64_t>> keep, ui
 // - shared == false: copy-on-write. Writes stay in this process; the file must
 //   not be written or truncated while the mapping lives (local.py adopts only
 //   pool files no Writer holds, and holds a shared flock meanwhile).
-// A mapping holds the open file description it was made from, and with it the
-// flock taken on it: the lock lasts until the last mapping of the restore is
-// gone, with no descriptor kept open.
 // - shared == true: the file's own pages, read-write. Only for a file this
 //   process has taken for itself (local.py: an exclusive flock, the file
 //   unlinked), so nobody else sees the writes.
+// A mapping holds the open file description it was made from, and with it the
+// flock taken on it: the lock lasts until the last mapping of the restore is
+// gone, with no descriptor kept open.
 class SnapshotMapping {
  public:
   // segments: (file offset, length), both multiples of 4096. Nothing is
@@ -57,12 +57,10 @@ class SnapshotMapping {
 
   char* data() const noexcept { return base_ + lead_; }
   uint64_t size() const noexcept { return size_; }
-  bool shared() const noexcept { return shared_; }
 
  private:
   char* base_ = nullptr;
   uint64_t map_len_ = 0, lead_ = 0, size_ = 0;
-  bool shared_ = false;
 };
 
 }  // namespace fw

@@ -134,6 +134,11 @@ class Snapshot:
     def alive(self) -> bool:
         return owner_alive(self.owner)
 
+    @classmethod
+    def of(cls, header: str, pool: str, body: dict) -> Snapshot:
+        return cls(header, pool, str(body["path"]), str(body["state"]), body.get("owner") or {},
+                   float(body.get("created", 0)), body)
+
 
 def scan(local_dir: str) -> list[Snapshot]:
     """Every readable header in local_dir, newest first (damaged ones are logged and left out)."""
@@ -153,8 +158,7 @@ def scan(local_dir: str) -> list[Snapshot]:
             pool = body["pool"]
             if not isinstance(pool, str) or os.sep in pool or not pool.endswith(POOL_SUFFIX):
                 raise CorruptCheckpointError(f"snapshot header {hp}: bad pool name", file=hp)
-            out.append(Snapshot(hp, os.path.join(local_dir, pool), str(body["path"]), str(body["state"]),
-                                body.get("owner") or {}, float(body.get("created", 0)), body))
+            out.append(Snapshot.of(hp, os.path.join(local_dir, pool), body))
         except FileNotFoundError:
             continue  # removed meanwhile
         except (OSError, CorruptCheckpointError, KeyError, TypeError, ValueError) as e:
@@ -321,10 +325,7 @@ class LocalSave:
     def snapshot(self) -> Snapshot | None:
         """The snapshot sealed for this save (after seal()), or None."""
         h = self.held
-        if h is None:
-            return None
-        b = h.body
-        return Snapshot(h.header, self.pool.pool_path, b["path"], b["state"], b["owner"], b["created"], b)
+        return None if h is None else Snapshot.of(h.header, self.pool.pool_path, h.body)
 
     def committed(self) -> None:
         if self.held is not None:
@@ -365,6 +366,17 @@ def _try_lock(fd: int, how: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def map_fd(fd: int, size: int, writable: bool = False) -> tuple[mmap.mmap | None, torch.Tensor]:
+    """(mapping, uint8 tensor over it) of the first size bytes of a pool file, shared; the
+    tensor keeps the mapping alive (None and an empty tensor when size is 0)."""
+    if not size:
+        return None, torch.empty(0, dtype=torch.uint8)
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not writable": a read-only mapping is only ever read
+        return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def _shares_pool(snap: Snapshot) -> bool:
@@ -439,10 +451,7 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
         if not (take or adopt):
             _try_lock(fd, fcntl.LOCK_SH)  # while copying, keeps a restore in another process from taking it
         # Not populated here: the copy threads fault in the pages of their own pieces.
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "not writable": it is only ever read from here
-            pool = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+        mm, pool = map_fd(fd, size)
         pool_addr = pool.data_ptr()
         t1 = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -53,19 +51,13 @@ def _wait(works: list, what: str) -> None:
         raise PeerLost(f"{what}: {type(e).__name__}: {e}") from e
 
 
-def _map_pool(path: str, writable: bool) -> tuple[mmap.mmap | None, torch.Tensor]:
+def _map_pool(path: str, writable: bool) -> torch.Tensor:
+    """A uint8 tensor over a whole pool file, mapped shared (unmapped when the last view goes)."""
     fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        if not size:
-            return None, torch.empty(0, dtype=torch.uint8)
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        return local.map_fd(fd, os.fstat(fd).st_size, writable)[1]
     finally:
         os.close(fd)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "not writable": a sent pool is only read
-        return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def _allocate(path: str, nbytes: int) -> None:
@@ -128,8 +120,7 @@ class Store:
         if replica:
             body["replica"] = True
         local._write_atomic(header, local._encode(body))
-        snap = local.Snapshot(header, pool_path, str(body["path"]), str(body["state"]), body["owner"],
-                              body["created"], body)
+        snap = local.Snapshot.of(header, pool_path, body)
         if replica:
             self.newest = snap
         return snap
@@ -144,9 +135,8 @@ class Store:
     def close(self, keep_newest: bool) -> None:
         """Remove this process's copy (keep_newest: keep it)."""
         if not keep_newest:
-            base = os.path.join(self.pool.dir, f"{local.PREFIX}{self.pool.token}-replica")
-            local._unlink(base + local.HEADER_SUFFIX)
-            local._unlink(base + local.POOL_SUFFIX)
+            for p in self._names(replica=True):
+                local._unlink(p)
 
 
 def swap(coord: Coordinator, send_to: int | None, snap: local.Snapshot | None, recv_from: int | None,
@@ -156,15 +146,13 @@ def swap(coord: Coordinator, send_to: int | None, snap: local.Snapshot | None, r
     Returns the snapshot received, or None (none sent, or no room here). Both peers
     of each pair must call it at the same point of their coordination sequence."""
     g, glob = coord.group, coord.global_rank
-    sent_body = None
-    if snap is not None:
-        sent_body = {k: v for k, v in snap.body.items() if k not in ("owner",)}
-    out_json = json.dumps(sent_body, separators=(",", ":")).encode() if sent_body is not None else b""
-    out_data = sum(int(c[2]) for c in snap.body["chunks"]) if snap is not None else 0
-    works, meta_in = [], torch.zeros(2, dtype=torch.int64)
-    # 1. sizes (0: nothing to send)
+    out_json = b""
+    if snap is not None:  # the receiver names its own owner
+        out_json = json.dumps({k: v for k, v in snap.body.items() if k != "owner"}, separators=(",", ":")).encode()
+    works, meta_in = [], torch.zeros(1, dtype=torch.int64)
+    # 1. the header's size (0: nothing to send)
     if send_to is not None:
-        works.append(dist.isend(torch.tensor([len(out_json), out_data], dtype=torch.int64), glob(send_to), group=g))
+        works.append(dist.isend(torch.tensor([len(out_json)], dtype=torch.int64), glob(send_to), group=g))
     if recv_from is not None:
         works.append(dist.irecv(meta_in, glob(recv_from), group=g))
     _wait(works, "neighbour copy: sizes (if no peer died: does every rank set neighbour_copies alike?)")
@@ -190,12 +178,12 @@ def swap(coord: Coordinator, send_to: int | None, snap: local.Snapshot | None, r
     # 4. the chunks, straight from the sender's pool into the receiver's
     works = []
     if send_to is not None and out_json and int(accept_in[0]):
-        _, src = _map_pool(snap.pool, writable=False)  # unmapped when the last view goes
+        src = _map_pool(snap.pool, writable=False)
         for _f, _off, n, at in snap.body["chunks"]:
             works.append(dist.isend(src[int(at):int(at) + int(n)], glob(send_to), group=g))
     if room is not None:
         pool_path, header, chunks = room
-        _, dst = _map_pool(pool_path, writable=True)
+        dst = _map_pool(pool_path, writable=True)
         for _f, _off, n, at in chunks:
             works.append(dist.irecv(dst[at:at + n], glob(recv_from), group=g))
     _wait(works, "neighbour copy: data")
