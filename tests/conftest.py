@@ -6,6 +6,9 @@ import torch
 
 import flashwrite as fw
 
+# Bounds what one test may write (see disk_guard.py): a runaway test fails alone.
+pytest_plugins = ["disk_guard", "pytester"]
+
 
 @pytest.fixture
 def ckdir(tmp_path):

@@ -3,7 +3,9 @@ semantics, bounded staging, errors with errno/path/offset, the GIL, no leaks."""
 
 import errno
 import os
+import signal
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -233,24 +235,44 @@ def test_200_saves_do_not_grow_rss_fds_threads(tmp_path):
     assert _equal(fw.load(tmp_path / "x"), sd)
 
 
-def test_ctrl_c_interrupts_a_wait(tmp_path):
-    """A wait on the native engine is interruptible: KeyboardInterrupt arrives within
-    one wait slice, even though the GIL is released while waiting."""
-    code = f"""
-import os, signal, threading, time, torch, flashwrite as fw
+_CTRL_C_CHILD = """
+import os, signal, sys, threading, time, torch, flashwrite as fw
+inherited = signal.getsignal(signal.SIGINT)
+# A shell that starts a job in the background (`cmd &`) ignores SIGINT in it, and Python
+# then installs no KeyboardInterrupt handler: install it, so the test does not depend on
+# how pytest was started (nohup, a job scheduler, a wrapper script).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+print("INHERITED", "ignored" if inherited == signal.SIG_IGN else "default", flush=True)
+root = sys.argv[1]
 w = fw.Writer(max_staging_bytes=1 << 20, chunk_bytes=1 << 20, backend="threads", queue_depth=1, direct=False)
-sd = {{f"p{{i}}": torch.randn(1 << 22) for i in range(16)}}
+sd = {f"p{i}": torch.randn(1 << 22) for i in range(16)}   # 256 MiB
 threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 t0 = time.perf_counter()
+written, budget = 0, 4 << 30          # bounded in bytes too: one path, overwritten, at most 4 GiB
 try:
-    for i in range(1000):
-        w.save(sd, "{tmp_path}/ck%d" % i)
-    print("FINISHED")
+    while written < budget:
+        w.save(sd, os.path.join(root, "ck"), overwrite=True)
+        written += 256 << 20
+    print("FINISHED", written, flush=True)
 except KeyboardInterrupt:
-    print("INTERRUPTED %.2f" % (time.perf_counter() - t0))
+    print("INTERRUPTED %.2f" % (time.perf_counter() - t0), flush=True)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_ctrl_c_interrupts_a_wait(tmp_path, sigint):
+    """A wait on the native engine is interruptible: KeyboardInterrupt arrives within
+    one wait slice, even though the GIL is released while waiting. 'ignored' starts the
+    child as a background job of a non-interactive shell would (SIGINT ignored, which
+    the child inherits): the interrupt must still be delivered."""
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    out = subprocess.run([sys.executable, "-c", _CTRL_C_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, preexec_fn=ignore_sigint if sigint == "ignored" else None)
+    assert f"INHERITED {sigint}" in out.stdout, out.stdout + out.stderr
     assert "INTERRUPTED" in out.stdout, out.stdout + out.stderr
+    assert float(out.stdout.split("INTERRUPTED")[1].split()[0]) < 10, out.stdout
     leftovers = [n for n in os.listdir(tmp_path) if ".flashwrite-tmp-" in n]
     assert leftovers == [], "an interrupted save must clean its temporary directory"
 

@@ -1,0 +1,47 @@
+"""The suite's disk guard (tests/disk_guard.py): one runaway test fails alone, and the
+suite goes on. Run in an inner pytest session with a small limit."""
+import os
+import textwrap
+
+import pytest
+
+RUNAWAY = textwrap.dedent('''
+    import os, subprocess, sys
+
+    def test_runaway_in_process(tmp_path):
+        buf = os.urandom(1 << 20)
+        with open(tmp_path / "f", "wb") as f:
+            for _ in range(20_000):          # 20 GB if nothing stopped it
+                f.write(buf)
+                f.flush()
+
+    def test_runaway_child(tmp_path):
+        code = ("import os, sys\\nb = os.urandom(1 << 20)\\nf = open(sys.argv[1], 'wb')\\n"
+                "for _ in range(20_000):\\n    f.write(b); f.flush()\\nprint('child wrote it all')")
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "g")], capture_output=True, text=True,
+                             timeout=120)
+        assert "child wrote it all" not in out.stdout
+
+    def test_small_one_after(tmp_path):
+        (tmp_path / "small").write_bytes(b"x" * 4096)
+''')
+
+
+def test_guard_fails_only_the_runaway_tests(pytester):
+    pytester.makepyfile(test_runaway=RUNAWAY)
+    base = pytester.path / "base"
+    res = pytester.runpytest_subprocess("-p", "disk_guard", f"--basetemp={base}", "-v", "-p", "no:cacheprovider",
+                                        "-o", "timeout=120")
+    out = res.stdout.str()
+    res.assert_outcomes(failed=2, passed=1)
+    assert out.count("past the limit of 0.06 GiB") == 2, out
+    assert "DiskGuardExceeded" in out, out
+    assert "test_small_one_after PASSED" in out, out
+    assert list(base.iterdir()) == [], f"the guard leaves no test directory behind: {list(base.iterdir())}"
+    assert "disk guard: peak use" in out
+
+
+@pytest.fixture(autouse=True)
+def _small_limit(monkeypatch, pytester):
+    monkeypatch.setenv("FLASHWRITE_TEST_DISK_LIMIT", "64M")
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__))   # where disk_guard.py lives
