@@ -40,6 +40,19 @@ def test_changes_are_named(capsys, tmp_path):
     assert rc == 1 and "model.b" in out and "checksums differ" in out
 
 
+def test_only_bytes_differ(capsys, tmp_path):
+    """Same keys, dtypes, shapes and leaves: only one tensor's bytes differ. That alone
+    makes the two checkpoints different (rc 1), with and without --deep."""
+    a = save(str(tmp_path / "a"))
+    sd = state()
+    sd["model"]["b"][0] += 1
+    b = save(str(tmp_path / "b"), sd)
+    for deep in ((), ("--deep",)):
+        rc, r = _diff(capsys, a, b, *deep)
+        assert (rc, r["identical"], r["changed_content"]) == (1, False, ["model.b"]), (deep, r)
+        assert not (r["added"] or r["removed"] or r["changed_meta"] or r["unknown"] or r["leaves"])
+
+
 def test_frozen_part_did_not_move(capsys, tmp_path):
     a = save(str(tmp_path / "a"))
     sd = state()
