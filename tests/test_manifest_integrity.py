@@ -239,6 +239,28 @@ def test_damaged_packed_table_is_refused(saved, edit, needle):
     _refused(path, needle)
 
 
+def test_packed_table_bomb_is_refused_in_small_memory(saved):
+    """A table that inflates to far more than it declares (256 MiB of zlib'd spaces in
+    half a megabyte) is refused after reading at most what it declares: peak memory stays
+    small. Checking the size after inflating it all would pass the other bomb test."""
+    import tracemalloc
+
+    path, _ = saved
+    raw = _raw(path)
+    z = zlib.compressobj(9)
+    chunk = b" " * (1 << 20)
+    data = b"".join(z.compress(chunk) for _ in range(256)) + z.flush()
+    raw["packed"]["data"] = base64.b64encode(data).decode()   # "bytes" still says the real, small size
+    _write_raw(path, raw)
+    tracemalloc.start()
+    try:
+        _refused(path, "decodes to")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"refusing the bomb took {peak >> 20} MiB"
+
+
 def _repack(path, mutate) -> None:
     """Unpack, change the columns, pack again (resealed)."""
     raw = _raw(path)
