@@ -255,6 +255,48 @@ def _one_rank_cancels_while_writing(root: str, bad: int) -> dict:
     return {"elapsed": time.monotonic() - t0, "type": type(exc).__name__, "message": str(exc)}
 
 
+def _one_rank_votes_fail_when_durable(root: str, bad: int) -> dict:
+    """Every rank writes its stripes durably; then rank ``bad`` votes to fail (its fsync
+    reports EIO, injected after the real one). The committing rank must honour that vote:
+    nothing is committed, every rank raises, promptly (not after the coordination timeout)."""
+    from flashwrite import write
+
+    rank = dist.get_rank()
+    real = write.StripeWrite.wait_durable
+
+    def failing(self):
+        real(self)
+        raise OSError(errno.EIO, "injected: fsync of a stripe failed")
+
+    if rank == bad:
+        write.StripeWrite.wait_durable = failing
+    t0 = time.monotonic()
+    try:
+        fut = fw.save_async(rank_state(rank, 5), os.path.join(root, "voted"), process_group=dist.group.WORLD,
+                            timeout=30, **WORLD_OPTS)
+        exc = fut.exception(90)
+    finally:
+        write.StripeWrite.wait_durable = real
+    out = {"elapsed": time.monotonic() - t0, "type": type(exc).__name__, "message": str(exc),
+           "committed_seen": os.path.exists(os.path.join(root, "voted"))}
+    dist.barrier()
+    fw.save(rank_state(rank, 6), os.path.join(root, "after-vote"), process_group=dist.group.WORLD, timeout=30)
+    return out
+
+
+@pytest.mark.parametrize("bad", [1, 0], ids=["other-rank-fails", "committing-rank-fails"])
+def test_a_failure_vote_commits_nothing(cluster2, tmp_path, bad):
+    res = cluster2.run(_one_rank_votes_fail_when_durable, str(tmp_path), bad)
+    assert res[bad]["type"] == "OSError" and "injected" in res[bad]["message"], res
+    good = 1 - bad
+    assert res[good]["type"] == "DistributedSaveError" and f"rank {bad}" in res[good]["message"], res
+    assert all(r["elapsed"] < 15 for r in res), res   # honoured at once, not found by the 30 s timeout
+    assert not any(r["committed_seen"] for r in res), res
+    assert not (tmp_path / "voted").exists()
+    assert temp_entries(tmp_path) == []
+    assert_same(fw.load(tmp_path / "after-vote"), {0: rank_state(0, 6), 1: rank_state(1, 6)})
+
+
 def test_one_rank_raises(cluster2, tmp_path):
     res = cluster2.run(_one_rank_fails_to_write, str(tmp_path), 1)
     assert res[1] == {"errno": errno.EFBIG}
