@@ -323,6 +323,43 @@ def test_a_lost_nodes_rank_restores_from_its_neighbours_memory(tmp_path, world):
         shutil.rmtree(shm, ignore_errors=True)
 
 
+@pytest.mark.slow
+def test_a_neighbours_copy_that_fails_its_checksums_is_refused(tmp_path):
+    """As above, but a byte of the copy rank 0 keeps of rank 1's step 2 flips after the
+    node is lost. Rank 1 must refuse that copy (naming the tensor), and as step 2 is in no
+    other tier, every rank falls back to step 1 from storage: never wrong bytes."""
+    world = 2
+    root, shm = tmp_path / "ck", f"/dev/shm/fwtest-nbflip-{os.getpid()}"
+    step2 = str(root / "step-00000002")
+    try:
+        procs = _ranks(world, tmp_path, root, shm, "all_staged", "neighbours")
+        for p in procs:
+            _wait_line(p, "STAGED")
+        deadline = time.monotonic() + 60
+        while True:
+            copies = [s for s in local.scan(f"{shm}/r0") if s.body.get("replica") and s.path == step2]
+            if copies or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+        assert len(copies) == 1 and copies[0].body["rank"] == 1
+        shutil.rmtree(f"{shm}/r1")  # the lost node
+        for _f, _off, n, at in copies[0].body["chunks"]:  # tensor bytes, not only a stripe's header
+            flip_byte(copies[0].pool, at + n // 2)
+        procs = _ranks(world, tmp_path, root, shm, "restore", "neighbours")
+        outs = [p.communicate(timeout=240) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+            assert "RESTORED 1" in out, out + err[-3000:]
+        err1 = outs[1][1]
+        assert "step 2" in err1 and "cannot be restored" in err1 and "checksum" in err1, err1[-3000:]
+        assert not os.path.isdir(step2)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_restore_into_fills_existing_tensors_from_memory(tmp_path, shmdir):
     root = tmp_path / "ck"
     with CheckpointManager(root, local_snapshots=True, local_dir=shmdir, keep_local=True) as m:

@@ -506,36 +506,66 @@ class CheckpointManager:
                  for i, o in enumerate(offers)]
         common = set.intersection(*avail)
         log.info("rank %d offers steps %s; the ranks agree on %s", rank, offer["steps"][-3:], max(common, default=None))
-        if not common:
-            return None
-        s = max(common)
-        res, got = verified.get(s), None
-        # Who fetches its part of step s from its neighbour's memory: the same answer on every rank.
+        # The newest common step first; an older one when some rank cannot get its part of
+        # it after all (a neighbour's copy that fails its checksums, say): every rank decides
+        # alike, from one vote, so all restore the same step.
+        for s in sorted(common, reverse=True):
+            fetched = self._fetch_agreed(coord, s, offers, held, committed, verified, options)
+            if fetched is None:
+                continue
+            res, got = fetched
+            res = res if res is not None else verified.get(s)
+            try:
+                if res is not None:
+                    state = self._state_of(res, into, options)
+                    if s not in committed:
+                        self._write_back(s, res)  # every rank: none has it on storage
+                    return s, state
+                return s, load(self.path_for(s), into=into, allow_pickle=self.allow_pickle,
+                               process_group=self.process_group, **options)
+            finally:
+                if got is not None and os.path.exists(got.header):
+                    local.remove(got)  # read (not taken): the write-back has its own snapshot once staged
+        return None
+
+    def _fetch_agreed(self, coord: Any, s: int, offers: list, held: dict, committed: list, verified: dict,
+                      options: dict) -> tuple[LoadResult | None, local.Snapshot | None] | None:
+        """Fetch this rank's part of step s from rank r+1's memory where it needs it, and
+        vote on whether every rank now has its part. Returns (what the fetched copy holds,
+        verified; the copy) or (None, None) when nothing was fetched; None when some rank
+        cannot restore s (every rank gets None alike)."""
+        import torch
+        import torch.distributed as dist
+        from .coord import collective
+
+        rank, world = coord.rank, coord.size
         needs = [s not in o["own"] and s in offers[(i + 1) % world]["held"] and o["fetch"]
                  for i, o in enumerate(offers)]
+        res, snap, ok = None, None, True
         if world > 1 and any(needs):
             prv, nxt = (rank - 1) % world, (rank + 1) % world
             store = self._writer._neighbours or (neighbour.Store(self._writer._local) if self.local_dir else None)
-            got = coord.run(neighbour.swap, coord, prv if needs[prv] else None, held.get(s) if needs[prv] else None,
-                            nxt if needs[rank] else None, store, False).result()
+            snap = coord.run(neighbour.swap, coord, prv if needs[prv] else None, held.get(s) if needs[prv] else None,
+                             nxt if needs[rank] else None, store, False).result()
             if needs[rank]:
-                if got is not None:
+                if snap is not None:
                     log.info("rank %d fetched its snapshot of step %d from rank %d's memory", rank, s, nxt)
-                    res = self._read_local(s, got, options, on_storage=s in committed)
+                    res = self._read_local(s, snap, options, on_storage=s in committed)
+                    if res is None:
+                        local.remove(snap)  # refused: it must not be offered again
+                        snap = None
                 if res is None and s not in committed:
-                    raise CorruptCheckpointError(f"rank {rank}: step {s} is only in memory, and the copy rank {nxt} "
-                                                 f"keeps of it did not arrive whole (see the log)")
-        try:
-            if res is not None:
-                state = self._state_of(res, into, options)
-                if s not in committed:
-                    self._write_back(s, res)  # every rank: none has it on storage
-                return s, state
-            return s, load(self.path_for(s), into=into, allow_pickle=self.allow_pickle,
-                           process_group=self.process_group, **options)
-        finally:
-            if got is not None and os.path.exists(got.header):
-                local.remove(got)  # read (not taken): the write-back has its own snapshot once staged
+                    log.error("rank %d: step %d is only in memory, and the copy rank %d keeps of it did not arrive "
+                              "whole or does not verify (see above); the ranks fall back to an older step",
+                              rank, s, nxt)
+                    ok = False
+        vote = torch.tensor([int(ok)], dtype=torch.int64)
+        coord.run(collective, dist.all_reduce, vote, op=dist.ReduceOp.MIN, group=coord.group).result()
+        if int(vote[0]):
+            return res, snap
+        if snap is not None:
+            local.remove(snap)
+        return None
 
     def _write_back(self, step: int, res: LoadResult) -> None:
         """Save a step that only a local snapshot holds to root; returns once staged
