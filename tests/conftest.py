@@ -64,6 +64,20 @@ def pytest_addoption(parser):
     parser.addoption("--require-root-tests", action="store_true", default=False,
                      help="fail, instead of skipping, tests marked root that cannot run "
                           "(also FLASHWRITE_REQUIRE_ROOT_TESTS=1)")
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow (left out by default to keep the suite under "
+                          "10 minutes on 2 cores; CI runs them with -m slow)")
+
+
+# The README's test command stays well under 10 minutes: tests marked slow (kill -9 trials,
+# multi-rank restarts, full-size runs) run with --slow, or on their own with -m slow, as CI does.
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow") or config.getoption("markexpr", ""):
+        return
+    slow = [it for it in items if it.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [it for it in items if not it.get_closest_marker("slow")]
 
 
 def _root_tests_required(config) -> bool:

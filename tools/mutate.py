@@ -101,6 +101,29 @@ MUTATIONS = [
                "            check_stripe_header(memoryview(buf)[: fe.header_bytes], fe,\n",
                "            (lambda *a: None)(memoryview(buf)[: fe.header_bytes], fe,\n")],
              ["tests/test_manifest_integrity.py"]),
+    # Issue 28, section 3: bugs that survived the suite before its tests were added.
+    Mutation("a neighbour's copy restored without checking its checksums",
+             [("python/flashwrite/manager.py",
+               "res = self._read_local(s, snap, options, on_storage=s in committed)",
+               "res = self._read_local(s, snap, {**options, \"verify\": False}, on_storage=s in committed)")],
+             ["tests/test_local.py", "--slow", "-k", "fails_its_checksums"]),
+    Mutation("the packed table inflated without a size bound (the exact-size check kept)",
+             [("python/flashwrite/format.py", "js = d.decompress(z, n + 1)", "js = d.decompress(z)")],
+             ["tests/test_manifest_integrity.py", "-k", "bomb"]),
+    Mutation("diff without --deep calls two saves identical when only bytes differ",
+             [("python/flashwrite/ops/diff.py", "or out[\"changed_meta\"] or out[\"changed_content\"]",
+               "or out[\"changed_meta\"] or (deep and out[\"changed_content\"])")],
+             ["tests/test_ops_diff.py"]),
+    Mutation("the cyclic GC left disabled after a save or load that raised",
+             [("python/flashwrite/gcpause.py", "    try:\n        yield\n    finally:\n",
+               "    yield\n    if True:\n")],
+             ["tests/test_gc_restored.py"]),
+    Mutation("the committing rank ignores another rank's failure vote",
+             [("python/flashwrite/distributed.py",
+               "            collective(dist.all_reduce, status, group=group)\n",
+               "            collective(dist.all_reduce, status, group=group)\n"
+               "            if coord.rank == 0:\n                status[0] = int(failed)\n")],
+             ["tests/test_distributed.py", "-k", "failure_vote"]),
 ]
 
 
