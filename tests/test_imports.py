@@ -132,6 +132,25 @@ def test_bench_from_a_checkout_finds_the_peer_adapters():
     assert list(found)[-1] == "flashwrite" and peers.default_contenders() == list(found)
 
 
+def test_bench_never_runs_a_peers_file_from_the_current_directory(tmp_path, monkeypatch):
+    """A peers.py in the caller's working directory is not the package's to run."""
+    from flashwrite.bench import peers
+
+    (tmp_path / "benchmarks").mkdir()
+    marker = tmp_path / "ran"
+    (tmp_path / "benchmarks" / "peers.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLASHWRITE_PEERS_FILE", raising=False)
+    installed = tmp_path / "venv" / "lib" / "site-packages" / "flashwrite" / "bench" / "peers.py"
+    monkeypatch.setattr(peers, "__file__", str(installed))   # as from a wheel: no checkout around it
+    peers.external.cache_clear()
+    try:
+        assert peers.external() is None
+    finally:
+        peers.external.cache_clear()
+    assert not marker.exists()
+
+
 if __name__ == "__main__":  # print the graph (of the package dir given, or this one), one module a line
     import sys
 

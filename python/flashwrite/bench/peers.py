@@ -253,20 +253,24 @@ PEERS_FILE = os.path.join("benchmarks", "peers.py")
 @functools.lru_cache(maxsize=None)
 def external() -> Any:
     """The adapters for peers whose use needs their internals (DCP's async stager,
-    torch_checkpointing, DeepSpeed's op builders): ``benchmarks/peers.py`` of a source
-    checkout, found beside the package (an editable install) or in the current
-    directory; None when neither exists (a wheel: those peers are then not offered).
-    The library itself never imports those projects."""
+    torch_checkpointing, DeepSpeed's op builders): ``benchmarks/peers.py`` of the source
+    checkout this package runs from (an editable install), or the file that
+    ``FLASHWRITE_PEERS_FILE`` names; None otherwise (a wheel: those peers are then not
+    offered). Never a file found in the current directory: a library must not run code
+    from wherever its caller happens to be. The library itself never imports those projects."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for root in (os.path.join(here, os.pardir, os.pardir, os.pardir), os.getcwd()):
-        path = os.path.normpath(os.path.join(root, PEERS_FILE))
-        if os.path.isfile(path):
-            spec = importlib.util.spec_from_file_location("flashwrite_benchmarks_peers", path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = mod
-            spec.loader.exec_module(mod)
-            return mod
-    return None
+    named = os.environ.get("FLASHWRITE_PEERS_FILE")
+    path = os.path.abspath(named) if named else os.path.normpath(os.path.join(here, os.pardir, os.pardir, os.pardir,
+                                                                              PEERS_FILE))
+    if not os.path.isfile(path):
+        if named:
+            raise FileNotFoundError(f"FLASHWRITE_PEERS_FILE names {path}, which is not a file")
+        return None
+    spec = importlib.util.spec_from_file_location("flashwrite_benchmarks_peers", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def contenders(dcp_threads: int = DCP_THREADS) -> dict[str, Contender]:
