@@ -339,3 +339,21 @@ def test_default_writer_options_at_default_values_share_one_pool():
     # An explicit stripes=4 is not "no setting": it overrides a saved tuning, so it is its own writer.
     assert default_writer(stripes=DEFAULT_STRIPES) is default_writer(stripes=DEFAULT_STRIPES, backend="auto")
     assert default_writer() is not default_writer(stripes=DEFAULT_STRIPES + 1)
+
+
+def test_every_writer_option_reaches_the_shared_writer(tmp_path, shmdir):
+    """save/save_async take each Writer constructor option (neighbour_copies once fell
+    through to Writer.save_async, which refused it)."""
+    import inspect
+
+    from flashwrite.save import _WRITER_OPTIONS, default_writer
+
+    assert set(_WRITER_OPTIONS) == set(inspect.signature(fw.Writer.__init__).parameters) - {"self"}
+    sd = {"a": torch.arange(10.0)}
+    st = fw.save_async(sd, tmp_path / "ck", local_snapshots=True, local_dir=shmdir, neighbour_copies=True).result()
+    assert st.bytes > 0 and torch.equal(fw.load(tmp_path / "ck")["a"], sd["a"])
+    w = default_writer(tmp_path, local_snapshots=True, local_dir=shmdir, neighbour_copies=True)
+    assert w._neighbours is not None
+    w.close()
+    with pytest.raises(ValueError, match="neighbour_copies=True needs local_snapshots=True"):
+        fw.save(sd, tmp_path / "ck2", neighbour_copies=True)

@@ -328,8 +328,9 @@ def _planned_bytes(state: Any, stripes: int, chunk_bytes: int) -> tuple[int, Any
 
 _default_writers: dict[tuple, Writer] = {}
 _default_lock = threading.Lock()
-_WRITER_OPTIONS = ("stripes", "queue_depth", "chunk_bytes", "backend", "direct", "max_staging_bytes", "copy_threads",
-                   "local_snapshots", "local_dir")
+# The options of save/save_async that configure the shared Writer: its constructor's, read
+# from it so that a new one cannot be left out (neighbour_copies once was).
+_WRITER_OPTIONS = tuple(k for k in inspect.signature(Writer.__init__).parameters if k != "self")
 
 
 def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Writer:
