@@ -104,8 +104,9 @@ MUTATIONS = [
     # Issue 28, section 3: bugs that survived the suite before its tests were added.
     Mutation("a neighbour's copy restored without checking its checksums",
              [("python/flashwrite/manager.py",
-               "res = self._read_local(s, snap, options, on_storage=s in committed)",
-               "res = self._read_local(s, snap, {**options, \"verify\": False}, on_storage=s in committed)")],
+               "                    res = self._read_local(s, snap, options, on_storage=s in committed)",
+               "                    res = self._read_local(s, snap, {**options, \"verify\": False}, "
+               "on_storage=s in committed)")],
              ["tests/test_local.py", "--slow", "-k", "fails_its_checksums"]),
     Mutation("the packed table inflated without a size bound (the exact-size check kept)",
              [("python/flashwrite/format.py", "js = d.decompress(z, n + 1)", "js = d.decompress(z)")],
