@@ -39,8 +39,8 @@ def build_fuse_faults(out_dir) -> str:
     if flags.returncode:
         pytest.skip(f"no libfuse3 development files (apt-get install libfuse3-dev): {flags.stderr.strip()[:200]}")
     try:
-        cc = subprocess.run(["cc", "-O1", "-Wall", "-o", exe, os.path.join(HERE, "fuse_faults.c"), *flags.stdout.split()],
-                            capture_output=True, text=True)
+        src = os.path.join(HERE, "fuse_faults.c")
+        cc = subprocess.run(["cc", "-O1", "-Wall", "-o", exe, src, *flags.stdout.split()], capture_output=True, text=True)
     except FileNotFoundError:
         pytest.skip("no C compiler (cc) for the FUSE file system")
     if cc.returncode:
