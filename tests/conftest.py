@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashwrite as fw
+from fuse_util import fuse_faults_exe, fuse_mount  # noqa: F401  (fixtures of the FUSE fault tests)
 
 # Bounds what one test may write (see disk_guard.py): a runaway test fails alone.
 pytest_plugins = ["disk_guard", "pytester"]
@@ -59,7 +60,8 @@ def writer():
 
 
 # CI runs as root: there a root test that skips (no mount, no loop device) hides a gap in
-# coverage, so FLASHWRITE_REQUIRE_ROOT_TESTS=1 (or --require-root-tests) makes it fail.
+# coverage, so FLASHWRITE_REQUIRE_ROOT_TESTS=1 (or --require-root-tests) makes it fail;
+# FLASHWRITE_REQUIRE_FUSE_TESTS=1 does the same for tests marked fuse (no /dev/fuse, no libfuse3).
 def pytest_addoption(parser):
     parser.addoption("--require-root-tests", action="store_true", default=False,
                      help="fail, instead of skipping, tests marked root that cannot run "
@@ -88,7 +90,10 @@ def _root_tests_required(config) -> bool:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
-    if rep.skipped and item.get_closest_marker("root") and _root_tests_required(item.config):
+    required = [m for m, needed in (("root", _root_tests_required(item.config)),
+                                    ("fuse", os.environ.get("FLASHWRITE_REQUIRE_FUSE_TESTS") == "1"))
+                if needed and item.get_closest_marker(m)]
+    if rep.skipped and required:
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         rep.outcome = "failed"
-        rep.longrepr = f"root test skipped, but root tests are required here: {reason}"
+        rep.longrepr = f"{required[0]} test skipped, but {required[0]} tests are required here: {reason}"

@@ -4,8 +4,8 @@ shims built at test time (no root, no special mount), plus the chunk arithmetic'
 - short writes (and reads): every pwrite moves at most 4 KiB; saves still round-trip
   byte for byte. The threads backend is the one a shim can reach: the io_uring backend
   submits through liburing's own system calls (linked statically), which no preload
-  can shorten. A FUSE file system that returns short writes would reach it; /dev/fuse
-  exists here but there is no libfuse to build one with, so that case is not covered.
+  can shorten. A FUSE file system that returns short writes reaches it: see
+  test_fuse_faults.py (tests/fuse_faults.c, needs libfuse3-dev and /dev/fuse).
 - O_DIRECT refused at open time (EINVAL, as on ramfs): the fallback to buffered I/O.
 - the last chunk of a stripe whose size is one byte more than a multiple of chunk_bytes.
 """

@@ -3,6 +3,7 @@
 // -EAGAIN and -EINTR themselves, and report each request once, from their own
 // completion thread, with the bytes moved or -errno.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -20,7 +21,14 @@ struct IoRequest {
                          // aligned tail); 0 means len
   uint64_t done = 0;     // bytes already transferred (backend-owned)
   uint64_t tag = 0;      // caller's identifier
+  // When set and true by the time the request's turn comes, it is not issued but
+  // reported at once with -ECANCELED: a cancelled or failed job does not wait for
+  // every write it queued (a save far ahead of slow storage queues the whole
+  // checkpoint), only for those already in the kernel.
+  const std::atomic<bool>* cancel = nullptr;
 };
+
+inline bool request_cancelled(const IoRequest* r) { return r->cancel && r->cancel->load(); }
 
 // res >= 0: bytes transferred (== len for writes; >= want for reads unless EOF came first).
 // res < 0: -errno. The callback may call resubmit() on the same request.

@@ -91,7 +91,7 @@ class ThreadBackend final : public IoBackend {
         req = queue_.front();
         queue_.pop_front();
       }
-      int64_t res = transfer(req);
+      int64_t res = request_cancelled(req) ? -ECANCELED : transfer(req);
       cb_(req, res);
       // Counted out after the callback: a resubmit from it keeps drain() waiting.
       std::lock_guard<std::mutex> lk(mu_);

@@ -15,6 +15,7 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "core/error.hpp"
 
@@ -125,22 +126,37 @@ class UringBackend final : public IoBackend {
     fill();
   }
 
-  // Moves queued requests into the ring, up to queue_depth in flight.
+  // Moves queued requests into the ring, up to queue_depth in flight; those
+  // whose job was cancelled are reported instead (request_cancelled).
   // Returns false when asked to stop.
   bool fill() {
-    bool stop, pushed = false;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      while (in_ring_ < qd_ && !pending_.empty()) {
-        push(pending_.front());
-        pending_.pop_front();
-        ++in_ring_;
-        pushed = true;
+    for (;;) {
+      bool stop, pushed = false;
+      std::vector<IoRequest*> skipped;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        while (in_ring_ < qd_ && !pending_.empty()) {
+          IoRequest* r = pending_.front();
+          pending_.pop_front();
+          if (request_cancelled(r)) {
+            skipped.push_back(r);
+            continue;
+          }
+          push(r);
+          ++in_ring_;
+          pushed = true;
+        }
+        stop = stop_;
       }
-      stop = stop_;
+      if (pushed) flush();
+      if (skipped.empty()) return !stop;
+      for (IoRequest* r : skipped) {
+        cb_(r, -ECANCELED);
+        std::lock_guard<std::mutex> lk(mu_);
+        if (--outstanding_ == 0) idle_cv_.notify_all();
+      }
+      // A callback may have queued a request again: look once more.
     }
-    if (pushed) flush();
-    return !stop;
   }
 
   void loop() {

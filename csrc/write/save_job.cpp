@@ -386,6 +386,7 @@ void SaveJob::write_chunk(size_t ci) {
   r.write = true;
   r.done = 0;
   r.tag = ci;
+  r.cancel = &ctl_.cancel_flag();
   try {
     backend_->submit(&r);
   } catch (...) {
