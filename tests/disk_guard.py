@@ -41,9 +41,20 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if mult > 1 else text) * mult)
 
 
+def _mount_points() -> set[str]:
+    try:
+        with open("/proc/self/mounts") as f:
+            return {line.split()[1].replace("\\040", " ") for line in f if len(line.split()) > 1}
+    except OSError:
+        return set()
+
+
 def tree_bytes(root: Path) -> int:
-    """Bytes allocated under root (st_blocks, as du counts: a sparse file costs what it holds)."""
+    """Bytes allocated under root (st_blocks, as du counts: a sparse file costs what it holds).
+    Mount points under root (a test's tmpfs, loop device or FUSE mount) are not entered: a
+    hung FUSE daemon must not hang the guard, and their bytes are not on this disk."""
     total = 0
+    mounts = _mount_points()
     stack = [str(root)]
     while stack:
         try:
@@ -51,7 +62,8 @@ def tree_bytes(root: Path) -> int:
                 for e in it:
                     try:
                         if e.is_dir(follow_symlinks=False):
-                            stack.append(e.path)
+                            if e.path not in mounts:
+                                stack.append(e.path)
                         else:
                             total += e.stat(follow_symlinks=False).st_blocks * 512
                     except OSError:
@@ -116,9 +128,12 @@ class DiskGuard:
             self._wake.wait(POLL_S)
             with self._lock:
                 cur = self._current
-                if cur is None or cur["tripped"]:
-                    continue
-                used = self._used()
+            if cur is None or cur["tripped"]:
+                continue
+            used = self._used()  # not under the lock: the test's end never waits for a scan
+            with self._lock:
+                if self._current is not cur:
+                    continue  # the test ended meanwhile
                 self._note_peak(used, cur["nodeid"])
                 if used - cur["start"] > self.limit:
                     cur["tripped"] = used - cur["start"]
