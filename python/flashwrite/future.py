@@ -73,6 +73,11 @@ class SaveFuture:
             try:
                 result = finish(self._commit_gate)
             except BaseException as e:
+                # finish can fail before the job has ended (its checksums report the error
+                # first): stop it and let its writes in flight land and its files close, so
+                # that none of them recreates or holds open what cleanup() removes.
+                self._job.cancel()
+                self._job.wait()
                 cleanup()
                 self._future.set_exception(e)
                 return
