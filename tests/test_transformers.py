@@ -59,8 +59,8 @@ def test_resume_is_bit_exact(tmp_path):
     native_ck = tmp_path / "trainer-full" / f"checkpoint-{HALF}"
     fw.verify(fw_ck)
     # The small files as the Trainer writes them, and the model where from_pretrained finds it.
-    assert json.loads((fw_ck / "trainer_state.json").read_text()) == \
-        json.loads((native_ck / "trainer_state.json").read_text())
+    for name in ("trainer_state.json", "config.json", "generation_config.json"):
+        assert json.loads((fw_ck / name).read_text()) == json.loads((native_ck / name).read_text()), name
     assert {"training_args.bin", "config.json", "generation_config.json"} <= set(os.listdir(fw_ck))
     ours = transformers.AutoModelForCausalLM.from_pretrained(fw_ck).state_dict()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(native_ck).state_dict()
@@ -116,6 +116,8 @@ def test_rotation_keeps_save_total_limit(rotated):
                             ["checkpoint-6", "checkpoint-8"]]
     assert sorted(os.listdir(out)) == ["checkpoint-6", "checkpoint-8"]
     assert len(trainer.flashwrite_stats) == 4 and all(s.stall_s is not None for s in trainer.flashwrite_stats)
+    # The staging pool was sized after the first step (no save due then), not by the first save.
+    assert trainer._fw_writer._reserving is not None and trainer._fw_writer._reserving.result() > 0
     assert transformers.trainer_utils.get_last_checkpoint(str(out)) == str(out / "checkpoint-8")
 
 

@@ -10,7 +10,7 @@ or, for a subclass of Trainer (TRL's ``SFTTrainer``, your own)::
 
 Every ``save_steps`` checkpoint then is one flashwrite checkpoint, ``output_dir/checkpoint-N``:
 the model in the ``hf_model=`` layout (``from_pretrained("checkpoint-N")`` loads it, with
-``config.json`` and ``generation_config.json``), the optimizer, LR scheduler, gradient scaler
+``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them), the optimizer, LR scheduler, gradient scaler
 and RNG states (python, numpy, torch, CUDA) in the same stripes, and ``trainer_state.json``,
 ``training_args.bin`` and the tokenizer's files, written the Trainer's way, inside the same
 atomic commit (``extra_files=``). The training loop waits only for the state to be staged in
@@ -106,6 +106,7 @@ class FlashwriteTrainerMixin:
         self._fw_resume: tuple[str, dict] | None = None
         self._fw_warned = False
         self.flashwrite_stats: list = []
+        self.add_callback(_ReservePool(self))
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -123,11 +124,15 @@ class FlashwriteTrainerMixin:
             return "PEFT models (adapters)"
         return None
 
+    def _fw_writer_for_saves(self) -> Writer:
+        if self._fw_writer is None:
+            self._fw_writer = Writer(**self._fw_writer_options)
+        return self._fw_writer
+
     def _fw_manager(self, run_dir: str) -> CheckpointManager:
         mgr = self._fw_managers.get(run_dir)
         if mgr is None:
-            if self._fw_writer is None:
-                self._fw_writer = Writer(**self._fw_writer_options)
+            self._fw_writer_for_saves()
             mgr = CheckpointManager(run_dir, writer=self._fw_writer, name=f"{PREFIX_CHECKPOINT_DIR}-{{step}}",
                                     allow_pickle=self._fw_allow_pickle,
                                     on_commit=lambda step, path: self._fw_committed(run_dir, path))
@@ -161,11 +166,19 @@ class FlashwriteTrainerMixin:
         return state
 
     def _fw_small_files(self, model: Any) -> dict[str, bytes]:
-        """trainer_state.json, training_args.bin, generation_config.json and the tokenizer's
-        files, written by their own code into a scratch directory and read back."""
+        """config.json, generation_config.json, trainer_state.json, training_args.bin and the
+        tokenizer's files, written by their own code (as ``save_pretrained`` and the Trainer
+        call it) into a scratch directory and read back."""
         with tempfile.TemporaryDirectory(prefix="flashwrite-trainer-") as scratch:
-            if isinstance(model, PreTrainedModel) and model.can_generate() and model.generation_config is not None:
-                model.generation_config.save_pretrained(scratch)
+            if isinstance(model, PreTrainedModel):
+                model.config.dtype = str(model.dtype).split(".")[1]
+                model.config.architectures = [model.__class__.__name__]
+                if model.is_remote_code():
+                    from transformers.dynamic_module_utils import custom_object_save
+                    custom_object_save(model, scratch, config=model.config)
+                model.config.save_pretrained(scratch)
+                if model.can_generate() and model.generation_config is not None:
+                    model.generation_config.save_pretrained(scratch)
             tokenizer = self.processing_class
             if tokenizer is None and getattr(self.data_collator, "tokenizer", None) is not None:
                 tokenizer = self.data_collator.tokenizer
@@ -178,9 +191,8 @@ class FlashwriteTrainerMixin:
                 if e.is_dir(follow_symlinks=False):
                     raise NotImplementedError(f"flashwrite.transformers: {e.name}/ written by save_pretrained is a "
                                               "directory; only flat files are committed with a checkpoint")
-                if e.name != "config.json" or not isinstance(model, PreTrainedModel):
-                    with open(e.path, "rb") as fh:
-                        files[e.name] = fh.read()
+                with open(e.path, "rb") as fh:
+                    files[e.name] = fh.read()
             return files
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -217,7 +229,7 @@ class FlashwriteTrainerMixin:
         files = self._fw_small_files(unwrapped)
         # Waits for the save in flight (if any) to commit, then returns once this one is staged.
         mgr.save(step, self._fw_state(), overwrite=True, hf_model=MODEL_KEY if pretrained else None,
-                 hf_config=unwrapped.config if pretrained else None, extra_files=files)
+                 extra_files=files)
         if self.args.push_to_hub:
             mgr.wait()
             self._push_from_checkpoint(output_dir)
@@ -294,6 +306,28 @@ class FlashwriteTrainerMixin:
             log.warning("flashwrite checkpoint %s holds no RNG states: reproducibility is not guaranteed", checkpoint)
             return
         _set_rng_states(rng)
+        self._fw_resume = None  # the last of the loaders the Trainer calls on resume
+
+
+class _ReservePool(transformers.TrainerCallback):
+    """After the first optimizer step (when AdamW's state exists), size the staging pool for
+    the state in the background (``Writer.reserve``), so the first checkpoint stalls the
+    loop no longer than later ones instead of allocating and faulting in the pool."""
+
+    def __init__(self, trainer: FlashwriteTrainerMixin):
+        self._trainer = weakref.ref(trainer)
+        self._done = False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if self._done or trainer is None or control.should_save or not args.should_save:
+            return  # a save due now sizes the pool itself
+        self._done = True
+        if args.save_strategy == SaveStrategy.NO or trainer._fw_unsupported() is not None:
+            return
+        writer = trainer._fw_writer_for_saves()
+        if writer.pool_bytes == 0:
+            writer.reserve(trainer._fw_state())
 
 
 def _rng_states() -> dict:
