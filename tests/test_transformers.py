@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import inspect
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -190,6 +192,21 @@ def test_a_save_in_flight_when_training_ends_is_waited_for(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
     fw.verify(tmp_path / "checkpoint-4")
     assert json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+
+
+@pytest.mark.root
+def test_a_failed_checkpoint_is_reported_and_nothing_half_written_appears(tmp_path, caplog):
+    """A save that fails in the background (no space) is logged when it fails, training goes
+    on, and the end of train() raises it; no checkpoint-N (whole-looking or not) is left."""
+    from fault_util import tmpfs
+    with tmpfs(str(tmp_path / "mnt"), "256k") as mnt:
+        trainer = _trainer(mnt, max_steps=4, save_steps=2)
+        with caplog.at_level(logging.ERROR, logger="flashwrite"), pytest.raises(OSError) as err:
+            trainer.train()
+        assert err.value.errno == errno.ENOSPC
+        assert "checkpoint step 2 failed" in caplog.text and "checkpoint step 4 failed" in caplog.text
+        assert trainer.state.global_step == 4  # training went on past the failed save
+        assert os.listdir(mnt) == []
 
 
 def test_with_flashwrite_mixes_into_a_trainer_subclass():

@@ -21,6 +21,8 @@ for it (a failure is logged when it happens and raised by the next wait).
 has committed, so a checkpoint in flight is never a candidate and never counted; a checkpoint
 is never visible before it is whole, so ``resume_from_checkpoint=True`` finds the newest
 committed one. Resuming loads the model, optimizer, scheduler, scaler and RNG states from it.
+The staging pool (one per trainer, reused by every save) is reserved in the background after
+the first step that does not save, so the first checkpoint does not allocate it in the loop.
 
 Why a Trainer subclass (a mixin) and not a ``TrainerCallback``: a callback's ``on_save`` runs
 after the Trainer has already written its checkpoint synchronously with ``torch.save``, so a
