@@ -48,13 +48,16 @@ _CHILD = textwrap.dedent("""
             w.save_async(sd, os.path.join(root, "ck")).result(); returned(0)
         elif how == "fw.save":
             fw.save(sd, os.path.join(root, "ck"), backend=backend); returned(0)
+        elif how == "extra_files":
+            w.save(sd, os.path.join(root, "ck"), extra_files={"trainer_state.json": b"{}", "tokenizer.json": b"[]"})
+            returned(0)
         elif how == "manager":
             with fw.CheckpointManager(os.path.join(root, "m"), every_n_steps=1, writer=w) as mgr:
                 mgr.maybe_save(1, sd); mgr.wait(); returned(0)
     w.close()
 """)
 
-SCENARIOS = ["save", "overwrite", "save_async", "fw.save", "manager"]
+SCENARIOS = ["save", "overwrite", "save_async", "fw.save", "manager", "extra_files"]
 
 
 @pytest.fixture(scope="module", params=["threads", "auto"])
@@ -96,7 +99,7 @@ def _check_commit_order(events, expected_commits):
         assert ret == returns[k]
 
 
-@pytest.mark.parametrize("how", ["save", "overwrite", "save_async", "fw.save"])
+@pytest.mark.parametrize("how", ["save", "overwrite", "save_async", "fw.save", "extra_files"])
 def test_commit_is_durable_in_order(traces, how):
     _check_commit_order(traces[how], 2 if how == "overwrite" else 1)
 
@@ -104,3 +107,16 @@ def test_commit_is_durable_in_order(traces, how):
 def test_manager_commit_is_durable_in_order(traces):
     """(The manager also fsyncs its root; plain saves above show the commit does not rely on it.)"""
     _check_commit_order(traces["manager"], 1)
+
+
+def test_extra_files_are_durable_before_the_manifest(traces):
+    """Files given with extra_files= are made and fsync'd inside the temporary directory
+    before the manifest exists: the checkpoint never appears without them."""
+    events = traces["extra_files"]
+    r = next(i for i, (what, _, a, _) in enumerate(events) if what == "rename" and commit.TMP_MARK in a)
+    tmp = events[r][2]
+    m_open = min(i for i, (what, flags, a, _) in enumerate(events)
+                 if what == "open" and flags & O_CREAT and a == os.path.join(tmp, MANIFEST_NAME))
+    for name in ("trainer_state.json", "tokenizer.json"):
+        path = os.path.join(tmp, name)
+        assert any(what == "fsync" and a == path and i < m_open for i, (what, _, a, _) in enumerate(events)), name

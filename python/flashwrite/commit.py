@@ -16,6 +16,7 @@ import re
 import shutil
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from . import _core
 from .errors import CheckpointExistsError
@@ -120,6 +121,36 @@ def prepare(final: str, overwrite: bool) -> str:
     return tmp
 
 
+# Names a checkpoint's own files take: the manifest, the index and the stripes
+# (``plan.stripe_name``: "<prefix>-00001-of-00008.safetensors", "...-rank00003-...").
+_STRIPE_RE = re.compile(r".*-\d{5}-of-\d{5}\.safetensors")
+
+
+def extra_files(files: Any, reserved: tuple[str, ...] = ()) -> dict[str, bytes]:
+    """The small files to commit with a checkpoint, ``{name: bytes}``, from a mapping of
+    plain file names to bytes or to the path of a file to copy (read now, so the caller
+    may change or remove it once the save returns). Refused: names with a directory part,
+    hidden names (ours for temporary directories), and the checkpoint's own file names
+    (the manifest, the index, stripes, and ``reserved``, e.g. config.json from hf_config)."""
+    if not hasattr(files, "items"):
+        raise TypeError(f"extra_files must be a mapping of file names to bytes or paths, not {type(files).__qualname__}")
+    out: dict[str, bytes] = {}
+    for name, data in files.items():
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or "\0" in name \
+                or name.startswith("."):
+            raise ValueError(f"extra_files: {name!r} is not a plain file name (no directory part, not hidden)")
+        if name in (MANIFEST_NAME, INDEX_NAME, *reserved) or _STRIPE_RE.fullmatch(name):
+            raise ValueError(f"extra_files: {name!r} is a name the checkpoint itself uses")
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            out[name] = bytes(data)
+        elif isinstance(data, (str, os.PathLike)):
+            with open(data, "rb") as fh:
+                out[name] = fh.read()
+        else:
+            raise TypeError(f"extra_files[{name!r}] must be bytes or a path, not {type(data).__qualname__}")
+    return out
+
+
 def _write_durable(path: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -142,7 +173,7 @@ def encode_files(manifest: dict, index: dict | None) -> dict[str, bytes]:
 
 def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite: bool,
              extra: dict[str, bytes] | None = None, encoded: dict[str, bytes] | None = None) -> None:
-    """Commit: ``extra`` files (e.g. config.json), the index and the manifest, each
+    """Commit: ``extra`` files (config.json, ``extra_files``), the index and the manifest, each
     fsync'd, the manifest last; fsync the directory; rename it into place; fsync the parent.
     encoded: ``encode_files(manifest, index)`` made earlier (manifest and index then unused)."""
     final = os.path.abspath(final)

@@ -10,7 +10,7 @@ A training loop drives it with one call per step::
         mgr.maybe_save(step, state_dict)       # returns once the state is staged
     mgr.close()                                # waits until the last save is durable
 
-Layout: one committed checkpoint per step, ``root/step-00001000``. A checkpoint
+Layout: one committed checkpoint per step, ``root/step-00001000`` (``name=`` sets the pattern). A checkpoint
 directory only ever appears whole (see ``commit``), so listing the directory is
 the truth about which checkpoints exist, also across processes and restarts.
 
@@ -46,6 +46,7 @@ import os
 import re
 import shutil
 import signal
+import string
 import threading
 import time
 from typing import Any, Callable
@@ -61,7 +62,31 @@ from .save import Writer
 
 log = logging.getLogger("flashwrite")
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
+DEFAULT_NAME = "step-{step:08d}"
+
+
+def _name_pattern(name: str) -> re.Pattern:
+    """The regex that finds the step in directory names made by ``name.format(step=...)``:
+    ``name`` must hold exactly one replacement field, ``{step}`` (with an optional integer
+    format such as ``:08d``), and no path separator."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a format string such as 'checkpoint-{{step}}', not {type(name).__qualname__}")
+    parts = list(string.Formatter().parse(name))
+    fields = [(f, spec, conv) for _, f, spec, conv in parts if f is not None]
+    if len(fields) != 1 or fields[0][0] != "step" or fields[0][2] is not None:
+        raise ValueError(f"name {name!r} must hold one replacement field, {{step}} (e.g. 'checkpoint-{{step}}')")
+    try:
+        probe = name.format(step=12)
+    except ValueError as e:
+        raise ValueError(f"name {name!r}: {e}") from None
+    if "/" in probe or probe.startswith("."):  # hidden names are those of temporary directories
+        raise ValueError(f"name {name!r} must make plain, not hidden, directory names")
+    out = []
+    for literal, f, _, _ in parts:
+        out.append(re.escape(literal))
+        if f is not None:
+            out.append(r"(\d+)")
+    return re.compile("^" + "".join(out) + "$")
 
 StateSource = Any  # a (nested) state dict, or a callable returning one (called only when a save is due)
 
@@ -71,6 +96,15 @@ def _fmt_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+_SAVE_OPTIONS = ("hf_model", "hf_config", "extra_files")
+
+
+def _check_save_options(options: dict) -> None:
+    unknown = sorted(set(options) - set(_SAVE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown save options {unknown}: the manager passes on only {list(_SAVE_OPTIONS)}")
 
 
 class _Pending:
@@ -115,6 +149,13 @@ class CheckpointManager:
     neighbour_copies: with process_group and local_snapshots, each rank also keeps a copy
     of rank r-1's snapshot, so ``restore()`` finds a lost node's part in its neighbour's
     memory (``flashwrite.neighbour``). Every rank must set it alike.
+    name: the checkpoint directory name of a step, a format string with one ``{step}``
+    field (default ``"step-{step:08d}"``; ``"checkpoint-{step}"`` is the Hugging Face
+    Trainer's). Listing, retention, restore and the local tier all go by it; other names
+    in root are not checkpoints to this manager.
+    on_commit: ``on_commit(step, path)`` runs on the commit thread after each save has
+    committed (and retention has run), before ``wait()`` returns; an error it raises is
+    logged (the checkpoint itself is committed).
     """
 
     def __init__(self, root: str | os.PathLike, every_n_steps: int | None = None, every_n_seconds: float | None = None,
@@ -122,15 +163,19 @@ class CheckpointManager:
                  if_busy: str = "wait", cleanup: bool = True, handle_sigterm: bool = False,
                  final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False,
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None, keep_local: bool = False,
-                 reserve: Any = None, process_group: Any = None, neighbour_copies: bool = False):
-        for name, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
+                 reserve: Any = None, process_group: Any = None, neighbour_copies: bool = False,
+                 name: str = DEFAULT_NAME, on_commit: Callable[[int, str], None] | None = None):
+        for arg, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
                         ("keep_every_n_steps", keep_every_n_steps)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be a positive integer or None, not {v!r}")
+                raise ValueError(f"{arg} must be a positive integer or None, not {v!r}")
         if every_n_seconds is not None and not every_n_seconds > 0:
             raise ValueError(f"every_n_seconds must be positive or None, not {every_n_seconds!r}")
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
+        self._name_re = _name_pattern(name)
+        self.on_commit = on_commit
+        self.name = name
         self.root = os.path.abspath(os.fspath(root))
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
@@ -175,7 +220,7 @@ class CheckpointManager:
     # ----------------------------------------------------------------- naming
 
     def path_for(self, step: int) -> str:
-        return os.path.join(self.root, f"step-{step:08d}")
+        return os.path.join(self.root, self.name.format(step=step))
 
     def all_steps(self) -> list[int]:
         """Steps of the committed checkpoints under root, ascending. A directory
@@ -186,7 +231,7 @@ class CheckpointManager:
         except FileNotFoundError:
             return []
         for e in entries:
-            m = _STEP_RE.match(e.name)
+            m = self._name_re.match(e.name)
             if not m or os.path.basename(self.path_for(int(m.group(1)))) != e.name:
                 continue
             if e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
@@ -211,11 +256,13 @@ class CheckpointManager:
             return True
         return self.every_n_seconds is not None and time.monotonic() - self._last_start >= self.every_n_seconds
 
-    def maybe_save(self, step: int, state_dict: StateSource) -> SaveFuture | None:
+    def maybe_save(self, step: int, state_dict: StateSource, **save_options: Any) -> SaveFuture | None:
         """Save if a checkpoint is due at ``step``; returns its future (already staged)
         or None. ``state_dict`` may be a callable that builds it, called only when due.
-        A step that already has a checkpoint is not saved again."""
+        A step that already has a checkpoint is not saved again. save_options: hf_model,
+        hf_config and extra_files of ``Writer.save_async``."""
         self._check_step(step)
+        _check_save_options(save_options)
         if not self.is_due(step):
             return None
         with self._call():
@@ -223,17 +270,20 @@ class CheckpointManager:
             if (p is not None and p.step == step and not p.done.is_set()) or os.path.lexists(self.path_for(step)):
                 log.warning("checkpoint for step %d already exists in %s; not saving it again", step, self.root)
                 return None
-            return self._start(step, state_dict, overwrite=False, policy=self.if_busy)
+            return self._start(step, state_dict, overwrite=False, policy=self.if_busy, save_options=save_options)
 
-    def save(self, step: int, state_dict: StateSource, *, overwrite: bool = False) -> SaveFuture:
-        """Save now (after the save in flight, if any, is durable). Returns once staged."""
+    def save(self, step: int, state_dict: StateSource, *, overwrite: bool = False, **save_options: Any) -> SaveFuture:
+        """Save now (after the save in flight, if any, is durable). Returns once staged.
+        save_options: as for ``maybe_save``."""
         self._check_step(step)
+        _check_save_options(save_options)
         with self._call():
-            fut = self._start(step, state_dict, overwrite=overwrite, policy="wait")
+            fut = self._start(step, state_dict, overwrite=overwrite, policy="wait", save_options=save_options)
             assert fut is not None
             return fut
 
-    def _start(self, step: int, state_dict: StateSource, *, overwrite: bool, policy: str) -> SaveFuture | None:
+    def _start(self, step: int, state_dict: StateSource, *, overwrite: bool, policy: str,
+               save_options: dict | None = None) -> SaveFuture | None:
         prev = self._inflight
         if prev is not None and not prev.done.is_set():
             if policy == "skip":
@@ -247,7 +297,8 @@ class CheckpointManager:
         path = self.path_for(step)
         self._last_start = time.monotonic()
         fut = self._writer.save_async(state_dict, path, overwrite=overwrite, allow_pickle=self.allow_pickle,
-                                      metadata={"step": str(step)}, process_group=self.process_group)
+                                      metadata={"step": str(step)}, process_group=self.process_group,
+                                      **(save_options or {}))
         pending = _Pending(step, path, fut)
         with self._lock:
             self._inflight = pending
@@ -266,10 +317,12 @@ class CheckpointManager:
             log.info("checkpoint step %d committed: %s, %s, stall %.3f s, durable after %.3f s, %.3g GB/s", p.step,
                      p.path, _fmt_bytes(st.bytes), st.stall_s or 0.0, st.total_s or 0.0, st.gbps or 0.0)
             self._retain(p.step)
+            if self.on_commit is not None:
+                self.on_commit(p.step, p.path)
             if self.local_dir is not None:
                 self._clean_local(lambda s: s <= p.step)
         except Exception:
-            log.exception("checkpoint step %d: retention failed (the checkpoint itself is committed)", p.step)
+            log.exception("checkpoint step %d: retention or on_commit failed (the checkpoint itself is committed)", p.step)
         finally:
             p.done.set()
 
@@ -354,7 +407,7 @@ class CheckpointManager:
     def _step_of(self, path: str) -> int | None:
         if os.path.dirname(path) != self.root:
             return None
-        m = _STEP_RE.match(os.path.basename(path))
+        m = self._name_re.match(os.path.basename(path))
         return int(m.group(1)) if m and self.path_for(int(m.group(1))) == path else None
 
     def _clean_local(self, doomed: Callable[[int], bool]) -> list[str]:

@@ -200,7 +200,7 @@ class Writer:
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, overwrite: bool = False, block: bool = True,
                    allow_pickle: bool = False, metadata: dict[str, str] | None = None, process_group: Any = None,
                    coordination_group: Any = None, timeout: float | None = None, hf_model: str | None = None,
-                   hf_config: Any = None) -> SaveFuture:
+                   hf_config: Any = None, extra_files: Any = None) -> SaveFuture:
         """Snapshot ``state_dict`` and write it to ``path`` in the background.
 
         Returns once every tensor is copied into the staging pool (block=True):
@@ -219,11 +219,21 @@ class Writer:
         model.safetensors.index.json lists, so ``from_pretrained(path)`` loads the model
         while ``flashwrite.load(path)`` returns the whole state. hf_config: a
         ``PretrainedConfig`` or dict, written as config.json.
+
+        extra_files: small files to commit inside the checkpoint directory, in the same
+        atomic commit: ``{name: bytes or path of a file}`` (a path is read now). Names are
+        plain file names (``trainer_state.json``, ``tokenizer.json``); they are written and
+        fsync'd before the manifest, so the directory never appears without them.
         """
-        if (hf_model is not None or hf_config is not None) and (process_group is not None
-                                                                 or coordination_group is not None):
-            raise ValueError("hf_model= and hf_config= apply to single-process saves")
+        single = ("hf_model", hf_model), ("hf_config", hf_config), ("extra_files", extra_files)
+        if process_group is not None or coordination_group is not None:
+            given = [name for name, v in single if v is not None]
+            if given:
+                raise ValueError(f"{'= and '.join(given)}= apply to single-process saves")
         config = hf.config_bytes(hf_config) if hf_config is not None else None
+        extra = {hf.CONFIG_NAME: config} if config is not None else {}
+        if extra_files is not None:
+            extra.update(commit.extra_files(extra_files, reserved=tuple(extra)))
         if process_group is not None or coordination_group is not None:
             return distributed.save_async(self, state_dict, path, process_group=process_group,
                                           coordination_group=coordination_group, timeout=timeout,
@@ -261,7 +271,7 @@ class Writer:
                 commit_gate()
                 manifest = sw.wait_durable()
                 commit.finalize(tmp, path, manifest, build_index(manifest) if files is None else None, overwrite,
-                                extra={hf.CONFIG_NAME: config} if config is not None else None, encoded=files)
+                                extra=extra, encoded=files)
                 if ls is not None:
                     ls.committed()
             finally:
@@ -366,8 +376,8 @@ def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> Save
 
     Options: Writer settings (stripes, queue_depth, chunk_bytes, backend, direct,
     max_staging_bytes, copy_threads) and per-save settings (overwrite, block,
-    allow_pickle, metadata; process_group, coordination_group, timeout for a
-    multi-rank save).
+    allow_pickle, metadata, hf_model, hf_config, extra_files; process_group,
+    coordination_group, timeout for a multi-rank save).
     """
     wopts, sopts = _split_options(dict(options))
     return default_writer(path, **wopts).save_async(state_dict, path, **sopts)
