@@ -293,6 +293,8 @@ def fork_check(writer, state, base: str, saved_path: str | None) -> dict:
     child_dir = os.path.join(base, "fork-child")
     pid = os.fork()
     if pid == 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(120, exit=True)  # a hung child never outlives the run
         code = 1
         try:
             writer.save(cpu_state, child_dir)

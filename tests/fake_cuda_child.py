@@ -425,6 +425,8 @@ def scenario_fork_after_info(d):
     def child_saves(sub):
         pid = os.fork()
         if pid == 0:
+            import faulthandler
+            faulthandler.dump_traceback_later(120, exit=True)  # a hung child never outlives the test
             code = 1
             try:
                 _, job, files = save(state(), os.path.join(d, sub), lambda k: 0, [(0, 0)])

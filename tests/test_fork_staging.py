@@ -78,6 +78,8 @@ _FORK = """
     r, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(120, exit=True)  # a hung child never outlives the test
         res = {"inherited_dc": dc_bytes()}  # the parent's slabs are not here
         try:
             w.save(child_sd, d + "/child-inherited")  # the parent's Writer: a pool of its own
