@@ -27,6 +27,10 @@ fake.fake_cudart_malloc.restype = ctypes.c_void_p
 fake.fake_cudart_malloc.argtypes = [ctypes.c_size_t]
 fake.fake_cudart_poke.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 fake.fake_cudart_peek.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+fake.cudaStreamBeginCapture.argtypes = [ctypes.c_void_p, ctypes.c_int]
+fake.cudaStreamEndCapture.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+fake.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+fake.cudaHostUnregister.argtypes = [ctypes.c_void_p]
 
 
 def to_device(t: torch.Tensor) -> int:
@@ -92,13 +96,16 @@ def scenario_save(d):
     gpu_keys = {"a", "b", "c", "s"}
     eng, job, files = save(sd, d + "/gpu", lambda k: 0 if k in gpu_keys else -1, [(0, 0)])
     job.rethrow()
+    _, again, _ = save(sd, d + "/again", lambda k: 0 if k in gpu_keys else -1, [(0, 0)], engine=eng)
+    again.rethrow()
     _, ref, ref_files = save(sd, d + "/cpu", lambda k: -1)
     ref.rethrow()
     return {"same_files": file_bytes(d + "/gpu", files) == file_bytes(d + "/cpu", ref_files),
             "same_checksums": job.checksums() == ref.checksums(),
             "device_bytes": job.stats()["device_bytes"],
             "expected_device_bytes": sum(sd[k].numel() * sd[k].element_size() for k in gpu_keys),
-            "pinned": eng.pool_pinned, "pin_error": eng.pin_error, "registered": fake.fake_cudart_registered()}
+            "pinned": eng.pool_pinned, "pin_error": eng.pin_error, "registered": fake.fake_cudart_registered(),
+            "pin_s": [job.stats()["pin_s"], again.stats()["pin_s"]]}
 
 
 def scenario_order(d):
@@ -154,8 +161,8 @@ def scenario_bounded_and_failing(d):
 
 
 def scenario_bad_device(d):
-    _, job, _ = save({"x": torch.randn(1000)}, d, lambda k: 5, [(5, 0)])
-    try:
+    try:  # raised by start_save itself (asking whether the stream captures), or by the job
+        _, job, _ = save({"x": torch.randn(1000)}, d, lambda k: 5, [(5, 0)])
         job.rethrow()
         return {"error": None}
     except RuntimeError as e:
@@ -168,7 +175,7 @@ def scenario_pin_fails(d):
     return {"pinned": eng.pool_pinned, "pin_error": eng.pin_error}
 
 
-def _load(d, placements_for, flip_at=None, host_for=(), headers=False):
+def _load(d, placements_for, flip_at=None, host_for=(), headers=False, chunk=8 << 20):
     import flashwrite as fw
     sd = state()
     with fw.Writer(stripes=2, chunk_bytes=1 << 20) as w:
@@ -194,7 +201,7 @@ def _load(d, placements_for, flip_at=None, host_for=(), headers=False):
         for i, fe in enumerate(m.files):
             host[f"header{i}"] = t = torch.zeros(fe.header_bytes, dtype=torch.uint8)
             placements.append((i, 0, fe.header_bytes, -1, t.data_ptr()))
-    job = _core.start_load(specs, pieces, "auto", 4, 8 << 20, 2, True, placements=placements, streams=[(0, 0)])
+    job = _core.start_load(specs, pieces, "auto", 4, chunk, 2, True, placements=placements, streams=[(0, 0)])
     job.wait()
     dst = {k: from_device(a, m.tensors[k].nbytes) for k, a in addrs.items()}
     dst.update(host)
@@ -250,6 +257,191 @@ def scenario_load_failing(d):
         return {"error": None}
     except RuntimeError as e:
         return {"error": str(e)}
+
+
+def _stream():
+    s = ctypes.c_void_p()
+    assert fake.fake_cudart_stream_create(ctypes.byref(s)) == 0
+    return s
+
+
+def _end_capture(stream):
+    graph = ctypes.c_void_p()
+    return fake.cudaStreamEndCapture(stream, ctypes.byref(graph))
+
+
+def scenario_capture_refused(d):
+    # The caller's current stream is being captured (torch.cuda.graph, global mode):
+    # a save or a load ordered after it is refused before any file or copy.
+    cap = _stream()
+    assert fake.cudaStreamBeginCapture(cap, 0) == 0
+    errors = {}
+    try:
+        save({"x": torch.randn(1000)}, d + "/ck", lambda k: 0, [(0, cap.value)])
+    except RuntimeError as e:
+        errors["save"] = str(e)
+    try:
+        _core.start_load([(os.path.join(d, "none"), 4096)], [], placements=[(0, 0, 16, 0, device_zeros(16))],
+                         streams=[(0, cap.value)])
+    except RuntimeError as e:
+        errors["load"] = str(e)
+    files = sorted(os.listdir(d + "/ck")) if os.path.isdir(d + "/ck") else []
+    return {"errors": errors, "files": files, "copies": fake.fake_cudart_copies(),
+            "captured": fake.fake_cudart_captured(), "end_capture": _end_capture(cap)}
+
+
+def scenario_capture_concurrent(d):
+    # Another thread captures in global mode (torch.cuda.graph's default) while a save
+    # of GPU tensors ordered after a stream that is not capturing runs from start (the
+    # pool is pinned then) to durable: flashwrite's threads sync in relaxed mode, so
+    # the capture survives and the checkpoint is exact.
+    import threading
+    cap, mine = _stream(), _stream()
+    began, end = threading.Event(), threading.Event()
+    result = {}
+
+    def capturer():
+        result["begin"] = fake.cudaStreamBeginCapture(cap, 0)
+        began.set()
+        end.wait()
+        result["end"] = _end_capture(cap)
+
+    t = threading.Thread(target=capturer)
+    t.start()
+    began.wait()
+    sd = state()
+    try:
+        eng, job, files = save(sd, d + "/gpu", lambda k: 0 if k in {"a", "b", "c"} else -1, [(0, mine.value)])
+        job.rethrow()
+        err = None
+    except RuntimeError as e:
+        err, files = str(e), None
+    end.set()
+    t.join()
+    same = False
+    if files is not None:
+        _, ref, ref_files = save(sd, d + "/cpu", lambda k: -1)
+        same = file_bytes(d + "/gpu", files) == file_bytes(d + "/cpu", ref_files)
+    return {"error": err, "same_files": same, "begin": result["begin"], "end_capture": result["end"]}
+
+
+def _small_state(n):
+    g = torch.Generator().manual_seed(1)
+    return {f"t{i}": torch.randn(256 * (1 + i % 16), generator=g) for i in range(n)}  # 1..16 KiB each
+
+
+def scenario_small_tensors(d):
+    # Small tensors laid out on the device as in their stripes (what cuda.gather does
+    # with torch.cat): the engine moves each chunk's run with one copy, not one per tensor.
+    n = 3000
+    sd = _small_state(n)
+    _, tensors, _ = flatten(sd)
+    files = plan_files(tensors, 2)
+    bases = {fi: fake.fake_cudart_malloc(f.size) for fi, f in enumerate(files)}
+    segs = []
+    for fi, f in enumerate(files):
+        for p, j in zip(f.tensors, f.members):
+            src = f.columns.sources[j]
+            assert fake.fake_cudart_poke(bases[fi] + p.offset, src.data_ptr(), p.nbytes) == 0
+            segs.append((bases[fi] + p.offset, p.nbytes, fi, p.offset, 0))
+    os.makedirs(d + "/gpu")
+    eng = _core.Engine(1 << 20)
+    c0 = fake.fake_cudart_copies()
+    job = eng.start_save([(os.path.join(d, "gpu", f.name), f.header, f.size) for f in files], segs,
+                         [f.columns.sources for f in files], streams=[(0, 0)])
+    job.wait()
+    job.rethrow()
+    save_copies = fake.fake_cudart_copies() - c0
+    # The same tensors each in a device allocation of its own: one copy per tensor.
+    c0 = fake.fake_cudart_copies()
+    _, scattered, sfiles = save(sd, d + "/scattered", lambda k: 0, [(0, 0)], stripes=2)
+    scattered.rethrow()
+    scattered_copies = fake.fake_cudart_copies() - c0
+    _, ref, ref_files = save(sd, d + "/cpu", lambda k: -1, stripes=2)
+    same = file_bytes(d + "/gpu", files) == file_bytes(d + "/cpu", ref_files)
+    # Load back into one device buffer per stripe, each tensor where the stripe has it.
+    import flashwrite as fw
+    with fw.Writer(stripes=2, chunk_bytes=1 << 20) as w:
+        w.save(sd, d + "/ck")
+    m = read_manifest(d + "/ck")
+    from flashwrite.format import piece_ranges
+    specs = [(os.path.join(d, "ck", fe.name), fe.size) for fe in m.files]
+    pieces = [(e.file, off, nb, int(h, 16)) for e in m.tensors.values()
+              for (off, nb), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums)]
+    dst = {fi: device_zeros(fe.size) for fi, fe in enumerate(m.files)}
+    placements = [(e.file, e.offset, e.nbytes, 0, dst[e.file] + e.offset) for e in m.tensors.values()]
+    c0 = fake.fake_cudart_copies()
+    lj = _core.start_load(specs, pieces, "auto", 4, 8 << 20, 2, True, placements=placements, streams=[(0, 0)])
+    lj.wait()
+    lj.rethrow()
+    load_copies = fake.fake_cudart_copies() - c0
+    back_ok = all(torch.equal(from_device(dst[e.file] + e.offset, e.nbytes), sd[k].view(torch.uint8))
+                  for k, e in m.tensors.items())
+    return {"tensors": n, "save_copies": save_copies, "scattered_copies": scattered_copies, "same_files": same,
+            "load_copies": load_copies, "load_ok": back_ok, "mismatches": len(lj.mismatches())}
+
+
+def scenario_bounce_pools(d):
+    # Loads with three read chunk sizes: the bounce pool of the last is kept, the
+    # others are unpinned and freed; release_bounce_pool() gives the last one back.
+    out = {"registered": [], "bounce_bytes": []}
+    for chunk in (1 << 20, 2 << 20, 4 << 20):
+        sd, m, dst, job = _load(d + f"/{chunk}", ["a", "b"], chunk=chunk)
+        job.rethrow()
+        assert all(torch.equal(t, sd[k].reshape(-1).view(torch.uint8)) for k, t in dst.items())
+        del job
+        out["registered"].append(fake.fake_cudart_registered())
+        out["bounce_bytes"].append(_core.bounce_pool_bytes())
+    out["released"] = _core.release_bounce_pool()
+    out["registered_after_release"] = fake.fake_cudart_registered()
+    return out
+
+
+def scenario_stale_registration(d):
+    import mmap
+    size = 1 << 20
+    out = {}
+    # A registration left at this address by an earlier mapping (unmapped without
+    # cudaHostUnregister): dropped, and the new pages pinned.
+    a = mmap.mmap(-1, size)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(a))
+    assert fake.cudaHostRegister(addr, size, 1) == 0
+    out["same_base"] = _core._cuda_pin(addr, size, 0)
+    out["registered"] = fake.fake_cudart_registered()
+    # One that only overlaps the range cannot be dropped from here: an error.
+    b = mmap.mmap(-1, size)
+    baddr = ctypes.addressof(ctypes.c_char.from_buffer(b))
+    assert fake.cudaHostRegister(baddr + 4096, 4096, 1) == 0
+    out["overlap"] = _core._cuda_pin(baddr, size, 0)
+    return out
+
+
+def scenario_fork_after_info(d):
+    # backend_info() in the parent, then fork(): the child can still use CUDA. After
+    # backend_info(initialize_cuda=True) it cannot (as with real CUDA).
+    import flashwrite as fw
+    out = {"info": fw.backend_info(d)["cuda"]}
+
+    def child_saves(sub):
+        pid = os.fork()
+        if pid == 0:
+            import faulthandler
+            faulthandler.dump_traceback_later(120, exit=True)  # a hung child never outlives the test
+            code = 1
+            try:
+                _, job, files = save(state(), os.path.join(d, sub), lambda k: 0, [(0, 0)])
+                job.rethrow()
+                code = 0
+            except BaseException as e:  # noqa: BLE001 - reported through the exit code and stderr
+                print(f"child: {e}", file=sys.stderr, flush=True)
+            finally:
+                os._exit(code)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    out["child_after_info"] = child_saves("a")
+    out["initialized_info"] = fw.backend_info(d, initialize_cuda=True)["cuda"]
+    out["child_after_init"] = child_saves("b")
+    return out
 
 
 if __name__ == "__main__":

@@ -23,12 +23,31 @@
 //    stream has passed it (the engine may return an event to its pool, or destroy
 //    it, while a record is in flight).
 //
+//  - CUDA is initialised by the first call that needs a context or the driver
+//    (not cudaRuntimeGetVersion/cudaDriverGetVersion); every such call in a
+//    process forked after that fails with cudaErrorInitializationError, as
+//    CUDA's do (the stand-in's stream threads do not survive a fork either).
+//  - Graph capture (cudaStreamBeginCapture/EndCapture/IsCapturing,
+//    cudaThreadExchangeStreamCaptureMode): work queued on a capturing stream is
+//    recorded, not run (fake_cudart_captured counts it); a "potentially unsafe"
+//    call (cudaStreamSynchronize, cudaEventSynchronize, cudaHostRegister,
+//    cudaHostUnregister, cudaMalloc) made while a capture forbids it, by CUDA's
+//    rules for the calling thread's capture mode (global: a global-mode capture
+//    on any other thread, or a non-relaxed one of its own; thread-local: its
+//    own non-relaxed one; relaxed: never), fails with
+//    cudaErrorStreamCaptureUnsupported and invalidates those captures, whose
+//    cudaStreamEndCapture then fails with cudaErrorStreamCaptureInvalidated.
+//    Not modelled: streams joining a capture through an event recorded in it.
+//
 // Environment: FAKE_CUDART_DEVICES (default 1), FAKE_CUDART_COPY_DELAY_US (per
 // copy), FAKE_CUDART_FAIL_COPY (the N-th cudaMemcpyAsync returns
 // cudaErrorIllegalAddress), FAKE_CUDART_FAIL_RECORD (the N-th cudaEventRecord
 // fails likewise), FAKE_CUDART_FAIL_REGISTER=1 (cudaHostRegister fails),
-// FAKE_CUDART_ALLOW_PAGEABLE=1 (see above).
+// FAKE_CUDART_ALLOW_PAGEABLE=1 (see above), FAKE_CUDART_NO_DRIVER=<text>
+// (cudaGetDeviceCount fails with cudaErrorInsufficientDriver in a copy of the
+// stand-in whose file path contains <text>: a runtime too new for the driver).
 // Build: c++ -std=c++17 -O1 -shared -fPIC -o libfakecudart.so fake_cudart.cpp -lpthread
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -46,6 +65,8 @@
 #include <map>
 #include <algorithm>
 #include <mutex>
+#include <set>
+#include <string>
 #include <thread>
 
 namespace {
@@ -60,6 +81,10 @@ struct Stream {
   std::condition_variable cv;
   std::deque<std::function<void()>> ops;
   bool busy = false;
+  // Capture state, under cap_mu (below).
+  bool capturing = false, invalidated = false;
+  int cap_mode = 0;
+  std::thread::id cap_thread;
   explicit Stream() {
     std::thread([this] {
       for (;;) {
@@ -80,13 +105,7 @@ struct Stream {
       }
     }).detach();  // streams live as long as the test process
   }
-  void push(std::function<void()> op) {
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      ops.push_back(std::move(op));
-    }
-    cv.notify_all();
-  }
+  void push(std::function<void()> op);
   void sync() {
     std::unique_lock<std::mutex> lk(mu);
     cv.wait(lk, [&] { return ops.empty(); });
@@ -180,6 +199,61 @@ void* device_malloc(size_t n) {
   return dev;
 }
 
+// ------------------------------------------------------------ capture and fork
+
+constexpr int kErrInitialization = 3;
+constexpr int kErrCaptureUnsupported = 900;
+constexpr int kErrCaptureInvalidated = 901;
+constexpr int kErrIllegalState = 401;
+constexpr int kModeGlobal = 0, kModeThreadLocal = 1, kModeRelaxed = 2;
+
+std::mutex cap_mu;
+std::set<Stream*> capture_set;  // streams with a capture sequence in progress
+std::atomic<int> captured_ops{0};
+thread_local int thread_mode = kModeGlobal;
+
+void Stream::push(std::function<void()> op) {
+  {
+    std::lock_guard<std::mutex> lk(cap_mu);
+    if (capturing) {  // recorded into the graph, never run here
+      ++captured_ops;
+      return;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    ops.push_back(std::move(op));
+  }
+  cv.notify_all();
+}
+
+// A potentially unsafe call: false (and the captures that forbid it
+// invalidated) when the calling thread may not make it now.
+bool capture_allows_unsafe_call() {
+  if (thread_mode == kModeRelaxed) return true;
+  std::lock_guard<std::mutex> lk(cap_mu);
+  bool ok = true;
+  for (Stream* s : capture_set) {
+    const bool own = s->cap_thread == std::this_thread::get_id();
+    const bool forbids = own ? s->cap_mode != kModeRelaxed : (thread_mode == kModeGlobal && s->cap_mode == kModeGlobal);
+    if (forbids) {
+      s->invalidated = true;
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+std::atomic<int> init_pid{0};
+// CUDA is initialised by this call (if not yet); false in a process forked
+// after it was.
+bool init_ok() {
+  int pid = static_cast<int>(getpid());
+  int expected = 0;
+  if (init_pid.compare_exchange_strong(expected, pid)) return true;
+  return expected == pid;
+}
+
 thread_local int current_device = 0;
 std::mutex g_mu;
 std::map<int, Stream*> legacy;  // per-device legacy default stream (handle 0)
@@ -198,19 +272,30 @@ Stream* S(void* s) {
 extern "C" {
 
 int cudaGetDeviceCount(int* n) {
+  *n = 0;
+  if (!init_ok()) return kErrInitialization;
+  const char* broken = std::getenv("FAKE_CUDART_NO_DRIVER");
+  Dl_info info;
+  if (broken && *broken && dladdr(reinterpret_cast<void*>(&cudaGetDeviceCount), &info) && info.dli_fname &&
+      std::strstr(info.dli_fname, broken))
+    return 35;  // cudaErrorInsufficientDriver
   *n = env_int("FAKE_CUDART_DEVICES", 1);
   return 0;
 }
 int cudaGetDevice(int* d) {
+  if (!init_ok()) return kErrInitialization;
   *d = current_device;
   return 0;
 }
 int cudaSetDevice(int d) {
+  if (!init_ok()) return kErrInitialization;
   if (d < 0 || d >= env_int("FAKE_CUDART_DEVICES", 1)) return 101;  // cudaErrorInvalidDevice
   current_device = d;
   return 0;
 }
 int cudaHostRegister(void* p, size_t n, unsigned) {
+  if (!init_ok()) return kErrInitialization;
+  if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   if (env_int("FAKE_CUDART_FAIL_REGISTER", 0)) return 2;  // cudaErrorMemoryAllocation
   if (!p || !n || is_device(p)) return kErrInvalidValue;
   {
@@ -225,6 +310,8 @@ int cudaHostRegister(void* p, size_t n, unsigned) {
   return 0;
 }
 int cudaHostUnregister(void* p) {
+  if (!init_ok()) return kErrInitialization;
+  if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   {
     std::lock_guard<std::mutex> lk(mem_mu);
     if (!host_registered.erase(reinterpret_cast<uintptr_t>(p))) return kErrHostMemoryNotRegistered;
@@ -233,6 +320,8 @@ int cudaHostUnregister(void* p) {
   return 0;
 }
 int cudaMalloc(void** p, size_t n) {
+  if (!init_ok()) return kErrInitialization;
+  if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   *p = device_malloc(n);
   return *p ? 0 : 2;  // cudaErrorMemoryAllocation
 }
@@ -245,6 +334,7 @@ int cudaFree(void* p) {
   return 0;
 }
 int cudaMemcpyAsync(void* dst, const void* src, size_t n, int kind, void* stream) {
+  if (!init_ok()) return kErrInitialization;
   int k = ++copies;
   if (k == env_int("FAKE_CUDART_FAIL_COPY", 0)) return 700;  // cudaErrorIllegalAddress
   char* to = nullptr;
@@ -283,6 +373,7 @@ int cudaMemcpyAsync(void* dst, const void* src, size_t n, int kind, void* stream
   return 0;
 }
 int cudaStreamCreateWithFlags(void** s, unsigned) {
+  if (!init_ok()) return kErrInitialization;
   *s = new Stream();
   ++streams_live;
   return 0;
@@ -293,10 +384,13 @@ int cudaStreamDestroy(void* s) {
   return 0;
 }
 int cudaStreamSynchronize(void* s) {
+  if (!init_ok()) return kErrInitialization;
+  if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   S(s)->sync();
   return 0;
 }
 int cudaEventCreateWithFlags(void** e, unsigned) {
+  if (!init_ok()) return kErrInitialization;
   *e = new Event();
   ++events_live;
   return 0;
@@ -309,6 +403,7 @@ int cudaEventDestroy(void* e) {
   return 0;
 }
 int cudaEventRecord(void* e, void* s) {
+  if (!init_ok()) return kErrInitialization;
   static std::atomic<int> records{0};
   if (++records == env_int("FAKE_CUDART_FAIL_RECORD", 0)) return 700;  // cudaErrorIllegalAddress
   auto* ev = static_cast<Event*>(e);
@@ -329,6 +424,7 @@ int cudaEventRecord(void* e, void* s) {
   return 0;
 }
 int cudaStreamWaitEvent(void* s, void* e, unsigned) {
+  if (!init_ok()) return kErrInitialization;
   auto* ev = static_cast<Event*>(e);
   unsigned long long gen;
   {
@@ -343,6 +439,8 @@ int cudaStreamWaitEvent(void* s, void* e, unsigned) {
   return 0;
 }
 int cudaEventSynchronize(void* e) {
+  if (!init_ok()) return kErrInitialization;
+  if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   auto* ev = static_cast<Event*>(e);
   unsigned long long gen;
   {
@@ -357,9 +455,51 @@ int cudaEventQuery(void* e) {
   std::lock_guard<std::mutex> lk(ev->mu);
   return ev->completed >= ev->recorded ? 0 : 600;
 }
+int cudaStreamBeginCapture(void* s, int mode) {
+  if (!init_ok()) return kErrInitialization;
+  if (!s) return kErrInvalidValue;  // the legacy stream cannot be captured
+  Stream* st = S(s);
+  std::lock_guard<std::mutex> lk(cap_mu);
+  if (st->capturing) return kErrIllegalState;
+  st->capturing = true;
+  st->invalidated = false;
+  st->cap_mode = mode;
+  st->cap_thread = std::this_thread::get_id();
+  capture_set.insert(st);
+  return 0;
+}
+int cudaStreamEndCapture(void* s, void** graph) {
+  if (!init_ok()) return kErrInitialization;
+  Stream* st = S(s);
+  std::lock_guard<std::mutex> lk(cap_mu);
+  *graph = nullptr;
+  if (!st->capturing) return kErrIllegalState;
+  st->capturing = false;
+  capture_set.erase(st);
+  if (st->invalidated) return kErrCaptureInvalidated;
+  *graph = st;  // a non-null stand-in for the graph; nothing can launch it
+  return 0;
+}
+int cudaStreamIsCapturing(void* s, int* status) {
+  if (!init_ok()) return kErrInitialization;
+  Stream* st = S(s);
+  std::lock_guard<std::mutex> lk(cap_mu);
+  *status = !st->capturing ? 0 : st->invalidated ? 2 : 1;
+  return 0;
+}
+int cudaThreadExchangeStreamCaptureMode(int* mode) {
+  if (*mode < kModeGlobal || *mode > kModeRelaxed) return kErrInvalidValue;
+  std::swap(*mode, thread_mode);
+  return 0;
+}
+
 int cudaGetLastError() { return 0; }
 const char* cudaGetErrorString(int e) {
-  return e == 700 ? "an illegal memory access was encountered (fake)"
+  return e == 700   ? "an illegal memory access was encountered (fake)"
+         : e == 3   ? "initialization error (fake: CUDA was initialised before this process forked)"
+         : e == 35  ? "CUDA driver version is insufficient for CUDA runtime version (fake)"
+         : e == 900 ? "operation not permitted when stream is capturing (fake)"
+         : e == 901 ? "operation failed due to a previous error during capture (fake)"
          : e == 0 ? "no error"
          : e == 1 ? "invalid argument (fake: see stderr)"
                   : "fake CUDA error";
@@ -370,6 +510,10 @@ const char* cudaGetErrorName(int e) {
          : e == 1   ? "cudaErrorInvalidValue"
          : e == 712 ? "cudaErrorHostMemoryAlreadyRegistered"
          : e == 713 ? "cudaErrorHostMemoryNotRegistered"
+         : e == 3   ? "cudaErrorInitializationError"
+         : e == 35  ? "cudaErrorInsufficientDriver"
+         : e == 900 ? "cudaErrorStreamCaptureUnsupported"
+         : e == 901 ? "cudaErrorStreamCaptureInvalidated"
                     : "cudaErrorUnknown";
 }
 int cudaRuntimeGetVersion(int* v) {
@@ -385,6 +529,7 @@ int cudaDriverGetVersion(int* v) {
 int fake_cudart_registered() { return registered.load(); }
 int fake_cudart_copies() { return copies.load(); }
 int fake_cudart_events_live() { return events_live.load(); }
+int fake_cudart_captured() { return captured_ops.load(); }
 // Queues "sleep delay_us, then memset(p, byte, n)" on a stream: the caller's work
 // that a save must wait for.
 int fake_cudart_enqueue_fill(void* stream, void* p, int byte, size_t n, int delay_us) {

@@ -53,7 +53,7 @@ _CPU_ROUNDTRIP = """
     ok = ok and back["step"] == 3 and into["step"] == 3
     asked = fw_cuda.native_info.cache_info().currsize  # did the CPU path ask for CUDA at all?
     mapped_by_us = maps() and not before
-    print(json.dumps({"cuda": fw.backend_info()["cuda"], "roundtrip": ok, "asked": asked,
+    print(json.dumps({"cuda": fw.backend_info(initialize_cuda=True)["cuda"], "roundtrip": ok, "asked": asked,
                       "mapped_by_us": mapped_by_us}))
 """
 
@@ -87,9 +87,11 @@ def gpu():
 
 
 def test_cuda_info_explains_itself():
-    info = fw.backend_info()["cuda"]
+    info = fw.backend_info(initialize_cuda=True)["cuda"]
     assert set(info) >= {"available", "reason", "library", "via", "device_count", "runtime_version",
-                         "driver_version"}
+                         "driver_version", "initialized", "skipped"}
+    assert info["initialized"] is (info["available"] or info["reason"].startswith(
+        ("cudaGetDeviceCount failed", "CUDA runtime loaded but no GPU")))
     if info["available"]:
         assert info["reason"] is None and info["device_count"] >= 1 and info["library"]
     else:
@@ -446,10 +448,12 @@ def _fake(fake_cudart, scenario, tmp_path, **env):
 
 
 def test_fake_runtime_is_reported_as_loaded(fake_cudart):
-    out = _run_python("import json, flashwrite as fw; print(json.dumps(fw.backend_info()['cuda']))",
+    out = _run_python("import json, flashwrite as fw; "
+                      "print(json.dumps(fw.backend_info(initialize_cuda=True)['cuda']))",
                       {"FLASHWRITE_CUDA_RUNTIME": fake_cudart})
     assert out == {"available": True, "reason": None, "library": fake_cudart, "via": "FLASHWRITE_CUDA_RUNTIME",
-                   "device_count": 1, "runtime_version": 12040, "driver_version": 12040}
+                   "device_count": 1, "runtime_version": 12040, "driver_version": 12040, "initialized": True,
+                   "skipped": None}
 
 
 def test_fake_runtime_d2h_save_matches_the_cpu_path(fake_cudart, tmp_path):
@@ -507,3 +511,117 @@ def test_fake_runtime_h2d_never_copies_a_damaged_chunk(fake_cudart, tmp_path):
 def test_fake_runtime_h2d_copy_error_is_raised(fake_cudart, tmp_path):
     out = _fake(fake_cudart, "load_failing", tmp_path, FAKE_CUDART_FAIL_COPY=2)
     assert out["error"] and "cudaMemcpyAsync host-to-device" in out["error"]
+
+
+# ------------------------------------------- issue 27: the GPU path made right for real hardware
+
+
+def test_fake_runtime_pinning_time_is_in_the_save_stats(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "save", tmp_path)
+    first, second = out["pin_s"]
+    assert first > 0  # the first GPU save pinned the pool and says how long it took
+    assert second == 0  # the next one found it pinned
+
+
+def test_fake_runtime_refuses_a_save_or_load_inside_a_graph_capture(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "capture_refused", tmp_path)
+    for what in ("save", "load"):
+        assert "cuda:0 is being captured into a CUDA graph" in out["errors"][what]
+        assert "outside torch.cuda.graph()" in out["errors"][what]
+    assert out["files"] == [] and out["copies"] == 0 and out["captured"] == 0
+    assert out["end_capture"] == 0  # asking did not invalidate the user's capture
+
+
+def test_fake_runtime_save_beside_a_global_capture_keeps_it_valid(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "capture_concurrent", tmp_path, FAKE_CUDART_COPY_DELAY_US=200)
+    assert out["begin"] == 0 and out["error"] is None and out["same_files"] is True
+    assert out["end_capture"] == 0  # 901 (cudaErrorStreamCaptureInvalidated) if our threads synced in global mode
+
+
+def test_fake_runtime_small_tensors_share_copies_and_round_trip(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "small_tensors", tmp_path)
+    n = out["tensors"]
+    assert out["same_files"] is True and out["load_ok"] is True and out["mismatches"] == 0
+    assert out["scattered_copies"] >= n  # one allocation each: one copy each
+    # Laid out as in the stripes (cuda.gather): a copy per chunk run, far fewer than tensors.
+    assert out["save_copies"] < n / 10
+    assert out["load_copies"] < n / 10
+
+
+def test_fake_runtime_load_bounce_pools_do_not_pile_up(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "bounce_pools", tmp_path)
+    # One pinned pool kept at a time (before: one per chunk size for the process's life).
+    assert out["registered"] == [1, 1, 1]
+    assert out["bounce_bytes"][0] < out["bounce_bytes"][1] < out["bounce_bytes"][2]
+    assert out["released"] == out["bounce_bytes"][2] and out["registered_after_release"] == 0
+
+
+def test_fake_runtime_stale_host_registration_is_not_taken_for_pinning(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "stale_registration", tmp_path)
+    assert out["same_base"] == "" and out["registered"] == 1  # dropped and registered again: one registration
+    assert "cudaErrorHostMemoryAlreadyRegistered" in out["overlap"] and "overlapping" in out["overlap"]
+
+
+def test_fake_runtime_backend_info_does_not_initialise_cuda_so_forked_children_can(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "fork_after_info", tmp_path)
+    info = out["info"]
+    assert info["library"] == fake_cudart and info["initialized"] is False
+    assert info["available"] is None and info["device_count"] is None and "not initialised" in info["reason"]
+    assert out["child_after_info"] == 0  # the child initialised CUDA itself and saved from the GPU
+    assert out["initialized_info"]["initialized"] is True and out["initialized_info"]["device_count"] == 1
+    assert out["child_after_init"] != 0  # as with real CUDA: initialised before fork() is unusable after
+
+
+def test_fake_runtime_search_passes_over_a_runtime_whose_device_count_fails(fake_cudart, tmp_path):
+    import shutil
+    new, old = tmp_path / "cuda13", tmp_path / "cuda12"
+    new.mkdir()
+    old.mkdir()
+    shutil.copy(fake_cudart, new / "libcudart.so.13")  # too new for the "driver": its device count fails
+    shutil.copy(fake_cudart, old / "libcudart.so.12")
+    code = "import json; from flashwrite import _core; print(json.dumps(_core.cuda_info()))"
+    out = _run_python(code, {"LD_LIBRARY_PATH": f"{new}:{old}", "FAKE_CUDART_NO_DRIVER": str(new)})
+    assert out["available"] is True and out["library"] == "libcudart.so.12" and out["via"] == "soname"
+    assert out["skipped"].startswith("libcudart.so.13: cudaGetDeviceCount failed: CUDA driver version is insufficient")
+
+
+def test_gather_lays_small_tensors_out_as_their_stripe_and_keeps_their_order():
+    # cuda.gather is device-agnostic; on CPU tensors (marked as on "device 0") it shows the
+    # layout the engine then copies with one cudaMemcpyAsync per chunk.
+    import ctypes
+    from flashwrite import cuda as fw_cuda
+    g = torch.Generator().manual_seed(3)
+    small = [torch.randn(16 * (1 + i % 5), generator=g) for i in range(12)]
+    big = torch.randn(40_000, generator=g)  # 160 KB: over the gather limit below
+    items, off = [], 4096
+    for t in small[:6]:
+        items.append((t, t.numel() * 4, 0, off, 0))
+        off += t.numel() * 4
+    items.append((big, big.numel() * 4, 0, off, 0))
+    off += big.numel() * 4
+    for t in small[6:9]:
+        items.append((t, t.numel() * 4, 0, off, 0))
+        off += t.numel() * 4
+    items.append((small[9], small[9].numel() * 4, 0, off, 1))  # another device: a run of its own
+    items += [(small[10], small[10].numel() * 4, 1, 4096, 0), (small[11], small[11].numel() * 4, 1, 4096 + 64, 0)]
+    shuffled = items[::-1]  # the plan's order, whatever it is, is kept
+    addresses, buffers = fw_cuda.gather(shuffled, 64 << 10, 64 << 20)
+    assert len(addresses) == len(shuffled)
+    for (t, n, *_), a in zip(shuffled, addresses):
+        assert ctypes.string_at(a, n) == t.numpy().tobytes()
+    by_item = {id(it[0]): a for it, a in zip(shuffled, addresses)}
+    assert by_item[id(big)] == big.data_ptr()  # large: copied from where it is
+    first = [by_item[id(t)] for t in small[:6]]
+    assert all(b - a == t.numel() * 4 for a, b, t in zip(first, first[1:], small))  # one run, stripe order
+    assert by_item[id(small[10])] + 64 == by_item[id(small[11])]  # the other stripe's run
+    assert by_item[id(small[9])] == small[9].data_ptr()  # alone on its device: not gathered
+    assert len(buffers) == 3  # small[:6], small[6:9], stripe 1's pair
+    # The load side: placements put each run into one buffer, finish() copies it out.
+    dst = [torch.zeros_like(t) for t in small[:6]]
+    sc = fw_cuda.Scatter([(d, d.numel() * 4, 0, 4096 + sum(x.numel() * 4 for x in small[:i]), 0)
+                          for i, d in enumerate(dst)], 64 << 10, 64 << 20)
+    assert len(sc.placements) == 1 and sc.placements[0][1:4] == (4096, sum(t.numel() * 4 for t in small[:6]), 0)
+    payload = b"".join(t.numpy().tobytes() for t in small[:6])
+    ctypes.memmove(sc.placements[0][4], payload, len(payload))
+    sc.finish()
+    assert all(torch.equal(d, t) for d, t in zip(dst, small[:6]))

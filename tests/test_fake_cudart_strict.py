@@ -123,3 +123,69 @@ def test_event_destroyed_while_its_record_is_pending(fake_cudart):  # noqa: F811
         print("ok", lib.fake_cudart_events_live())
     """, fake_cudart)
     assert r.returncode == 0 and r.stdout.split() == ["ok", "0"], (r.returncode, r.stdout, r.stderr)
+
+
+_CAPTURE = """
+    import ctypes, sys, threading
+    lib = ctypes.CDLL(sys.argv[1])
+    lib.cudaStreamBeginCapture.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.cudaStreamEndCapture.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.cudaStreamIsCapturing.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.fake_cudart_malloc.restype = ctypes.c_void_p
+    lib.fake_cudart_malloc.argtypes = [ctypes.c_size_t]
+    cap, other = ctypes.c_void_p(), ctypes.c_void_p()
+    lib.fake_cudart_stream_create(ctypes.byref(cap))
+    lib.fake_cudart_stream_create(ctypes.byref(other))
+
+    def status():
+        st = ctypes.c_int(-1)
+        assert lib.cudaStreamIsCapturing(cap, ctypes.byref(st)) == 0
+        return st.value
+
+    def on_thread(mode):  # a sync of an unrelated stream from another thread in `mode`
+        out = []
+        def run():
+            m = ctypes.c_int(mode)
+            assert lib.cudaThreadExchangeStreamCaptureMode(ctypes.byref(m)) == 0
+            out.append(lib.cudaStreamSynchronize(other))
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out[0]
+
+    res = {}
+    for mode, name in ((2, "relaxed"), (1, "thread_local"), (0, "global")):
+        assert lib.cudaStreamBeginCapture(cap, 0) == 0  # global mode, as torch.cuda.graph
+        before = status()
+        rc = on_thread(mode)
+        during = status()
+        g = ctypes.c_void_p()
+        res[name] = (before, rc, during, lib.cudaStreamEndCapture(cap, ctypes.byref(g)), bool(g.value))
+    # Work queued on a capturing stream is recorded, not run.
+    dev = lib.fake_cudart_malloc(4096)
+    host = ctypes.create_string_buffer(b"z" * 4096, 4096)
+    assert lib.cudaHostRegister(host, 4096, 1) == 0
+    assert lib.cudaStreamBeginCapture(cap, 0) == 0
+    assert lib.cudaMemcpyAsync(dev, host, 4096, 1, cap) == 0
+    g = ctypes.c_void_p()
+    assert lib.cudaStreamEndCapture(cap, ctypes.byref(g)) == 0
+    back = ctypes.create_string_buffer(4096)
+    lib.fake_cudart_peek.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    assert lib.fake_cudart_peek(back, dev, 4096) == 0
+    res["captured"] = (lib.fake_cudart_captured(), back.raw == bytes(4096))
+    print(res)
+"""
+
+
+def test_capture_forbids_syncs_from_other_threads_as_cuda_does(fake_cudart):  # noqa: F811
+    r = _child(_CAPTURE, fake_cudart)
+    assert r.returncode == 0, r.stderr
+    res = eval(r.stdout.strip().splitlines()[-1])  # a dict of tuples printed by the child
+    # (status before, the other thread's sync, status after, cudaStreamEndCapture, a graph came back)
+    assert res["relaxed"] == (1, 0, 1, 0, True)
+    assert res["thread_local"] == (1, 0, 1, 0, True)  # only its own captures bind a thread-local thread
+    assert res["global"] == (1, 900, 2, 901, False)  # cudaErrorStreamCaptureUnsupported, then Invalidated
+    assert res["captured"] == (1, True)  # the copy was recorded, the device memory untouched

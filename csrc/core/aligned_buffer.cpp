@@ -58,6 +58,13 @@ void AlignedBuffer::prefault(size_t offset, size_t len) const noexcept {
   for (size_t i = 0; i < len; i += kAlign) *static_cast<volatile char*>(ptr_ + offset + i) = 0;
 }
 
+bool AlignedBuffer::dont_fork() const noexcept { return map_ && madvise(map_, map_len_, MADV_DONTFORK) == 0; }
+
+void AlignedBuffer::forget() noexcept {
+  map_ = nullptr;
+  reset();
+}
+
 AlignedBuffer::~AlignedBuffer() { reset(); }
 
 AlignedBuffer::AlignedBuffer(AlignedBuffer&& o) noexcept

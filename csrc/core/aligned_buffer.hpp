@@ -40,6 +40,19 @@ class AlignedBuffer {
   // Fault in [offset, offset+len) now (MADV_POPULATE_WRITE, or touching pages).
   void prefault(size_t offset, size_t len) const noexcept;
 
+  // MADV_DONTFORK on the whole mapping: a child made by fork() gets no copy of
+  // it (the range is simply absent there). For private memory that the CUDA
+  // driver pins: a fork would otherwise copy every pinned page into the child
+  // (or leave the parent's next write in a fresh copy-on-write page while DMA
+  // lands in the child's), and copies the page tables of tens of GB at every
+  // DataLoader start even without CUDA. Not for shared mappings (map_shared).
+  // Returns false (errno set) when the kernel refused.
+  bool dont_fork() const noexcept;
+  // Drops the mapping without unmapping it: for a forked child, in which a
+  // dont_fork() range does not exist (another mapping may already use the
+  // addresses, so munmap would destroy it).
+  void forget() noexcept;
+
   char* data() const noexcept { return ptr_; }
   size_t size() const noexcept { return size_; }      // usable bytes (as requested)
   size_t capacity() const noexcept { return cap_; }   // mapped bytes (page multiple)

@@ -19,6 +19,13 @@ constexpr unsigned kVerifyThreads = 2;             // checksum threads per load
 constexpr size_t kD2hBatchesInFlight = 64;         // device chunks copying while older ones are written
 constexpr size_t kBounceMinSlots = 8;              // bounce slots of a load with placements: at least this many,
 constexpr size_t kBounceExtraSlots = 4;            // and the read queue depth plus this many
+// GPU tensors of at most this many bytes that lie next to each other in a stripe
+// are gathered into one device buffer (torch.cat on the caller's stream; on load,
+// one buffer scattered with one _foreach_copy_) so the engine moves them with one
+// cudaMemcpyAsync per chunk instead of one per tensor (2-5 us of CPU each). Not
+// measured on a GPU yet (benchmarks/gpu_check.py times a state of 50k of them).
+constexpr uint64_t kGatherTensorBytes = 64ull << 10;
+constexpr uint64_t kGatherRunBytes = 64ull << 20;  // one gather buffer at most (device memory it costs)
 
 // -- internal --
 // A load to host placements only (owned CPU tensors) maps at most this much

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <map>
 
+#include <unistd.h>
+
 #include "core/defaults.hpp"
 #include "shim/cuda.hpp"
 
@@ -25,14 +27,19 @@ Engine::Engine(uint64_t chunk_bytes, uint64_t max_staging_bytes)
 std::unique_ptr<SaveJob> Engine::start_save(std::vector<FileSpec> files, std::vector<Segment> segments,
                                             SaveOptions opt, const std::vector<int>& devices,
                                             const GivenStreams& streams) {
+  const double pin0 = pool_->pin_seconds();
   if (!devices.empty()) {
     cuda::require("saving tensors that live on a GPU");
-    opt.copy_streams = copy_streams();
     opt.wait_streams = wait_streams(streams, devices);
+    check_not_capturing(opt.wait_streams, "a save of GPU tensors was started");
+    opt.copy_streams = copy_streams();
     pin_pool(devices.front());
   }
   auto job = std::make_unique<SaveJob>(pool_, std::move(files), std::move(segments), std::move(opt));
   job->start();
+  // Pinning done for this save (the hooks set now, or a new slab at reserve());
+  // another save growing the pool at the same time may add to it.
+  job->set_pin_s(pool_->pin_seconds() - pin0);
   return job;
 }
 
@@ -74,21 +81,66 @@ size_t host_bounce_slots(unsigned queue_depth, uint64_t chunk_bytes, uint64_t ch
 
 namespace {
 
-// Shared for the life of the process: pinning costs far more than a small
-// load. Never destroyed, so nothing calls into CUDA at exit.
-std::shared_ptr<StagingPool> bounce_pool(uint64_t slot_bytes, size_t slots, int device) {
-  static std::mutex mu;
-  static auto* pools = new std::map<std::pair<uint64_t, size_t>, std::shared_ptr<StagingPool>>();
-  std::lock_guard<std::mutex> lk(mu);
-  auto& pool = (*pools)[{slot_bytes, slots}];
-  if (!pool) {
-    auto p = std::make_shared<StagingPool>(slot_bytes, slot_bytes * slots);
-    p->set_pin_hooks(cuda_pin_hooks(device));
-    p->reserve(slots);  // held for good: trim() is never called on these
-    pool = p;
-  }
-  return pool;
+// One pinned bounce pool is kept between loads: pinning costs far more than a
+// small load. A load with another (slot size, depth) replaces it; the old one
+// is unpinned and freed when the last load using it ends, so a process holds
+// at most one idle pool (about bounce_slots() x chunk_bytes) besides those of
+// loads in flight, and release_bounce_pool() gives even that back. The one kept
+// is never destroyed at exit (the holder is leaked on purpose), so nothing
+// calls into CUDA while the runtime unloads. A forked child never reuses its
+// parent's (see StagingPool on fork()).
+struct BounceCache {
+  std::mutex mu;
+  std::shared_ptr<StagingPool> pool;
+  uint64_t slot_bytes = 0;
+  size_t slots = 0;
+  int device = -1;
+  int pid = 0;
+};
+BounceCache& bounce_cache() {
+  static auto* c = new BounceCache();
+  return *c;
 }
+
+std::shared_ptr<StagingPool> bounce_pool(uint64_t slot_bytes, size_t slots, int device) {
+  BounceCache& c = bounce_cache();
+  std::shared_ptr<StagingPool> old;  // freed after the lock is released (unpinning takes time)
+  std::lock_guard<std::mutex> lk(c.mu);
+  if (c.pool && c.slot_bytes == slot_bytes && c.slots == slots && c.device == device && c.pid == ::getpid())
+    return c.pool;
+  old = std::move(c.pool);
+  auto p = std::make_shared<StagingPool>(slot_bytes, slot_bytes * slots);
+  p->set_pin_hooks(cuda_pin_hooks(device));
+  p->reserve(slots);  // held for good: trim() is never called on these
+  c.pool = p;
+  c.slot_bytes = slot_bytes;
+  c.slots = slots;
+  c.device = device;
+  c.pid = ::getpid();
+  return p;
+}
+
+}  // namespace
+
+uint64_t bounce_pool_bytes() {
+  BounceCache& c = bounce_cache();
+  std::lock_guard<std::mutex> lk(c.mu);
+  return c.pool ? c.pool->capacity_bytes() : 0;
+}
+
+uint64_t release_bounce_pool() {
+  BounceCache& c = bounce_cache();
+  std::shared_ptr<StagingPool> old;
+  uint64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lk(c.mu);
+    if (c.pool) bytes = c.pool->capacity_bytes();
+    old = std::move(c.pool);
+  }
+  return bytes;  // `old` goes here, or with the last load still using it
+}
+
+namespace {
 
 std::shared_ptr<CopyStreams> load_streams() {
   static auto* s = new std::shared_ptr<CopyStreams>(std::make_shared<CopyStreams>());
@@ -106,7 +158,9 @@ std::unique_ptr<LoadJob> start_load(std::vector<ReadFileSpec> files, std::vector
   size_t slots = bounce_slots(opt.queue_depth);
   if (!devices.empty()) {
     cuda::require("loading tensors to a GPU");
-    opt.placer = std::make_shared<DevicePlacer>(std::move(map), wait_streams(streams, devices),
+    std::vector<StreamRef> callers = wait_streams(streams, devices);
+    check_not_capturing(callers, "a load to GPU tensors was started");
+    opt.placer = std::make_shared<DevicePlacer>(std::move(map), std::move(callers),
                                                 bounce_pool(opt.chunk_bytes, slots, devices.front()), load_streams(),
                                                 slots);
   } else if (!map.empty()) {

@@ -2,8 +2,9 @@
 //  - a save Engine owns one staging pool (reused by every save of a Writer),
 //    page-locks it once, on the first save that copies from a GPU (a CPU-only
 //    process never initialises CUDA), and owns the copy streams of its saves;
-//  - loads to GPUs share process-wide pinned bounce pools (one per slot size
-//    and depth) and copy streams, sized from the read queue depth.
+//  - loads to GPUs share a process-wide pinned bounce pool (the last slot size
+//    and depth used; see bounce_pool()) and copy streams, sized from the read
+//    queue depth.
 // No Python here: the bindings parse arguments and hand plain structs in.
 #pragma once
 #include <cstdint>
@@ -72,6 +73,12 @@ class Engine {
 // until the job is done.
 std::unique_ptr<LoadJob> start_load(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> pieces, LoadOptions opt,
                                     std::vector<Placement> placements, const GivenStreams& streams);
+
+// Bytes of the pinned bounce pool kept for loads to GPUs (0: none).
+uint64_t bounce_pool_bytes();
+// Drops the kept bounce pool (unpinned and freed now, or when the last load
+// using it ends). Returns its bytes.
+uint64_t release_bounce_pool();
 
 // Bounce slots a load with placements uses: a full read queue plus chunks
 // being verified and copied.

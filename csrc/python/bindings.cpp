@@ -171,6 +171,8 @@ py::dict defaults_dict() {
   d["d2h_batches_in_flight"] = defaults::kD2hBatchesInFlight;
   d["bounce_min_slots"] = defaults::kBounceMinSlots;
   d["bounce_extra_slots"] = defaults::kBounceExtraSlots;
+  d["gather_tensor_bytes"] = defaults::kGatherTensorBytes;
+  d["gather_run_bytes"] = defaults::kGatherRunBytes;
   return d;
 }
 
@@ -185,17 +187,27 @@ py::dict save_stats(const SaveJob& j) {
   d["files_direct"] = s.files_direct;
   d["files_buffered"] = s.files_buffered;
   d["device_bytes"] = s.device_bytes;
+  d["pin_s"] = s.pin_s;
   return d;
 }
 
-py::dict cuda_info() {
-  const auto& rt = cuda::runtime();
+// initialize=false: what can be said without initialising CUDA (cuda::locate()):
+// then, unless CUDA was initialised already, "available" is None (a runtime was
+// found, whether it sees a GPU is unknown) and "device_count" None.
+py::dict cuda_info(bool initialize) {
+  const auto& rt = initialize ? cuda::runtime() : cuda::locate();
   py::dict d;
-  d["available"] = rt.available;
-  d["reason"] = rt.available ? py::none() : py::object(py::str(rt.reason));
+  const bool unknown = !rt.initialized && rt.available;
+  d["available"] = unknown ? py::none() : py::object(py::bool_(rt.available));
+  d["reason"] = unknown ? py::object(py::str("a CUDA runtime was found but not initialised (asked without initialising "
+                                              "CUDA, so that processes forked later can still use it)"))
+                : rt.available ? py::none()
+                               : py::object(py::str(rt.reason));
+  d["initialized"] = rt.initialized;
+  d["skipped"] = rt.skipped.empty() ? py::none() : py::object(py::str(rt.skipped));
   d["library"] = rt.library.empty() ? py::none() : py::object(py::str(rt.library));
   d["via"] = rt.via.empty() ? py::none() : py::object(py::str(rt.via));
-  d["device_count"] = rt.device_count;
+  d["device_count"] = unknown ? py::none() : py::object(py::int_(rt.device_count));
   d["runtime_version"] = rt.runtime_version;
   d["driver_version"] = rt.driver_version;
   return d;
@@ -570,5 +582,21 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("io_uring_compiled", &uring_compiled);
   m.def("io_uring_probe", [] { return -uring_probe(); }, "0 when a ring can be set up here, else the errno.");
-  m.def("cuda_info", &cuda_info);
+  m.def("cuda_info", &cuda_info, py::arg("initialize") = true);
+  m.def("bounce_pool_bytes", &bounce_pool_bytes, "Bytes of the pinned bounce pool kept for loads to GPUs.");
+  m.def(
+      "release_bounce_pool",
+      [] {
+        py::gil_scoped_release nogil;  // unpinning takes time
+        return release_bounce_pool();
+      },
+      "Drop the pinned bounce pool kept for loads to GPUs; returns its bytes.");
+  // For tests: the staging pool's page-locking of freshly mapped memory.
+  m.def(
+      "_cuda_pin",
+      [](uintptr_t p, size_t n, int device) {
+        py::gil_scoped_release nogil;
+        return cuda::pin(reinterpret_cast<void*>(p), n, device);
+      },
+      py::arg("addr"), py::arg("nbytes"), py::arg("device") = 0);
 }

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <link.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -37,36 +38,9 @@ bool bind(void* h, const char* sym, F& fn) {
   return fn != nullptr;
 }
 
-Runtime load() {
-  Runtime rt;
-  std::vector<std::pair<std::string, const char*>> candidates;  // (name, via)
-  const char* env = std::getenv("FLASHWRITE_CUDA_RUNTIME");
-  bool forced = env && *env;
-  if (forced) {
-    candidates.emplace_back(env, "FLASHWRITE_CUDA_RUNTIME");
-  } else {
-    std::string m = mapped_cudart();
-    if (!m.empty()) candidates.emplace_back(m, "already loaded");
-    for (const char* s : {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"})
-      candidates.emplace_back(s, "soname");
-  }
-  void* h = nullptr;
-  std::string errors;
-  for (auto& [name, via] : candidates) {
-    h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (h) {
-      rt.library = name;
-      rt.via = via;
-      break;
-    }
-    const char* e = dlerror();
-    errors += (errors.empty() ? "" : "; ") + std::string(e ? e : name.c_str());
-  }
-  if (!h) {
-    rt.reason = forced ? "FLASHWRITE_CUDA_RUNTIME=" + std::string(env) + " could not be loaded: " + errors
-                       : "no CUDA runtime found (" + errors + ")";
-    return rt;
-  }
+// Binds the entry points of the library `h`; false (rt.reason says why) when
+// one that is needed is missing.
+bool bind_all(void* h, Runtime& rt, bool forced) {
   std::string missing;
   auto need = [&](const char* sym, auto& fn) {
     if (!bind(h, sym, fn)) missing += (missing.empty() ? "" : ", ") + std::string(sym);
@@ -91,34 +65,111 @@ Runtime load() {
   if (!missing.empty()) {
     rt.reason = std::string(forced ? "FLASHWRITE_CUDA_RUNTIME=" : "") + rt.library +
                 " is not a usable CUDA runtime (missing " + missing + ")";
-    return rt;
+    return false;
   }
   bind(h, "cudaGetErrorName", rt.GetErrorName);
   bind(h, "cudaRuntimeGetVersion", rt.RuntimeGetVersion);
   bind(h, "cudaDriverGetVersion", rt.DriverGetVersion);
+  bind(h, "cudaStreamIsCapturing", rt.StreamIsCapturing);
+  bind(h, "cudaThreadExchangeStreamCaptureMode", rt.ThreadExchangeStreamCaptureMode);
+  // Neither initialises the driver.
   if (rt.RuntimeGetVersion) rt.RuntimeGetVersion(&rt.runtime_version);
   if (rt.DriverGetVersion) rt.DriverGetVersion(&rt.driver_version);
-  int n = 0;
-  cudaError_t err = rt.GetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    rt.reason = "cudaGetDeviceCount failed: " + std::string(rt.GetErrorString(err));
-    return rt;
+  return true;
+}
+
+// init=false stops at the first runtime that binds, before cudaGetDeviceCount
+// (see locate()); init=true counts devices and, unless the runtime was forced,
+// passes over one whose count fails for the next candidate.
+Runtime load(bool init) {
+  std::vector<std::pair<std::string, const char*>> candidates;  // (name, via)
+  const char* env = std::getenv("FLASHWRITE_CUDA_RUNTIME");
+  bool forced = env && *env;
+  if (forced) {
+    candidates.emplace_back(env, "FLASHWRITE_CUDA_RUNTIME");
+  } else {
+    std::string m = mapped_cudart();
+    if (!m.empty()) candidates.emplace_back(m, "already loaded");
+    for (const char* s : {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"})
+      candidates.emplace_back(s, "soname");
   }
-  if (n == 0) {
-    rt.reason = "CUDA runtime loaded but no GPU is visible";
-    return rt;
+  std::string errors, skipped;
+  Runtime last;  // the last runtime that loaded and failed, for its reason
+  bool any = false;
+  for (auto& [name, via] : candidates) {
+    void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+      const char* e = dlerror();
+      errors += (errors.empty() ? "" : "; ") + std::string(e ? e : name.c_str());
+      continue;
+    }
+    Runtime rt;
+    rt.library = name;
+    rt.via = via;
+    any = true;
+    if (!bind_all(h, rt, forced)) {
+      skipped += (skipped.empty() ? "" : "; ") + rt.reason;
+      last = Runtime{};  // no pointers into a library about to be closed
+      last.library = rt.library;
+      last.via = rt.via;
+      last.reason = rt.reason;
+      dlclose(h);  // only drops our reference (PyTorch's mapping stays)
+      continue;
+    }
+    if (!init) {
+      rt.available = true;
+      rt.skipped = skipped;
+      return rt;
+    }
+    rt.initialized = true;
+    int n = 0;
+    cudaError_t err = rt.GetDeviceCount(&n);
+    if (err == cudaSuccess && n > 0) {
+      rt.device_count = n;
+      rt.available = true;
+      rt.skipped = skipped;
+      return rt;
+    }
+    rt.reason = err != cudaSuccess ? "cudaGetDeviceCount failed: " + std::string(rt.GetErrorString(err))
+                                   : "CUDA runtime loaded but no GPU is visible";
+    // Another runtime may match the driver (a CUDA 13 runtime on a CUDA 12
+    // driver fails here, CUDA 12's works); none sees a GPU that this one lacks
+    // when the count was 0, but trying costs nothing.
+    skipped += (skipped.empty() ? "" : "; ") + name + ": " + rt.reason;
+    last = rt;
+    // Not dlclose'd: the runtime may have started threads or registered atexit work.
   }
-  rt.device_count = n;
-  rt.available = true;
+  if (any) {
+    last.available = false;
+    last.skipped = skipped;
+    if (!forced && candidates.size() > 1 && skipped.find(';') != std::string::npos) last.reason += " (tried: " + skipped + ")";
+    return last;
+  }
+  Runtime rt;
+  rt.reason = forced ? "FLASHWRITE_CUDA_RUNTIME=" + std::string(env) + " could not be loaded: " + errors
+                     : "no CUDA runtime found (" + errors + ")";
   return rt;
 }
+
+std::atomic<bool> g_loaded{false};  // runtime() has run
 
 }  // namespace
 
 const Runtime& runtime() {
   static std::once_flag once;
   static Runtime rt;
-  std::call_once(once, [] { rt = load(); });
+  std::call_once(once, [] {
+    rt = load(true);
+    g_loaded = true;
+  });
+  return rt;
+}
+
+const Runtime& locate() {
+  if (g_loaded.load()) return runtime();
+  static std::once_flag once;
+  static Runtime rt;
+  std::call_once(once, [] { rt = load(false); });
   return rt;
 }
 
@@ -144,6 +195,13 @@ void use_device(int device) {
   // The runtime keeps the current device per thread; so do we, to skip the call.
   thread_local int current = -1;
   if (current == device) return;
+  thread_local bool relaxed = false;
+  if (!relaxed) {
+    relaxed = true;
+    const Runtime& rt = runtime();
+    int mode = cudaStreamCaptureModeRelaxed;
+    if (rt.ThreadExchangeStreamCaptureMode && rt.ThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) rt.GetLastError();
+  }
   check(runtime().SetDevice(device), "cudaSetDevice", "cuda:" + std::to_string(device));
   current = device;
 }
@@ -161,6 +219,20 @@ void on_device_thread(int device, const std::function<void()>& fn) {
   if (err) std::rethrow_exception(err);
 }
 
+int capture_status(int device, cudaStream_t stream) {
+  const Runtime& rt = runtime();
+  if (!rt.available || !rt.StreamIsCapturing) return cudaStreamCaptureStatusNone;
+  int status = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaSuccess;
+  on_device_thread(device, [&] { e = rt.StreamIsCapturing(stream, &status); });
+  if (e == cudaErrorStreamCaptureImplicit) {
+    rt.GetLastError();
+    return cudaStreamCaptureStatusActive;
+  }
+  check(e, "cudaStreamIsCapturing", "cuda:" + std::to_string(device));
+  return status;
+}
+
 std::string pin(void* p, size_t n, int device) {
   const Runtime& rt = runtime();
   if (!rt.available) return rt.reason;
@@ -168,10 +240,23 @@ std::string pin(void* p, size_t n, int device) {
   try {
     on_device_thread(device, [&] {
       cudaError_t e = rt.HostRegister(p, n, cudaHostRegisterPortable);
-      if (e == cudaErrorHostMemoryAlreadyRegistered) e = cudaSuccess;
+      std::string stale;
+      if (e == cudaErrorHostMemoryAlreadyRegistered) {
+        rt.GetLastError();
+        // Not ours: the range was just mapped. A registration starting at p is
+        // a stale one of an earlier mapping there; drop it and pin these pages.
+        if (rt.HostUnregister(p) == cudaSuccess) {
+          e = rt.HostRegister(p, n, cudaHostRegisterPortable);
+          stale = " (after dropping a stale registration at this address)";
+        } else {
+          rt.GetLastError();
+          stale = " (a registration overlapping this range, made for memory mapped here before, is still held: "
+                  "copies into it could land in pages that are no longer these)";
+        }
+      }
       if (e != cudaSuccess) {
         rt.GetLastError();  // not sticky: clear it so it does not surface in PyTorch's next check
-        err = "cudaHostRegister of " + std::to_string(n) + " bytes: " + describe(e);
+        err = "cudaHostRegister of " + std::to_string(n) + " bytes: " + describe(e) + stale;
       }
     });
   } catch (const std::exception& e) {

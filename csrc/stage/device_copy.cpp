@@ -1,6 +1,7 @@
 #include "stage/device_copy.hpp"
 
 #include <algorithm>
+#include <stdexcept>
 
 namespace fw {
 
@@ -101,7 +102,37 @@ void CopyPipeline::order_after(const std::vector<StreamRef>& callers) {
   }
 }
 
-bool CopyPipeline::issue(const std::vector<DeviceCopy>& copies, Landed landed) {
+std::vector<DeviceCopy> coalesce(const std::vector<DeviceCopy>& copies) {
+  std::vector<DeviceCopy> out;
+  out.reserve(copies.size());
+  for (const DeviceCopy& c : copies) {
+    if (!out.empty()) {
+      DeviceCopy& b = out.back();
+      if (b.device == c.device && static_cast<char*>(b.dst) + b.len == c.dst &&
+          static_cast<const char*>(b.src) + b.len == c.src) {
+        b.len += c.len;
+        continue;
+      }
+    }
+    out.push_back(c);
+  }
+  return out;
+}
+
+void check_not_capturing(const std::vector<StreamRef>& callers, const char* what) {
+  for (const StreamRef& c : callers) {
+    int st = capture_status(c.device, reinterpret_cast<cudaStream_t>(c.handle));
+    if (st != cudaStreamCaptureStatusNone)
+      throw std::runtime_error(std::string(what) + " while the current stream of cuda:" + std::to_string(c.device) +
+                               (st == cudaStreamCaptureStatusInvalidated ? " is in an invalidated CUDA graph capture"
+                                                                         : " is being captured into a CUDA graph") +
+                               ": flashwrite's copies would become part of the graph. Save or load outside "
+                               "torch.cuda.graph() (or the stream capture), e.g. before or after it.");
+  }
+}
+
+bool CopyPipeline::issue(const std::vector<DeviceCopy>& given, Landed landed) {
+  const std::vector<DeviceCopy> copies = coalesce(given);
   std::lock_guard<std::mutex> issue_lk(issue_mu_);
   {
     std::unique_lock<std::mutex> lk(mu_);

@@ -86,10 +86,15 @@ class CopyPipeline {
   // Makes the copy stream of each device wait for the work queued so far on
   // the caller's stream of that device (cudaEventRecord on the caller's
   // stream, cudaStreamWaitEvent on ours). Every later copy on that device is
-  // ordered after it. Throws CudaError.
+  // ordered after it. The reverse does not hold: work the caller queues on its
+  // stream afterwards is not ordered after our copies and may change a source
+  // before its copy lands (block=False); only waiting for the landing callbacks
+  // (staged) makes the snapshot safe from it. Throws CudaError.
   void order_after(const std::vector<StreamRef>& callers);
   // Enqueues the copies (asynchronous) and returns; blocks while max_pending
-  // batches have not landed. Returns false when CUDA refused a copy: the
+  // batches have not landed. Copies that continue each other on both ends (the
+  // small tensors of a chunk gathered into one device buffer, in file order)
+  // go as one cudaMemcpyAsync: each call costs microseconds of CPU. Returns false when CUDA refused a copy: the
   // pipeline then holds the error and `landed(false)` still comes.
   bool issue(const std::vector<DeviceCopy>& copies, Landed landed);
   // No more batches: waits until every batch landed and its callback ran,
@@ -117,6 +122,14 @@ class CopyPipeline {
   std::exception_ptr error_;
   std::thread thread_;
 };
+
+// Throws std::runtime_error naming `what` when a caller's stream is being
+// captured into a CUDA graph: an event recorded on it would pull flashwrite's
+// copies into the user's graph (and a capture cannot be waited for).
+void check_not_capturing(const std::vector<StreamRef>& callers, const char* what);
+
+// Merges copies that continue each other on both ends and on the same device.
+std::vector<DeviceCopy> coalesce(const std::vector<DeviceCopy>& copies);
 
 // The first pinning failure's text. Written by the pin hook (under the pool's
 // lock), read by anyone: it has a lock of its own.

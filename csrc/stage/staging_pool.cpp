@@ -19,15 +19,37 @@
 namespace fw {
 
 StagingPool::StagingPool(size_t slot_bytes, size_t max_bytes)
-    : slot_bytes_(slot_bytes), max_slots_(max_bytes ? std::max<size_t>(2, max_bytes / slot_bytes) : 0) {
+    : slot_bytes_(slot_bytes), max_slots_(max_bytes ? std::max<size_t>(2, max_bytes / slot_bytes) : 0), owner_pid_(::getpid()) {
   if (slot_bytes == 0 || slot_bytes % kAlign) throw std::invalid_argument("chunk_bytes must be a positive multiple of 4096");
 }
 
 StagingPool::~StagingPool() {
   std::lock_guard<std::mutex> lk(mu_);
+  adopt_after_fork();
   for (auto& s : slabs_)
     if (s->pinned && hooks_.unpin) hooks_.unpin(s->mem.data());
   if (backing_fd_ >= 0) ::close(backing_fd_);
+}
+
+bool StagingPool::adopt_after_fork() {
+  const int pid = ::getpid();
+  if (pid == owner_pid_) return false;
+  for (auto& s : slabs_)
+    if (s->dont_fork) s->mem.forget();  // not mapped here; a shared slab is, and is unmapped
+  slabs_.clear();
+  free_.clear();
+  total_slots_ = reservations_ = reserved_slots_ = 0;  // the parent's jobs do not run here
+  if (backing_fd_ >= 0) {
+    ::close(backing_fd_);  // the parent's descriptor keeps its lock
+    backing_fd_ = -1;
+    backing_bytes_ = 0;
+  }
+  if (!backing_path_.empty() && backing_error_.empty())
+    backing_error_ = "the shared staging file " + backing_path_ + " belongs to process " + std::to_string(owner_pid_) +
+                     ", of which this process is a fork: staging into private memory instead";
+  owner_pid_ = pid;
+  forked_ = true;
+  return true;
 }
 
 void StagingPool::set_backing_file(std::string path) {
@@ -37,11 +59,13 @@ void StagingPool::set_backing_file(std::string path) {
 
 std::string StagingPool::backing_error() const {
   std::lock_guard<std::mutex> lk(mu_);
+  const_cast<StagingPool*>(this)->adopt_after_fork();
   return backing_error_;
 }
 
 bool StagingPool::file_backed() const {
   std::lock_guard<std::mutex> lk(mu_);
+  const_cast<StagingPool*>(this)->adopt_after_fork();
   if (backing_path_.empty() || slabs_.empty()) return false;
   for (auto& s : slabs_)
     if (s->file_offset < 0) return false;
@@ -50,6 +74,7 @@ bool StagingPool::file_backed() const {
 
 int64_t StagingPool::slot_file_offset(const char* slot) const {
   std::lock_guard<std::mutex> lk(mu_);
+  const_cast<StagingPool*>(this)->adopt_after_fork();
   for (auto& s : slabs_) {
     const char* base = s->mem.data();
     if (slot >= base && slot < base + s->mem.capacity())
@@ -101,23 +126,34 @@ AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
 
 size_t StagingPool::capacity_bytes() const {
   std::lock_guard<std::mutex> lk(mu_);
+  const_cast<StagingPool*>(this)->adopt_after_fork();
   return total_slots_ * slot_bytes_;
 }
 
 bool StagingPool::pinned() const {
   std::lock_guard<std::mutex> lk(mu_);
+  const_cast<StagingPool*>(this)->adopt_after_fork();
   if (slabs_.empty()) return false;
   for (auto& s : slabs_)
     if (!s->pinned) return false;
   return true;
 }
 
+double StagingPool::pin_seconds() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return pin_s_;
+}
+
 void StagingPool::pin_slab(Slab& s) {
-  if (!s.pinned && hooks_.pin) s.pinned = hooks_.pin(s.mem.data(), s.mem.capacity());
+  if (s.pinned || !hooks_.pin) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  s.pinned = hooks_.pin(s.mem.data(), s.mem.capacity());
+  pin_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 bool StagingPool::reserve(size_t slots) {
   std::lock_guard<std::mutex> lk(mu_);
+  adopt_after_fork();
   ++reservations_;
   reserved_slots_ += slots;
   size_t want = reserved_slots_;
@@ -136,6 +172,8 @@ bool StagingPool::reserve(size_t slots) {
   // later saves neither pay for page faults nor grow the process (slots are
   // reused last-in-first-out, and a save may touch only some of them).
   slab->mem = new_slab_memory(add * slot_bytes_, slab->file_offset);
+  // Before it is faulted in or pinned: a fork from then on leaves it out.
+  if (slab->file_offset < 0) slab->dont_fork = slab->mem.dont_fork();
   {
     const size_t bytes = slab->mem.capacity();
     const unsigned n = static_cast<unsigned>(std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), defaults::kPrefaultMaxThreads));
@@ -162,12 +200,14 @@ bool StagingPool::reserve(size_t slots) {
 
 void StagingPool::unreserve(size_t slots) {
   std::lock_guard<std::mutex> lk(mu_);
+  if (adopt_after_fork()) return;  // a reservation of the parent's
   if (reservations_) --reservations_;
   reserved_slots_ -= std::min(slots, reserved_slots_);
 }
 
 char* StagingPool::acquire(const std::atomic<bool>* cancel, const std::function<bool()>& interrupt) {
   std::unique_lock<std::mutex> lk(mu_);
+  adopt_after_fork();
   for (;;) {
     if (cancel && cancel->load()) return nullptr;
     if (!free_.empty()) {
@@ -184,6 +224,7 @@ char* StagingPool::acquire(const std::atomic<bool>* cancel, const std::function<
 void StagingPool::release(char* slot) {
   {
     std::lock_guard<std::mutex> lk(mu_);
+    if ((adopt_after_fork() || forked_) && !owns(slot)) return;  // a slot of the parent's
     free_.push_back(slot);
   }
   // All waiters: one of them may be waiting only for its interrupt and would
@@ -198,6 +239,7 @@ void StagingPool::wake() {
 
 size_t StagingPool::trim() {
   std::lock_guard<std::mutex> lk(mu_);
+  adopt_after_fork();
   if (reservations_ || free_.size() != total_slots_) return 0;  // slots reserved or in use
   size_t freed = total_slots_ * slot_bytes_;
   for (auto& s : slabs_)
@@ -210,8 +252,15 @@ size_t StagingPool::trim() {
   return freed;
 }
 
+bool StagingPool::owns(const char* slot) const {
+  for (auto& s : slabs_)
+    if (slot >= s->mem.data() && slot < s->mem.data() + s->mem.capacity()) return true;
+  return false;
+}
+
 void StagingPool::set_pin_hooks(PinHooks hooks) {
   std::lock_guard<std::mutex> lk(mu_);
+  adopt_after_fork();
   hooks_ = std::move(hooks);
   for (auto& s : slabs_) pin_slab(*s);
 }

@@ -14,6 +14,13 @@
 //
 // Thread-safe. Slabs can be page-locked through a hook (the CUDA runtime's
 // cudaHostRegister) once, when they are created or when pinning is enabled.
+//
+// fork(): private slabs are MADV_DONTFORK (see AlignedBuffer::dont_fork), so a
+// child process does not have them. The first call on the pool in a child
+// forgets every slab the parent made (without unmapping: the addresses are not
+// the child's) and starts empty, so a child that saves through an inherited
+// Writer stages into memory of its own. A child never grows the parent's
+// backing file: it stages into private memory, and backing_error() says why.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -67,6 +74,8 @@ class StagingPool {
   size_t trim();
 
   void set_pin_hooks(PinHooks hooks);
+  // Seconds spent page-locking slabs so far (the pin hook's calls).
+  double pin_seconds() const;
 
   // Call before the first reserve(). The file is created (mode 0600) when the
   // first slab is; the caller names it and removes it.
@@ -81,7 +90,12 @@ class StagingPool {
     AlignedBuffer mem;
     bool pinned = false;
     int64_t file_offset = -1;  // -1: private memory
+    bool dont_fork = false;    // absent from a forked child
   };
+  // Called under mu_ by every entry point: in a forked child, drops what the
+  // parent made. Returns true when it did so now.
+  bool adopt_after_fork();
+  bool owns(const char* slot) const;  // under mu_
   AlignedBuffer new_slab_memory(size_t bytes, int64_t& file_offset);
   void pin_slab(Slab& s);
 
@@ -98,6 +112,9 @@ class StagingPool {
   std::string backing_path_, backing_error_;
   int backing_fd_ = -1;
   uint64_t backing_bytes_ = 0;  // the file's allocated length
+  double pin_s_ = 0;
+  int owner_pid_;       // the process the slabs belong to
+  bool forked_ = false;  // adopted after a fork: release() checks its slots
 };
 
 }  // namespace fw

@@ -123,9 +123,11 @@ void SaveJob::start() {
     throw;
   }
   if (!device_chunks_.empty()) {
-    // Return only once the copy streams wait for the callers' streams: work the
-    // caller queues after this call (the next optimizer step) can no longer
-    // reach the snapshot.
+    // Return only once the copy streams wait for the callers' streams: the
+    // copies then come after everything queued so far. Work the caller queues
+    // after this call (the next optimizer step) is not ordered after them: it
+    // may change a tensor before its copy lands, unless the caller waits for
+    // staging first (block=True does; with block=False the docstring says so).
     std::unique_lock<std::mutex> lk(ctl_.mutex());
     ctl_.cv().wait(lk, [&] { return fenced_ || ctl_.done(); });
   }
@@ -526,6 +528,7 @@ SaveStats SaveJob::stats() const {
     s.staged_s = staged_s_;
     s.done_s = done_s_;
   }
+  s.pin_s = pin_s_;
   s.backend = backend_name_;
   for (auto& f : files_) (f->direct.load() ? s.files_direct : s.files_buffered)++;
   return s;

@@ -5,7 +5,10 @@
 // Segments whose source is on a GPU (device >= 0) are copied into their slots
 // by the CUDA copy engine (stage/device_copy.hpp) on the engine's streams,
 // ordered after the callers' streams, and checksummed on the host once landed;
-// start() returns only after that ordering is in place.
+// start() returns only after that ordering is in place: work the caller queues
+// on those streams afterwards runs after the copies were ordered, but with
+// block=False it can still run before they land, so the caller must not
+// change the tensors until wait_staged() (Python's docstring says so).
 //
 // Lifetime: the segment sources must stay valid until wait_staged() returns
 // true; the binding keeps the owning Python objects alive until then. Worker
@@ -65,6 +68,7 @@ struct SaveStats {
   uint64_t bytes_total = 0, bytes_written = 0;
   uint64_t device_bytes = 0;  // copied from GPUs
   double staged_s = -1, done_s = -1;
+  double pin_s = 0;  // page-locking the pool while this save started (Engine::start_save)
   std::string backend;
   unsigned files_direct = 0, files_buffered = 0;
 };
@@ -99,6 +103,7 @@ class SaveJob {
   // Checksums per input segment, one per chunk_bytes-aligned piece.
   std::vector<std::vector<uint64_t>> checksums() const;
   SaveStats stats() const;
+  void set_pin_s(double s) { pin_s_ = s; }  // before the caller sees the job
   uint64_t bytes_written() const { return bytes_written_.load(); }
   uint64_t bytes_total() const { return bytes_total_; }
 
@@ -168,6 +173,7 @@ class SaveJob {
   std::mutex held_mu_;
   std::vector<char*> held_;  // written slots kept for the snapshot
   double staged_s_ = -1, done_s_ = -1;
+  double pin_s_ = 0;
   std::chrono::steady_clock::time_point t0_;
 
   std::mutex fallback_mu_;

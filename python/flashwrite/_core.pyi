@@ -34,6 +34,8 @@ class _Defaults(TypedDict):
     d2h_batches_in_flight: int
     bounce_min_slots: int
     bounce_extra_slots: int
+    gather_tensor_bytes: int  # GPU tensors up to this size are gathered into one copy
+    gather_run_bytes: int  # bytes of one gather buffer at most
 
 DEFAULTS: _Defaults  # csrc/core/defaults.hpp; python/flashwrite/defaults.py names them
 
@@ -80,13 +82,16 @@ class _SaveStats(TypedDict):
     files_direct: int
     files_buffered: int
     device_bytes: int  # bytes copied from GPUs
+    pin_s: float  # seconds this save waited for the staging pool to be page-locked
 
 class _CudaInfo(TypedDict):
-    available: bool
+    available: bool | None  # None: found, not initialised (cuda_info(initialize=False))
     reason: str | None
+    initialized: bool  # cudaGetDeviceCount was called in this process
+    skipped: str | None  # runtimes that loaded but could not count devices, and why
     library: str | None
     via: str | None
-    device_count: int
+    device_count: int | None  # None when not initialised
     runtime_version: int
     driver_version: int
 
@@ -257,4 +262,12 @@ def probe_direct(dir: str, /) -> bool:
 def io_uring_compiled() -> bool: ...
 def io_uring_probe() -> int:
     """0 when a ring can be set up here, else the errno."""
-def cuda_info() -> _CudaInfo: ...
+def bounce_pool_bytes() -> int:
+    """Bytes of the pinned bounce pool kept for loads to GPUs (0: none)."""
+def release_bounce_pool() -> int:
+    """Drop the pinned bounce pool kept for loads to GPUs; returns its bytes."""
+def _cuda_pin(addr: int, nbytes: int, device: int = 0) -> str:
+    """cudaHostRegister of freshly mapped memory as the staging pool does it: "" or the error."""
+def cuda_info(initialize: bool = True) -> _CudaInfo:
+    """The CUDA runtime flashwrite uses. initialize=False never initialises CUDA
+    (dlopen, symbols and versions only), unless it already was."""

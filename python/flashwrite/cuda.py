@@ -64,3 +64,109 @@ def mark_written(t: torch.Tensor) -> None:
     bump = getattr(torch.autograd.graph, "increment_version", None)
     if bump is not None:
         bump(t)
+
+
+def refuse_capture(what: str) -> None:
+    """Raise before any GPU work of ``what`` is queued when the current stream is being
+    captured into a CUDA graph (the native engine refuses too, but a gather queued first
+    would already be in the user's graph)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what} was started while the current stream of cuda:{torch.cuda.current_device()} is "
+                           "being captured into a CUDA graph: flashwrite's copies would become part of the graph. "
+                           "Save or load outside torch.cuda.graph() (or the stream capture), e.g. before or after it.")
+
+
+# (source tensor or destination, nbytes, file, offset, device) of one GPU tensor's
+# bytes in a stripe.
+Item = tuple[torch.Tensor, int, int, int, int]
+
+
+def gather_runs(items: list[Item], max_tensor: int, max_run: int) -> list[list[int]]:
+    """Indices into ``items`` grouped: small GPU tensors (at most ``max_tensor`` bytes
+    each) that lie one after the other in a stripe, on one device, at most ``max_run``
+    bytes a group, in file order; every other item is a group of its own. A group of
+    several is moved through one device buffer laid out as the stripe is, so the
+    engine needs one cudaMemcpyAsync per chunk for it instead of one per tensor."""
+    groups: list[list[int]] = []
+    run: list[int] = []
+    run_bytes = 0
+    for i in sorted(range(len(items)), key=lambda i: (items[i][2], items[i][3])):
+        _, n, fi, off, dev = items[i]
+        if dev < 0 or n > max_tensor:
+            if run:
+                groups.append(run)
+            groups.append([i])
+            run, run_bytes = [], 0
+            continue
+        if run:
+            _, pn, pfi, poff, pdev = items[run[-1]]
+            if pfi != fi or pdev != dev or poff + pn != off or run_bytes + n > max_run:
+                groups.append(run)
+                run, run_bytes = [], 0
+        run.append(i)
+        run_bytes += n
+    if run:
+        groups.append(run)
+    return groups
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def gather(items: list[Item], max_tensor: int, max_run: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The address to copy each of ``items`` (contiguous sources) from, in their order:
+    small ones copied first into gather buffers (one ``torch.cat`` on the current stream
+    per group, so the engine's copies, ordered after that stream, see them); and the
+    buffers, which must outlive staging. A group whose buffer the device has no memory
+    for goes tensor by tensor."""
+    addresses = [0] * len(items)
+    buffers: list[torch.Tensor] = []
+    for group in gather_runs(items, max_tensor, max_run):
+        if len(group) > 1:
+            try:
+                buf = torch.cat([_as_bytes(items[i][0]) for i in group])
+            except torch.OutOfMemoryError:
+                buf = None
+            if buf is not None:
+                buffers.append(buf)
+                addr = buf.data_ptr()
+                for i in group:
+                    addresses[i] = addr
+                    addr += items[i][1]
+                continue
+        for i in group:
+            addresses[i] = items[i][0].data_ptr()
+    return addresses, buffers
+
+
+class Scatter:
+    """The load side of ``gather``: ``placements`` put each group of small destinations
+    into one device buffer; ``finish()`` (once the load's copies landed) copies the
+    buffers out into the destinations with one ``torch._foreach_copy_`` on the current
+    stream."""
+
+    def __init__(self, items: list[Item], max_tensor: int, max_run: int):
+        self.placements: list[tuple[int, int, int, int, int]] = []
+        self._dst: list[torch.Tensor] = []
+        self._src: list[torch.Tensor] = []
+        for group in gather_runs(items, max_tensor, max_run):
+            members = [items[i] for i in group]
+            if len(members) > 1:
+                sizes = [n for _, n, *_ in members]
+                try:
+                    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=members[0][0].device)
+                except torch.OutOfMemoryError:
+                    buf = None
+                if buf is not None:
+                    _, _, fi, off, dev = members[0]
+                    self.placements.append((fi, off, buf.numel(), dev, buf.data_ptr()))
+                    self._src.extend(buf.split(sizes))
+                    self._dst.extend(_as_bytes(t) for t, *_ in members)
+                    continue
+            self.placements.extend((fi, off, n, dev, t.data_ptr()) for t, n, fi, off, dev in members)
+
+    def finish(self) -> None:
+        if self._dst:
+            torch._foreach_copy_(self._dst, self._src)
+        self._dst, self._src = [], []

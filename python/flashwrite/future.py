@@ -33,6 +33,7 @@ class SaveStats:
     files_buffered: int = 0         # stripes that fell back to buffered I/O + fsync
     pool_bytes: int = 0
     pinned: bool = False
+    pin_s: float = 0.0              # of the stall: page-locking the staging pool (GPU saves; 0 once pinned)
     settings: dict = field(default_factory=dict)  # stripes/queue_depth/chunk_bytes used, and where each came from
     extra: dict = field(default_factory=dict)
 

@@ -162,12 +162,19 @@ class CheckpointDir:
             targets = {k: t for k, t in device_targets.items() if k in wanted}
             # _core.Placement: (file, offset, nbytes, device, address); device -1 is host memory.
             placements: list[tuple[int, int, int, int, int]] = []
+            on_gpu: list[_cuda.Item] = []
             for k, t in targets.items():
                 e = m.tensors[k]
                 if t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() != e.nbytes:
                     raise ValueError(f"device target for {k!r} must be a contiguous CUDA tensor of {e.nbytes} bytes")
                 if e.nbytes:
-                    placements.append((slot[e.file], e.offset, e.nbytes, t.device.index, t.data_ptr()))
+                    on_gpu.append((t, e.nbytes, slot[e.file], e.offset, t.device.index))
+            # Small targets side by side in a stripe land in one device buffer each run
+            # (one copy per chunk), scattered into them once the load is verified.
+            if on_gpu:
+                _cuda.refuse_capture("a load to GPU tensors")
+            scatter = _cuda.Scatter(on_gpu, defaults.GATHER_TENSOR_BYTES, defaults.GATHER_RUN_BYTES)
+            placements.extend(scatter.placements)
             streams = _cuda.current_streams(p[3] for p in placements) if placements else []
             # Owned CPU tensors, and each stripe's header (checked against the manifest below),
             # are placed too: a stripe whose every byte is placed is never held whole.
@@ -218,6 +225,7 @@ class CheckpointDir:
             backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
             del job, buffers  # from here the bases own the read buffers
             tensors = {}
+            scatter.finish()
             for k, t in targets.items():
                 _cuda.mark_written(t)
                 tensors[k] = t

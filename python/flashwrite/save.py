@@ -95,6 +95,7 @@ class Writer:
         self._engine_used = False
         self._reserving: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor_pid = 0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -165,8 +166,11 @@ class Writer:
         with self._lock:
             if self._closed:
                 raise RuntimeError("Writer is closed")
-            if self._executor is None:
+            # A forked child has the executor but not its thread (fork copies only the
+            # calling thread): work handed to it would never run, so the child makes its own.
+            if self._executor is None or self._executor_pid != os.getpid():
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flashwrite-commit")
+                self._executor_pid = os.getpid()
             return self._executor
 
     def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",

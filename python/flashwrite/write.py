@@ -18,6 +18,7 @@ import torch
 
 from . import _core, gcpause, hf
 from . import cuda as _cuda
+from . import defaults as _defaults
 from .flatten import diagnose, flatten_columns
 from .format import build_manifest
 from .future import SaveStats
@@ -86,6 +87,8 @@ def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int,
     segments: list[tuple[int, int, int, int, int]] = []
     host_files: list[tuple] = []
     devices: set[int] = set()
+    on_gpu: list[_cuda.Item] = []
+    gpu_at: list[int] = []  # where each of on_gpu is in segments (the job's checksums follow their order)
     for columns in {id(f.columns): f.columns for f in files}.values():
         srcs, ptrs, nbytes = columns.sources, columns.ptrs, columns.nbytes
         if srcs is None:
@@ -111,9 +114,20 @@ def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int,
                     # (synchronously, so the snapshot is exact).
                     src = srcs[j] = src.to("cpu")
                 if nbytes[j]:
+                    if dev >= 0:  # its address comes from the gather below; the order stays
+                        on_gpu.append((src, nbytes[j], fi, off, dev))
+                        gpu_at.append(len(segments))
                     segments.append((src.data_ptr(), nbytes[j], fi, off, dev))
         keepalive.append(srcs)
         columns.sources = None  # from here on only the job's keepalive holds them
+    if on_gpu:
+        _cuda.refuse_capture("a save of GPU tensors")
+        # Small GPU tensors side by side in a stripe: gathered on the current stream
+        # (before the streams below are read), one copy per chunk instead of one each.
+        addresses, buffers = _cuda.gather(on_gpu, _defaults.GATHER_TENSOR_BYTES, _defaults.GATHER_RUN_BYTES)
+        for at, addr in zip(gpu_at, addresses):
+            segments[at] = (addr,) + segments[at][1:]
+        keepalive.append(buffers)
     return keepalive, segments, host_files, _cuda.current_streams(devices) if devices else []
 
 
@@ -145,6 +159,7 @@ class StripeWrite:
         stats.direct = native["files_buffered"] == 0 and self.direct
         stats.pool_bytes = self.engine.pool_bytes
         stats.pinned = self.engine.pool_pinned
+        stats.pin_s = native["pin_s"]
         return self.manifest()
 
     def manifest(self) -> dict:
