@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -144,3 +145,27 @@ def test_overhead_train_and_summary(tmp_path):
                              {"steps": 4, "every": 2, "rounds": 1, "model": "tiny"})
     rows = {x["key"]: x for x in res["rows"]}
     assert rows["flashwrite"]["slowdown_pct"] is not None and rows["none"]["slowdown_pct"] == 0
+
+
+def test_one_version_readable_everywhere():
+    """pyproject's version is the one: the installed metadata, the module, the native core
+    and the command all say it (``flashwrite --version`` and ``python -m flashwrite --version``)."""
+    from importlib.metadata import version
+
+    import flashwrite._core as core
+    assert fw.__version__ == version("flashwrite") == core.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+([.-]?\w+)*", fw.__version__)
+    for mod in ("flashwrite", "flashwrite.cli"):
+        r = subprocess.run([sys.executable, "-m", mod, "--version"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == f"flashwrite {fw.__version__}"
+
+
+def test_python_dash_m_flashwrite_is_the_command(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "flashwrite", "info", "--json", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["backend"] in ("io_uring", "threads")
+    r = subprocess.run([sys.executable, "-m", "flashwrite", "no-such-command"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -139,7 +139,9 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ._core import __version__
     p = argparse.ArgumentParser(prog="flashwrite", description="Nearly free PyTorch checkpoints.")
+    p.add_argument("--version", action="version", version=f"flashwrite {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(sp: argparse.ArgumentParser, size: str) -> None:

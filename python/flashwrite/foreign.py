@@ -67,16 +67,38 @@ def _index_files(directory: str, index_path: str) -> list[str]:
     return files
 
 
+INDEX_SUFFIX = ".index.json"
+
+
+def indexed_dir(path: str) -> str | None:
+    """The directory a Hugging Face index file (``model.safetensors.index.json``) stands
+    for, when ``path`` names one; users pass the index where the directory is meant."""
+    if path.endswith(INDEX_SUFFIX) and os.path.isfile(path):
+        return os.path.dirname(os.path.abspath(path))
+    return None
+
+
 def locate(path: str) -> tuple[str, list[str] | None]:
-    """(directory, [file name]) for a file; (directory, None) for a directory."""
+    """(directory, [file name]) for a file; (directory, the files it lists) for an index
+    file; (directory, None) for a directory."""
+    if indexed_dir(path) is not None:
+        directory = indexed_dir(path)
+        return directory, _index_files(directory, path)
     if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            with open(path, "rb") as fh:
+                head = fh.read(9)
+            if head[:1] in (b"{", b"[") or (len(head) == 9 and head[8:9] != b"{"):
+                raise ValueError(f"{path} is not a safetensors file (no safetensors header): pass a .safetensors "
+                                 "file, a Hugging Face directory or a flashwrite checkpoint directory")
         return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
     return path, None
 
 
-def describe(base: str, shown: str, names: list[str] | None = None) -> Manifest:
+def describe(base: str, shown: str, names: list[str] | None = None, from_index: bool = False) -> Manifest:
     """A manifest for the safetensors files in directory ``base`` (messages name ``shown``):
-    ``names``, else those its index lists, else every ``*.safetensors`` in name order."""
+    ``names`` (those an index file lists, with from_index), else those its index lists,
+    else every ``*.safetensors`` in name order."""
     if names is None:
         indexes = sorted(glob.glob(os.path.join(glob.escape(base), "*.safetensors.index.json")))
         if len(indexes) > 1:
@@ -86,7 +108,7 @@ def describe(base: str, shown: str, names: list[str] | None = None) -> Manifest:
             os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(base), "*.safetensors")))
         whole_dir = True
     else:
-        whole_dir = False
+        whole_dir = from_index
     if not names:
         raise FileNotFoundError(2, "no safetensors files (and no flashwrite manifest) in", shown)
     files: list[FileEntry] = []

@@ -1,7 +1,8 @@
 """A Lightning ``CheckpointIO`` that saves with flashwrite: training goes on once staged.
 
     from flashwrite.lightning import FlashwriteCheckpointIO
-    trainer = Trainer(plugins=[FlashwriteCheckpointIO()], callbacks=[ModelCheckpoint(save_top_k=2, save_last=True)])
+    trainer = Trainer(plugins=[FlashwriteCheckpointIO()],
+                      callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)])
     trainer.fit(model, ckpt_path="last")
 
 Each Lightning checkpoint path (``epoch=0-step=5.ckpt``) becomes a flashwrite checkpoint
@@ -12,6 +13,12 @@ of those calls. Lightning's checkpoint dict holds tensors, plain values and Ligh
 ``AttributeDict`` hyper-parameters, all stored without pickle; anything else needs
 ``allow_pickle=True`` (which loading then needs too: it executes code).
 
+``LitModel.load_from_checkpoint(path)`` does not go through the plug-in (Lightning calls
+``torch.load`` on the path itself, which fails on a directory): ``Trainer.fit``,
+``validate``, ``test`` and ``predict`` with ``ckpt_path=`` do, and
+``load_from_checkpoint(LitModel, path)`` here builds the module from a flashwrite
+checkpoint the way ``LitModel.load_from_checkpoint`` would.
+
 Works with ``lightning.pytorch`` or ``pytorch_lightning``, whichever is installed
 (``pip install flashwrite[lightning]``). Under DDP, Lightning hands the full state to
 global rank 0 only, which saves it. Strategies that save sharded state themselves
@@ -21,6 +28,7 @@ pass ``flashwrite.dcp.FlashwriteStorageWriter`` there.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import threading
@@ -40,7 +48,7 @@ except ImportError:  # the standalone package
         raise ImportError("flashwrite.lightning needs Lightning: pip install 'flashwrite[lightning]' "
                           "(lightning or pytorch_lightning)") from e
 
-__all__ = ["FlashwriteCheckpointIO"]
+__all__ = ["FlashwriteCheckpointIO", "load_from_checkpoint"]
 
 
 def _plain(x: Any) -> Any:
@@ -143,3 +151,24 @@ class FlashwriteCheckpointIO(CheckpointIO):
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+
+
+def load_from_checkpoint(cls: Any, path: Any, *, allow_pickle: bool = False, verify: bool = True,
+                         **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(path, **kwargs)`` for a flashwrite checkpoint directory
+    (a ``LightningModule`` or ``LightningDataModule`` class): the checkpoint is loaded by
+    flashwrite, then handed to Lightning's own ``load_from_checkpoint`` as an in-memory
+    file, so hyper-parameters, ``strict``, ``map_location`` and the module's
+    ``on_load_checkpoint`` behave exactly as they do for a ``.ckpt`` file. It holds the
+    state twice in host memory while it runs (the serialised copy is dropped after).
+    allow_pickle: for checkpoints saved with ``FlashwriteCheckpointIO(allow_pickle=True)``
+    (executes code: only for trusted checkpoints)."""
+    import torch
+    checkpoint = load(os.fspath(path), map_location="cpu", verify=verify, allow_pickle=allow_pickle)
+    buf = io.BytesIO()
+    torch.save(checkpoint, buf)
+    del checkpoint
+    buf.seek(0)
+    if allow_pickle:
+        kwargs.setdefault("weights_only", False)
+    return cls.load_from_checkpoint(buf, **kwargs)

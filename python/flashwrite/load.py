@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from . import defaults, distributed, foreign, gcpause
+from .format import MANIFEST_NAME
 from .read import LoadResult, load_foreign, load_state, read_tensors
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
@@ -26,8 +27,10 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     """Load a checkpoint and return the nested structure that was saved.
 
     ``path`` may also be plain safetensors that flashwrite did not write: a
-    ``.safetensors`` file, a directory with a Hugging Face ``*.safetensors.index.json``,
-    or a directory of ``*.safetensors`` files. That returns the flat ``{name: tensor}``
+    ``.safetensors`` file, a directory with a Hugging Face ``*.safetensors.index.json``
+    (or that index file itself: the shards it lists), or a directory of ``*.safetensors``
+    files. A flashwrite checkpoint's own ``model.safetensors.index.json`` stands for its
+    directory. That returns the flat ``{name: tensor}``
     dict ``safetensors.torch.load_file`` would (merged across shards), read by the same
     engine (to CPU, or straight to a GPU with map_location).
 
@@ -60,6 +63,9 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
 def _load(path: str | os.PathLike, process_group: Any, options: dict) -> Any:
     map_location, into, backend, direct, queue_depth = (options[k] for k in ("map_location", "into", "backend",
                                                                                 "direct", "queue_depth"))
+    indexed = foreign.indexed_dir(os.fspath(path))
+    if indexed is not None and os.path.lexists(os.path.join(indexed, MANIFEST_NAME)):
+        path = indexed  # a flashwrite checkpoint's index file: the checkpoint it belongs to
     if foreign.is_foreign(os.fspath(path)):
         if into is not None or process_group is not None:
             raise ValueError(f"{os.fspath(path)} is plain safetensors, not a flashwrite checkpoint: load it without "

@@ -285,7 +285,8 @@ def load_foreign(path: str, *, map_location: Any = "cpu", backend: str = "auto",
     tensor's bytes are copied out by the native job (its data may sit at any offset) or
     placed on its GPU."""
     directory, names = foreign.locate(path)
-    with CheckpointDir(directory, lambda base, shown: foreign.describe(base, shown, names)) as ck:
+    from_index = foreign.indexed_dir(path) is not None
+    with CheckpointDir(directory, lambda base, shown: foreign.describe(base, shown, names, from_index)) as ck:
         m = ck.manifest
         res = ck.read(verify=False, backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=False,
                       device_targets=_map_targets(list(m.tensors.values()), map_location))

@@ -179,10 +179,28 @@ def to_hf(src: Source, dst: str, progress: Any, *, shards: int | None) -> None:
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
             json.dump(index, fh, indent=1)
         _sidecar(tmp, src)
+        _copy_hf_files(src, tmp)
         _publish_dir(tmp, dst)
     except BaseException:
         commit.discard(tmp)
         raise
+
+
+HF_FILES = ("config.json", "generation_config.json")  # what from_pretrained needs besides the weights
+
+
+def _copy_hf_files(src: Source, tmp: str) -> None:
+    """The model's config (``hf_config=`` of a flashwrite save, or a Hugging Face source's
+    own) goes along: without it from_pretrained cannot build the model."""
+    if not os.path.isdir(src.path):
+        return
+    for name in HF_FILES:
+        path = os.path.join(src.path, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            with open(path, "rb") as fh, open(os.path.join(tmp, name), "wb") as out:
+                out.write(fh.read(64 << 20))
+                out.flush()
+                os.fsync(out.fileno())
 
 
 def _materialize(src: Source, progress: Any) -> dict[str, torch.Tensor]:
@@ -222,17 +240,26 @@ def to_torch(src: Source, dst: str, progress: Any, *, overwrite: bool, allow_pic
         raise
 
 
-def to_dcp(src: Source, dst: str, progress: Any) -> None:
+def to_dcp(src: Source, dst: str, progress: Any, *, allow_pickle: bool) -> None:
+    """DCP of the state as it was saved: with a tree (flashwrite, torch.save sources) the
+    nested state itself goes to ``dcp.save``, so non-tensor leaves (as DCP's pickled bytes
+    items) and tied tensors (under every name) are there and ``dcp.load`` with the
+    original state as its template works wherever it works on torch's own ``dcp.save``."""
     import torch.distributed.checkpoint as dcp
     if os.path.lexists(dst):
         raise FileExistsError(17, "already exists", dst)
     tensors = _materialize(src, progress)
+    state = unflatten(src.tree, tensors.__getitem__, allow_pickle=allow_pickle) if src.tree is not None \
+        else tensors
+    if not isinstance(state, dict):
+        raise UsageError(f"DCP stores a dict at the top; this {src.kind} checkpoint holds a "
+                         f"{type(state).__name__}")
     tmp = commit.temp_dir_for(dst)
     os.makedirs(tmp)
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
         _sidecar(tmp, src)
         _publish_dir(tmp, dst)
     except BaseException:
@@ -263,7 +290,7 @@ def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_forma
         elif out_kind == "torch":
             to_torch(src, dst, progress, overwrite=overwrite, allow_pickle=allow_pickle)
         else:
-            to_dcp(src, dst, progress)
+            to_dcp(src, dst, progress, allow_pickle=allow_pickle)
         progress.finish()
     finally:
         src.close()

@@ -362,6 +362,12 @@ class DCPSource(Source):
             tree, aliases, _, meta = _side_tree(raw, {i.key for i in items}, path)
             if tree is not None:
                 self.tree, self.aliases, self.metadata = tree, aliases, meta
+                # DCP holds a tied tensor under each of its names; the tree names it once.
+                from ..flatten import referenced_keys
+                used = referenced_keys(tree)
+                self.items = [i for i in items if i.key in used]
+                self._order = [i.key for i in self.items]
+                self._pos = {k: n for n, k in enumerate(self._order)}
         if self.tree is None and self._bytes_keys:
             if allow_pickle:
                 from ..flatten import flatten

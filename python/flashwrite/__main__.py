@@ -1,0 +1,8 @@
+"""``python -m flashwrite``: the ``flashwrite`` command, for environments whose scripts
+directory is not on PATH."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
