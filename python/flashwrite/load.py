@@ -14,6 +14,7 @@ from typing import Any
 
 from . import defaults, distributed, foreign, gcpause
 from .read import LoadResult, load_foreign, load_state, read_tensors
+from .target import local_path
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
 
@@ -49,6 +50,7 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     a group of the same size (reading only its stripes). Without it, a multi-rank
     checkpoint loads as ``{rank: state}``.
     """
+    local_path(path, "load")  # a URL is never a local path
     options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
                    backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
     # One pause of the collector for the whole load (one collection after it, not one
@@ -78,6 +80,7 @@ _load_pool_lock = threading.Lock()
 def load_async(path: str | os.PathLike, **kwargs: Any) -> concurrent.futures.Future:
     """``load`` on a background thread; returns a concurrent.futures.Future."""
     global _load_pool
+    local_path(path, "load_async")  # raised at the call, not by the future
     with _load_pool_lock:
         if _load_pool is None:
             _load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="flashwrite-load")
@@ -87,7 +90,7 @@ def load_async(path: str | os.PathLike, **kwargs: Any) -> concurrent.futures.Fut
 def verify(path: str | os.PathLike) -> dict:
     """Check a checkpoint offline: manifest, stripe sizes and headers, every checksum.
     Raises CorruptCheckpointError (naming file and tensor) or returns a summary."""
-    res = read_tensors(path, verify=True)
+    res = read_tensors(local_path(path, "verify"), verify=True)
     m = res.manifest
     return {"path": os.fspath(path), "files": len(m.files), "tensors": len(m.tensors),
             "bytes": sum(f.size for f in m.files), "writer_version": m.writer_version, "seconds": res.elapsed_s}

@@ -58,6 +58,7 @@ from .future import SaveFuture, SaveStats
 from .load import load
 from .read import LoadResult, _load_into, tensor_placer
 from .save import Writer
+from .target import local_path
 
 log = logging.getLogger("flashwrite")
 
@@ -131,7 +132,7 @@ class CheckpointManager:
             raise ValueError(f"every_n_seconds must be positive or None, not {every_n_seconds!r}")
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(local_path(root, "CheckpointManager root"))
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.keep_last = keep_last

@@ -24,6 +24,7 @@ from .flatten import flatten_columns
 from .plan import plan_files
 from .format import build_index
 from .future import SaveFuture, SaveStats
+from .target import local_path
 from .write import StripeWrite
 
 __all__ = ["Writer", "SaveFuture", "SaveStats", "StripeWrite", "default_writer", "save_async", "save"]
@@ -220,6 +221,7 @@ class Writer:
         while ``flashwrite.load(path)`` returns the whole state. hf_config: a
         ``PretrainedConfig`` or dict, written as config.json.
         """
+        local_path(path, "save")  # a URL is never a local path
         if (hf_model is not None or hf_config is not None) and (process_group is not None
                                                                  or coordination_group is not None):
             raise ValueError("hf_model= and hf_config= apply to single-process saves")
@@ -346,7 +348,7 @@ def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Wri
         # A tuned chunk size sizes the pool: one shared writer per chunk size, so a save to
         # another file system is not bound to the first one's tuning.
         from . import tuning
-        effective["tuned_chunk"] = tuning.resolve(os.fspath(path), {})["chunk_bytes"]
+        effective["tuned_chunk"] = tuning.resolve(local_path(path, "save"), {})["chunk_bytes"]
     key = tuple(sorted(effective.items()))
     with _default_lock:
         w = _default_writers.get(key)
@@ -368,6 +370,7 @@ def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> Save
     allow_pickle, metadata; process_group, coordination_group, timeout for a
     multi-rank save).
     """
+    local_path(path, "save")  # before the tuning of a path's file system is looked up
     wopts, sopts = _split_options(dict(options))
     return default_writer(path, **wopts).save_async(state_dict, path, **sopts)
 
