@@ -203,6 +203,10 @@ py::dict cuda_info() {
 
 }  // namespace
 
+namespace fw {
+void register_nfs(py::module_& m);  // nfs_bindings.cpp
+}
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "flashwrite native engine: staging pool, io_uring / thread-pool I/O, checksums";
   m.attr("__version__") = FLASHWRITE_VERSION;
@@ -571,4 +575,5 @@ PYBIND11_MODULE(_core, m) {
   m.def("io_uring_compiled", &uring_compiled);
   m.def("io_uring_probe", [] { return -uring_probe(); }, "0 when a ring can be set up here, else the errno.");
   m.def("cuda_info", &cuda_info);
+  register_nfs(m);
 }

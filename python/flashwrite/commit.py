@@ -101,7 +101,7 @@ def target_problem(final: str, overwrite: bool, target: Target = LOCAL) -> str |
 def check_target(final: str, overwrite: bool, target: Target = LOCAL) -> None:
     problem = target_problem(final, overwrite, target)
     if problem:
-        raise CheckpointExistsError(17, problem, final)
+        raise CheckpointExistsError(17, problem, target.show(final))
 
 
 def prepare(final: str, overwrite: bool, target: Target = LOCAL) -> str:
@@ -117,8 +117,13 @@ def prepare(final: str, overwrite: bool, target: Target = LOCAL) -> str:
         target.make_dir(tmp)
     except PermissionError as e:
         # Name what the user asked for, not our temporary sibling.
-        raise PermissionError(e.errno, f"cannot create checkpoint {final}: {e.strerror}", e.filename) from None
-    return tmp
+        raise PermissionError(e.errno, f"cannot create checkpoint {target.show(final)}: {e.strerror}",
+                              e.filename) from None
+    try:
+        return target.staging_dir(tmp)
+    except BaseException:
+        target.remove_tree(tmp)
+        raise
 
 
 def encode_files(manifest: dict, index: dict | None) -> dict[str, bytes]:
@@ -136,6 +141,7 @@ def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite
     encoded: ``encode_files(manifest, index)`` made earlier (manifest and index then unused)."""
     final = os.path.abspath(final)
     parent = os.path.dirname(final)
+    tmp = target.upload(tmp)  # the stripes, durable where the checkpoint lives
     for name, data in (extra or {}).items():
         target.write_durable(os.path.join(tmp, name), data)
     for name, data in (encoded or encode_files(manifest, index)).items():  # the manifest last
@@ -164,7 +170,8 @@ def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite
 
 
 def discard(tmp: str, target: Target = LOCAL) -> None:
-    target.remove_tree(tmp)
+    """Remove a save's temporary directory (``tmp`` as ``prepare`` returned it)."""
+    target.discard_staging(tmp)
 
 
 # ------------------------------------------------------------ leftovers of crashes

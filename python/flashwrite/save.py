@@ -24,7 +24,7 @@ from .flatten import flatten_columns
 from .plan import plan_files
 from .format import build_index
 from .future import SaveFuture, SaveStats
-from .target import local_path
+from .target import UnsupportedTargetError, check_path, resolve, url_scheme
 from .write import StripeWrite
 
 __all__ = ["Writer", "SaveFuture", "SaveStats", "StripeWrite", "default_writer", "save_async", "save"]
@@ -221,7 +221,12 @@ class Writer:
         while ``flashwrite.load(path)`` returns the whole state. hf_config: a
         ``PretrainedConfig`` or dict, written as config.json.
         """
-        local_path(path, "save")  # a URL is never a local path
+        check_path(path, "save")  # a URL other than nfs:// is refused before anything else
+        if url_scheme(path) is not None and (process_group is not None or coordination_group is not None
+                                             or self._local is not None):
+            raise UnsupportedTargetError(f"save: {os.fspath(path)!r}: multi-rank saves and local snapshots to "
+                                         "nfs:// are not supported yet; save to a mounted path", url=os.fspath(path),
+                                         scheme="nfs")
         if (hf_model is not None or hf_config is not None) and (process_group is not None
                                                                  or coordination_group is not None):
             raise ValueError("hf_model= and hf_config= apply to single-process saves")
@@ -236,8 +241,8 @@ class Writer:
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("Writer is closed")
-        path = os.path.abspath(os.fspath(path))
-        tmp = commit.prepare(path, overwrite)
+        target, path = resolve(path, "save")
+        tmp = commit.prepare(path, overwrite, target)
         snap = self._local
         if snap is not None:
             snap.before_save()
@@ -245,10 +250,10 @@ class Writer:
             sw = self.write_stripes(state_dict, tmp, t0, allow_pickle=allow_pickle, metadata=metadata,
                                     hf_model=hf_model, hold_slots=snap is not None)
         except BaseException:
-            commit.discard(tmp)
+            commit.discard(tmp, target)
             raise
-        sw.stats.path = path
-        fut = SaveFuture(path, sw.job, sw.stats, t0)
+        sw.stats.path = target.show(path)
+        fut = SaveFuture(sw.stats.path, sw.job, sw.stats, t0)
         ls = local.LocalSave(snap, sw, path) if snap is not None else None
 
         def finish(commit_gate: Callable[[], None]) -> SaveStats:
@@ -263,7 +268,8 @@ class Writer:
                 commit_gate()
                 manifest = sw.wait_durable()
                 commit.finalize(tmp, path, manifest, build_index(manifest) if files is None else None, overwrite,
-                                extra={hf.CONFIG_NAME: config} if config is not None else None, encoded=files)
+                                extra={hf.CONFIG_NAME: config} if config is not None else None, encoded=files,
+                                target=target)
                 if ls is not None:
                     ls.committed()
             finally:
@@ -275,7 +281,7 @@ class Writer:
             return sw.stats
 
         fut._launch(finish, lambda run: self._committer().submit(run), block=block,
-                    cleanup=lambda: commit.discard(tmp))
+                    cleanup=lambda: commit.discard(tmp, target))
         if ls is not None and block:
             # Returning "staged" means the snapshot outlives this process from here on.
             ls.seal()
@@ -344,11 +350,11 @@ def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Wri
     if unknown:
         raise TypeError(f"unknown Writer options: {sorted(unknown)}")
     effective.update(options)
-    if path is not None and options.get("chunk_bytes") is None:
+    if path is not None and options.get("chunk_bytes") is None and url_scheme(check_path(path, "save")) is None:
         # A tuned chunk size sizes the pool: one shared writer per chunk size, so a save to
         # another file system is not bound to the first one's tuning.
         from . import tuning
-        effective["tuned_chunk"] = tuning.resolve(local_path(path, "save"), {})["chunk_bytes"]
+        effective["tuned_chunk"] = tuning.resolve(os.fspath(path), {})["chunk_bytes"]
     key = tuple(sorted(effective.items()))
     with _default_lock:
         w = _default_writers.get(key)
@@ -370,7 +376,7 @@ def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> Save
     allow_pickle, metadata; process_group, coordination_group, timeout for a
     multi-rank save).
     """
-    local_path(path, "save")  # before the tuning of a path's file system is looked up
+    check_path(path, "save")  # before the tuning of a path's file system is looked up
     wopts, sopts = _split_options(dict(options))
     return default_writer(path, **wopts).save_async(state_dict, path, **sopts)
 

@@ -9,7 +9,8 @@ directory named ``nfs:`` under the current directory.
 ``Target`` is the small set of operations a save, a commit and a clean-up need
 from the place a checkpoint lives: create, list, rename, fsync, remove and open
 stripe files. ``LocalTarget`` (a directory of a local or kernel-mounted file
-system) is its first implementation; ``commit`` goes through it.
+system) is its first implementation; ``commit`` goes through it. ``nfs.NfsTarget``
+(an NFSv3 export reached with the native NFS client) is the second.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from . import _core
 from .errors import FlashwriteError
 
-__all__ = ["UnsupportedTargetError", "url_scheme", "local_path", "Target", "LocalTarget", "LOCAL", "resolve"]
+__all__ = ["UnsupportedTargetError", "url_scheme", "local_path", "check_path", "Target", "LocalTarget", "LOCAL", "resolve"]
 
 # RFC 3986 scheme, then "://". "C:\\x" or "a:b" are not URLs; "nfs://h/e" and "s3://b/k" are.
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -53,14 +54,14 @@ def url_scheme(path: Any) -> str | None:
 
 def _refusal(path: str, scheme: str, what: str) -> UnsupportedTargetError:
     if scheme == "nfs":
-        msg = (f"{what}: {path!r} is an nfs:// URL; flashwrite does not read or write nfs:// targets "
-               "natively yet. Mount the export (mount -t nfs -o vers=3,nconnect=16 SERVER:/EXPORT /mnt/ck) "
-               "and pass the mounted path instead.")
+        msg = (f"{what}: {path!r}: nfs:// targets are not supported here yet (fw.save, fw.save_async, "
+               "Writer.save and fw.load, fw.load_async, fw.verify take them). Mount the export "
+               "(mount -t nfs -o vers=3,nconnect=16 SERVER:/EXPORT /mnt/ck) and pass the mounted path.")
     elif scheme == "file":
         msg = f"{what}: {path!r} is a file:// URL; pass the local path itself (without 'file://')."
     else:
         msg = (f"{what}: {path!r} is a {scheme}:// URL, which flashwrite does not support; "
-               "it reads and writes local (or kernel-mounted) paths only.")
+               "it reads and writes local (or kernel-mounted) paths and nfs:// URLs.")
     return UnsupportedTargetError(msg, url=path, scheme=scheme)
 
 
@@ -72,6 +73,14 @@ def local_path(path: str | os.PathLike, what: str) -> str:
     if scheme is not None:
         raise _refusal(s if isinstance(s, str) else repr(s), scheme, what)
     return s
+
+
+def check_path(path: str | os.PathLike, what: str) -> str:
+    """``os.fspath(path)`` if it is a local path or an nfs:// URL; other URLs raise."""
+    s = os.fspath(path)
+    if url_scheme(s) == "nfs":
+        return s
+    return local_path(s, what)
 
 
 class Target:
@@ -124,6 +133,25 @@ class Target:
     def open_stripe(self, path: str, write: bool) -> int:
         """A file descriptor of stripe ``path``: created new (write=True) or opened to read."""
         raise NotImplementedError
+
+    def show(self, path: str) -> str:
+        """How ``path`` is named to the user (a URL for remote targets)."""
+        return path
+
+    # The native engine writes stripes into a local directory. Where the target is
+    # itself local, that is the temporary directory; a remote target gives a local
+    # staging directory instead and sends what is there at ``upload``.
+    def staging_dir(self, tmp: str) -> str:
+        """The local directory the engine writes the stripes of temporary directory ``tmp`` into."""
+        return tmp
+
+    def upload(self, staging: str) -> str:
+        """Make what is in ``staging`` durable in its temporary directory; returns that directory."""
+        return staging
+
+    def discard_staging(self, staging: str) -> None:
+        """Remove a save's staging directory and its temporary directory."""
+        self.remove_tree(staging)
 
 
 class LocalTarget(Target):
@@ -182,6 +210,11 @@ LOCAL = LocalTarget()
 
 
 def resolve(path: str | os.PathLike, what: str) -> tuple[Target, str]:
-    """(the target ``path`` lives on, its absolute name there). URLs of schemes with
-    no target raise ``UnsupportedTargetError`` naming ``what``."""
-    return LOCAL, os.path.abspath(local_path(path, what))
+    """(the target ``path`` lives on, its absolute name there: a local path, or the
+    path inside an NFS export). URLs of other schemes raise ``UnsupportedTargetError``
+    naming ``what``."""
+    s = check_path(path, what)
+    if url_scheme(s) == "nfs":
+        from . import nfs  # nfs builds on this module (its Target)
+        return nfs.target_for(s, what)
+    return LOCAL, os.path.abspath(s)
