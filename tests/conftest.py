@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashwrite as fw
+from nfs_fixtures import nfs_server  # noqa: F401  (a real NFS server, for tests marked nfs)
 
 
 @pytest.fixture
@@ -75,3 +76,8 @@ def pytest_runtest_makereport(item, call):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         rep.outcome = "failed"
         rep.longrepr = f"root test skipped, but root tests are required here: {reason}"
+    # Likewise FLASHWRITE_REQUIRE_NFS_TESTS=1 (CI installs nfs-ganesha): an nfs test that skips fails.
+    if rep.skipped and item.get_closest_marker("nfs") and os.environ.get("FLASHWRITE_REQUIRE_NFS_TESTS") == "1":
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        rep.outcome = "failed"
+        rep.longrepr = f"nfs test skipped, but nfs tests are required here: {reason}"

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <list>
 #include <thread>
@@ -360,6 +361,7 @@ Client::Client(Options opts) : opts_(std::move(opts)) {
   L();
   if (opts_.connections == 0) opts_.connections = 1;
   if (opts_.depth == 0) opts_.depth = 1;
+  conns_.reserve(opts_.connections + 1);
   conns_.push_back(connect());
   wmax_ = std::min<uint64_t>(opts_.io_bytes, L().nfs_get_writemax(conns_[0]->ctx));
   rmax_ = std::min<uint64_t>(opts_.io_bytes, L().nfs_get_readmax(conns_[0]->ctx));
@@ -398,10 +400,32 @@ std::unique_ptr<Client::Conn> Client::connect() {
   return c;
 }
 
-Client::Conn& Client::meta() { return *conns_[0]; }
+Client::Conn& Client::meta() {
+  // A connection that failed in transport is replaced rather than trusted again.
+  if (reconnect_meta_) {
+    conns_[0] = connect();  // throws while the server stays away; tried again next time
+    reconnect_meta_ = false;
+  }
+  return *conns_[0];
+}
+
+void Client::note_failure(int err) {
+  switch (err) {
+    case ENOENT: case EEXIST: case ENOTDIR: case EISDIR: case ENOTEMPTY: case EACCES: case EROFS: case EPERM:
+    case ENOSPC: case EDQUOT: case EFBIG: case ENAMETOOLONG: case EINVAL:
+      return;  // the server answered: the connection is fine
+    default:
+      reconnect_meta_ = true;
+      reconnect_bulk_ = true;
+  }
+}
 
 void Client::ensure_connections() {
-  // conns_[0] serves namespace operations; bulk transfers use 1..connections.
+  // conns_[0] serves namespace operations; bulk transfers use 1..connections (the
+  // vector's capacity is reserved up front, so growing it never moves conns_[0]
+  // under a namespace operation on another thread).
+  if (reconnect_bulk_.exchange(false))
+    for (size_t i = 1; i < conns_.size(); ++i) conns_[i].reset();
   for (size_t i = 1; i < conns_.size(); ++i)
     if (!conns_[i] || !conns_[i]->ctx) conns_[i] = connect();
   while (conns_.size() < opts_.connections + 1) conns_.push_back(connect());
@@ -413,6 +437,7 @@ Stat Client::stat(const std::string& path) {
   int rc = L().nfs_stat64(meta().ctx, path.c_str(), &st);
   Stat out;
   if (rc == -ENOENT) return out;
+  if (rc != 0) note_failure(-rc);
   if (rc != 0) throw IoError(-rc, std::string("NFS GETATTR: ") + L().nfs_get_error(meta().ctx), url(path));
   out.exists = true;
   out.is_dir = (st.nfs_mode & S_IFMT) == S_IFDIR;
@@ -424,6 +449,7 @@ std::vector<std::string> Client::listdir(const std::string& path) {
   std::lock_guard<std::mutex> g(meta_mu_);
   nfsdir* d = nullptr;
   int rc = L().nfs_opendir(meta().ctx, path.c_str(), &d);
+  if (rc != 0) note_failure(-rc);
   if (rc != 0) throw IoError(-rc, std::string("NFS READDIR: ") + L().nfs_get_error(meta().ctx), url(path));
   std::vector<std::string> out;
   while (nfsdirent* e = L().nfs_readdir(meta().ctx, d)) {
@@ -437,6 +463,7 @@ std::vector<std::string> Client::listdir(const std::string& path) {
   do {                                                                                                   \
     std::lock_guard<std::mutex> g(meta_mu_);                                                             \
     int rc = (call);                                                                                     \
+    if (rc != 0) note_failure(-rc);                                                                      \
     if (rc != 0) throw IoError(-rc, std::string(opname) + ": " + L().nfs_get_error(meta().ctx), url(path)); \
   } while (0)
 
@@ -473,6 +500,7 @@ WriteResult Client::write_file(const std::string& path, const char* buf, uint64_
     nfsfh* f = nullptr;
     int flags = O_WRONLY | O_CREAT | (exclusive ? O_EXCL : O_TRUNC);
     int rc = L().nfs_create(meta().ctx, path.c_str(), flags, 0644, &f);
+    if (rc != 0) note_failure(-rc);
     if (rc != 0) throw IoError(-rc, std::string("NFS CREATE: ") + L().nfs_get_error(meta().ctx), url(path));
     auto* v = reinterpret_cast<FhView*>(L().nfs_get_fh(f));
     fh.assign(v->val, static_cast<size_t>(v->len));
@@ -505,8 +533,14 @@ WriteResult Client::write_file(const std::string& path, const char* buf, uint64_
     for (auto& th : threads) th.join();
     for (size_t c = 0; c < n; ++c)
       if (loops[c].inflight > 0) conns_[c + 1].reset();  // RPCs still out: drop the connection (cancels them)
-    if (t.err) throw IoError(t.err, t.op + " (server " + opts_.server + ")", url(path), t.err_off, t.err_len);
+    if (t.err) {
+      note_failure(t.err);
+      throw IoError(t.err, t.op + " (server " + opts_.server + ")", url(path), t.err_off, t.err_len);
+    }
 
+    // Fault tests restart the server here, between the WRITEs and their COMMIT.
+    if (const char* pause = std::getenv("FLASHWRITE_NFS_TEST_PAUSE_BEFORE_COMMIT_MS"))
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(pause)));
     // COMMIT the whole file on the first bulk connection, then compare verifiers.
     nfs_context* ctx = conns_[1]->ctx;
     struct CommitState {
@@ -538,9 +572,11 @@ WriteResult Client::write_file(const std::string& path, const char* buf, uint64_
     std::string why;
     if (!pump(ctx, opts_.timeout_ms, progress, [&] { return cs.done; }, &why)) {
       conns_[1].reset();
+      note_failure(ETIMEDOUT);
       throw IoError(why.rfind("no reply", 0) == 0 ? ETIMEDOUT : ECONNRESET,
                     "NFS COMMIT: " + why + " (server " + opts_.server + ")", url(path));
     }
+    if (cs.status != RPC_STATUS_SUCCESS) note_failure(ECONNRESET);
     if (cs.status != RPC_STATUS_SUCCESS)
       throw IoError(errno_of_rpc(cs.status), std::string("NFS COMMIT ") + rpc_status_name(cs.status) + " " + cs.error +
                     " (server " + opts_.server + ")", url(path));
@@ -567,12 +603,14 @@ uint64_t Client::read_file(const std::string& path, char* buf, uint64_t offset, 
     std::lock_guard<std::mutex> g(meta_mu_);
     nfsfh* f = nullptr;
     int rc = L().nfs_create(meta().ctx, path.c_str(), O_RDONLY, 0, &f);
+    if (rc != 0) note_failure(-rc);
     if (rc != 0) throw IoError(-rc, std::string("NFS LOOKUP: ") + L().nfs_get_error(meta().ctx), url(path));
     auto* v = reinterpret_cast<FhView*>(L().nfs_get_fh(f));
     fh.assign(v->val, static_cast<size_t>(v->len));
     L().nfs_close(meta().ctx, f);
     nfs_stat_64 st{};
     rc = L().nfs_stat64(meta().ctx, path.c_str(), &st);
+    if (rc != 0) note_failure(-rc);
     if (rc != 0) throw IoError(-rc, std::string("NFS GETATTR: ") + L().nfs_get_error(meta().ctx), url(path));
     size = st.nfs_size;
   }
@@ -600,7 +638,10 @@ uint64_t Client::read_file(const std::string& path, char* buf, uint64_t offset, 
   for (auto& th : threads) th.join();
   for (size_t c = 0; c < n; ++c)
     if (loops[c].inflight > 0) conns_[c + 1].reset();
-  if (t.err) throw IoError(t.err, t.op + " (server " + opts_.server + ")", url(path), t.err_off, t.err_len);
+  if (t.err) {
+    note_failure(t.err);
+    throw IoError(t.err, t.op + " (server " + opts_.server + ")", url(path), t.err_off, t.err_len);
+  }
   return len;
 }
 

@@ -12,6 +12,7 @@
 // object named as nfs://SERVER[:PORT]/EXPORT/PATH. Every wait is bounded by
 // timeout_ms without progress.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -88,6 +89,10 @@ class Client {
   Conn& meta();
   void ensure_connections();
   std::unique_ptr<Conn> connect();
+  // After a transport failure (timeout, lost connection), every connection is made
+  // afresh before the next operation.
+  void note_failure(int err);
+  std::atomic<bool> reconnect_meta_{false}, reconnect_bulk_{false};
 
   Options opts_;
   std::mutex meta_mu_, bulk_mu_;
