@@ -232,3 +232,24 @@ def test_full_export_names_enospc_and_leaves_nothing(tmp_path):
             assert ei.value.errno == errno.ENOSPC, ei.value
             assert "nfs://127.0.0.1" in str(ei.value)
             assert os.listdir(exported) == []
+
+
+def test_without_libnfs_nfs_urls_say_what_to_install(tmp_path):
+    """libnfs is loaded at run time: where it is missing, nfs:// raises saying what to
+    install, and local saves work as before (a child process, as dlopen happens once)."""
+    import subprocess
+    import sys
+    code = f"""
+import torch, flashwrite as fw
+try:
+    fw.save({{"w": torch.ones(3)}}, "nfs://127.0.0.1/export/ck")
+except fw.UnsupportedTargetError as e:
+    print("REFUSED", e)
+fw.save({{"w": torch.ones(3)}}, {str(tmp_path / "ck")!r})
+print("LOCAL", fw.load({str(tmp_path / "ck")!r})["w"].tolist())
+"""
+    env = dict(os.environ, FLASHWRITE_LIBNFS=str(tmp_path / "libnfs-missing.so"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "REFUSED" in r.stdout and "apt-get install libnfs13" in r.stdout, r.stdout
+    assert "LOCAL [1.0, 1.0, 1.0]" in r.stdout

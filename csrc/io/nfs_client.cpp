@@ -80,12 +80,18 @@ const Lib& lib() {
     Lib out;
     // The Debian/Ubuntu runtime package is libnfs13 (libnfs.so.13); a plain
     // libnfs.so comes with the -dev package.
-    for (const char* name : {"libnfs.so.13", "libnfs.so.14", "libnfs.so.16", "libnfs.so"}) {
-      out.handle = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    // FLASHWRITE_LIBNFS names the library instead (a path or a soname).
+    std::vector<std::string> names;
+    const char* env = std::getenv("FLASHWRITE_LIBNFS");
+    if (env && *env) names.emplace_back(env);
+    else names = {"libnfs.so.13", "libnfs.so.14", "libnfs.so.16", "libnfs.so"};
+    for (const auto& name : names) {
+      out.handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
       if (out.handle) break;
     }
     if (!out.handle) {
-      out.error = "libnfs is not installed (apt-get install libnfs13, or libnfs-dev; dnf install libnfs)";
+      out.error = std::string("libnfs could not be loaded (") + (env && *env ? env : "libnfs.so.13") +
+                  "): install it (apt-get install libnfs13; dnf install libnfs)";
       return out;
     }
 #define X(f)                                                                         \
