@@ -91,15 +91,20 @@ class NfsServer:
         if not self.workdir:
             self.workdir = tempfile.mkdtemp(prefix="fw-nfs-")
             self._own_workdir = True
+        os.makedirs(self.workdir, exist_ok=True)
         if not self.exports:
             path = os.path.join(self.workdir, "export")
             os.makedirs(path, exist_ok=True)
             self.exports.append(Export(path))
         self.nfs_port = self.nfs_port or _free_port()
         self.mount_port = self.mount_port or _free_port()
-        self._ensure_rpcbind()
-        self._write_config()
-        self._start_ganesha()
+        try:
+            self._ensure_rpcbind()
+            self._write_config()
+            self._start_ganesha()
+        except BaseException:
+            self.stop()  # nothing it started outlives a failed start
+            raise
         return self
 
     def _ensure_rpcbind(self) -> None:

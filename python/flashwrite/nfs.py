@@ -232,10 +232,17 @@ class NfsTarget(Target):
                 exists, is_dir, size = self.client.stat(f"{path}/{name}")
                 if is_dir:
                     continue
-                buf = bytearray(size)
-                n = self.client.read_into(f"{path}/{name}", buf, 0)
-                with open(os.path.join(local, name), "wb") as fh:
-                    fh.write(memoryview(buf)[:n])
+                # Straight into the staging file's pages: no buffer in between.
+                fd = os.open(os.path.join(local, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    if size:
+                        os.ftruncate(fd, size)
+                        with mmap.mmap(fd, size) as m:
+                            n = self.client.read_into(f"{path}/{name}", m, 0)
+                        if n != size:
+                            os.ftruncate(fd, n)
+                finally:
+                    os.close(fd)
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)
             raise
