@@ -84,7 +84,7 @@ def rm(path: str) -> None:
 
 def nfs_round(server: NfsServer, state: dict, connections: int) -> dict:
     name = f"ck-{uuid.uuid4().hex[:8]}"  # fresh names: the server caches what it saw (gone locally or not)
-    url = server.url(name) + f"?connections={connections}"
+    url = server.url_ports(name) + f"&connections={connections}"
     with Timed(server) as w:
         fw.save(state, url)
     drop_caches()

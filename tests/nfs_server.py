@@ -234,6 +234,11 @@ NFS_KRB5 {{ Active_krb5 = false; }}
         base = f"nfs://{self.host}{export or self.export}"
         return f"{base}/{rel.lstrip('/')}" if rel else base
 
+    def url_ports(self, rel: str = "", export: str | None = None) -> str:
+        """The URL with this server's ports, for flashwrite: no portmapper is asked, so a
+        second server on the machine (rpcbind is shared) cannot be confused with this one."""
+        return f"{self.url(rel, export)}?nfsport={self.nfs_port}&mountport={self.mount_port}"
+
     def libnfs_url(self, rel: str = "", export: str | None = None) -> str:
         """The URL with the ports spelled out, for libnfs's tools (nfs-cp, nfs-ls)."""
         return f"{self.url(rel, export)}?version=3&nfsport={self.nfs_port}&mountport={self.mount_port}"

@@ -253,3 +253,56 @@ print("LOCAL", fw.load({str(tmp_path / "ck")!r})["w"].tolist())
     assert r.returncode == 0, r.stderr
     assert "REFUSED" in r.stdout and "apt-get install libnfs13" in r.stdout, r.stdout
     assert "LOCAL [1.0, 1.0, 1.0]" in r.stdout
+
+
+# ----------------------------------------------------------------- multi-rank
+
+
+def _rank_state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return {"model": {"w": torch.randn(256, 1024 + rank, generator=g), "b": torch.randn(7, generator=g)},
+            "step": step, "rank": rank}
+
+
+def _ranks_save(url: str, steps: int, keep: int) -> list:
+    """Every rank: ``steps`` saves through the manager-free multi-rank protocol to
+    url/step-N, keeping the newest ``keep`` (rank 0 removes the older ones)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    for step in range(1, steps + 1):
+        fw.save(_rank_state(rank, step), f"{url.split('?')[0]}/step-{step}?{url.split('?')[1]}",
+                process_group=dist.group.WORLD, timeout=60, stripes=2)
+    back = fw.load(f"{url.split('?')[0]}/step-{steps}?{url.split('?')[1]}", process_group=dist.group.WORLD)
+    assert_same(back, _rank_state(rank, steps))
+    return [rank]
+
+
+def _one_rank_fails(url: str, bad: int) -> str:
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    state = _rank_state(rank, 9)
+    if rank == bad:
+        state["bad"] = object()  # not a tensor and allow_pickle=False: this rank fails at staging
+    try:
+        fw.save(state, url, process_group=dist.group.WORLD, timeout=60)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__
+    return "committed"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_save_to_one_nfs_root(nfs_server, world):
+    from dist_helpers import Cluster
+    url = nfs_server.url("run") + "?connections=2&timeout=30"
+    with Cluster(world) as cluster:
+        assert cluster.run(_ranks_save, url, 2, 2) == [[r] for r in range(world)]
+        whole = fw.load(os.path.join(nfs_server.export, "run", "step-2"))
+        assert list(whole) == list(range(world))
+        for r in range(world):
+            assert_same(whole[r], _rank_state(r, 2))
+        if world == 2:
+            bad_url = nfs_server.url("run/bad") + "?timeout=30"
+            out = cluster.run(_one_rank_fails, bad_url, 1)
+            assert "committed" not in out, out
+            assert not os.path.exists(os.path.join(nfs_server.export, "run", "bad"))
+    assert temp_entries(os.path.join(nfs_server.export, "run")) == []

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import defaults, distributed, foreign, gcpause
 from .read import LoadResult, load_foreign, load_state, read_tensors
-from .target import UnsupportedTargetError, check_path, resolve, url_scheme
+from .target import check_path, resolve, url_scheme
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
 
@@ -53,9 +53,6 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     checkpoint loads as ``{rank: state}``.
     """
     check_path(path, "load")  # a URL other than nfs:// is refused before anything else
-    if process_group is not None and url_scheme(path) is not None:
-        raise UnsupportedTargetError(f"load: {os.fspath(path)!r}: multi-rank loads from nfs:// are not supported "
-                                     "yet; load from a mounted path", url=os.fspath(path), scheme="nfs")
     options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
                    backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
     # One pause of the collector for the whole load (one collection after it, not one

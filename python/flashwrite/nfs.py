@@ -5,7 +5,8 @@
 - The export is found from the server's export list (MOUNT EXPORT through the
   portmapper): the longest exported prefix of the URL's path wins, and the rest is
   the path inside the export. NFSv3 names an export by its real path on the server.
-- PORT (or ``nfsport=``) and ``mountport=`` skip the portmapper for those services.
+- PORT (or ``nfsport=``) and ``mountport=`` skip the portmapper for those services;
+  with ``mountport=`` the export is the longest prefix the server lets us mount.
 - ``connections`` (default 4): TCP connections for bulk transfers, each with
   ``depth`` (default 16) WRITE or READ RPCs in flight; ``timeout`` (seconds,
   default 10): the longest wait for the server without progress before an
@@ -25,6 +26,7 @@ returns.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -102,7 +104,8 @@ def _require_libnfs(url: str, what: str) -> None:
 
 
 def find_export(server: str, path: str, timeout_s: float) -> str:
-    """The longest export of ``server`` that is ``path`` or a parent of it."""
+    """The longest export of ``server`` that is ``path`` or a parent of it (the export
+    list comes from the server's MOUNT service, found through its portmapper)."""
     exports = _core.nfs_exports(server, int(timeout_s * 1000))
     best = ""
     for e in exports:
@@ -113,6 +116,23 @@ def find_export(server: str, path: str, timeout_s: float) -> str:
         raise FileNotFoundError(2, f"no export of {server} contains {path} (exports: {', '.join(exports) or 'none'})",
                                 f"nfs://{server}{path}")
     return best
+
+
+def _mount_longest(u: NfsUrl) -> tuple[str, NfsTarget]:
+    """With mountport= the portmapper is not asked, so neither is the export list: the
+    longest prefix of the path the server lets us mount is the export."""
+    parts = u.path.rstrip("/").split("/")
+    refused: OSError | None = None
+    for i in range(len(parts), 1, -1):
+        export = "/".join(parts[:i])
+        try:
+            return export, NfsTarget(u, export)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.ENOENT, errno.EPERM):
+                raise
+            refused = e
+    raise FileNotFoundError(2, f"the server mounts no prefix of {u.path} ({refused})",
+                            f"nfs://{u.server}:{u.mount_port}{u.path}")
 
 
 class NfsTarget(Target):
@@ -200,7 +220,9 @@ class NfsTarget(Target):
 
     def upload(self, staging: str) -> str:
         with self._lock:
-            tmp = self._staging[staging]
+            tmp = self._staging.get(staging)
+        if tmp is None:
+            return staging  # a temporary directory on the server already (sent earlier, or by another rank)
         for name in sorted(os.listdir(staging)):
             src = os.path.join(staging, name)
             size = os.path.getsize(src)
@@ -211,15 +233,23 @@ class NfsTarget(Target):
                 with mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as m:
                     self.client.write_file(f"{tmp}/{name}", m, True)
             os.unlink(src)  # the staging copy goes as soon as the server holds it
-        self.discard_staging(staging, remote=False)
+        self.drop_staging(staging)
         return tmp
 
-    def discard_staging(self, staging: str, remote: bool = True) -> None:
+    def discard_staging(self, staging: str) -> None:
         with self._lock:
             tmp = self._staging.pop(staging, None)
+        if tmp is None:  # a temporary directory on the server
+            self.remove_tree(staging)
+            return
         shutil.rmtree(staging, ignore_errors=True)
-        if remote and tmp is not None:
-            self.remove_tree(tmp)
+        self.remove_tree(tmp)
+
+    def drop_staging(self, staging: str) -> None:
+        with self._lock:
+            known = self._staging.pop(staging, None) is not None
+        if known:  # never a server path taken for a local one
+            shutil.rmtree(staging, ignore_errors=True)
 
     def download(self, path: str) -> str:
         """Copy the checkpoint directory ``path`` into a fresh local directory; returns it."""
@@ -261,14 +291,18 @@ def target_for(url: str, what: str) -> tuple[NfsTarget, str]:
     """(the target serving ``url``, the path inside its export)."""
     _require_libnfs(url, what)
     u = parse_url(url)
-    export = find_export(u.server, u.path, u.timeout_s)  # asked each time: exports come and go
-    key = (u.server, u.nfs_port, u.mount_port, u.connections, u.depth, u.timeout_s, export)
+    key = (u.server, u.nfs_port, u.mount_port, u.connections, u.depth, u.timeout_s)
     with _targets_lock:
-        t = _targets.get(key)
-    if t is None:
-        t = NfsTarget(u, export)
-        with _targets_lock:
-            t = _targets.setdefault(key, t)
+        cached = [(e, t) for (k, e), t in _targets.items() if k == key]
+    if u.mount_port:
+        # The export list needs the portmapper; an explicit mount port means it is not asked.
+        hits = [(e, t) for e, t in cached if u.path == e or u.path.startswith(e.rstrip("/") + "/")]
+        export, t = max(hits, key=lambda h: len(h[0])) if hits else _mount_longest(u)
+    else:
+        export = find_export(u.server, u.path, u.timeout_s)  # asked each time: exports come and go
+        t = dict(cached).get(export) or NfsTarget(u, export)
+    with _targets_lock:
+        t = _targets.setdefault((key, export), t)
     return t, u.path[len(export):] or "/"
 
 

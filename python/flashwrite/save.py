@@ -222,11 +222,9 @@ class Writer:
         ``PretrainedConfig`` or dict, written as config.json.
         """
         check_path(path, "save")  # a URL other than nfs:// is refused before anything else
-        if url_scheme(path) is not None and (process_group is not None or coordination_group is not None
-                                             or self._local is not None):
-            raise UnsupportedTargetError(f"save: {os.fspath(path)!r}: multi-rank saves and local snapshots to "
-                                         "nfs:// are not supported yet; save to a mounted path", url=os.fspath(path),
-                                         scheme="nfs")
+        if url_scheme(path) is not None and self._local is not None:
+            raise UnsupportedTargetError(f"save: {os.fspath(path)!r}: local snapshots with nfs:// are not "
+                                         "supported yet; save to a mounted path", url=os.fspath(path), scheme="nfs")
         if (hf_model is not None or hf_config is not None) and (process_group is not None
                                                                  or coordination_group is not None):
             raise ValueError("hf_model= and hf_config= apply to single-process saves")

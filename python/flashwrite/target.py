@@ -150,8 +150,12 @@ class Target:
         return staging
 
     def discard_staging(self, staging: str) -> None:
-        """Remove a save's staging directory and its temporary directory."""
+        """Remove a save's staging directory (or a temporary directory) and what it stands for."""
         self.remove_tree(staging)
+
+    def drop_staging(self, staging: str) -> None:
+        """Remove only the local staging copy of a save (a multi-rank save's temporary
+        directory is rank 0's to remove)."""
 
 
 class LocalTarget(Target):
