@@ -59,7 +59,8 @@ from .format import build_index, merge_manifests, parse_manifest
 from .future import SaveFuture, SaveStats
 from .plan import rank_prefix
 from .read import load_state
-from .target import LOCAL, Target, resolve
+from .locate import resolve
+from .target import LOCAL, Target
 from .write import StripeWrite, StripeWriter
 
 log = logging.getLogger("flashwrite")

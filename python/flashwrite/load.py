@@ -16,7 +16,8 @@ from typing import Any
 
 from . import defaults, distributed, foreign, gcpause
 from .read import LoadResult, load_foreign, load_state, read_tensors
-from .target import check_path, resolve, url_scheme
+from .locate import resolve
+from .target import check_path, url_scheme
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
 

@@ -24,7 +24,8 @@ from .flatten import flatten_columns
 from .plan import plan_files
 from .format import build_index
 from .future import SaveFuture, SaveStats
-from .target import UnsupportedTargetError, check_path, resolve, url_scheme
+from .locate import resolve
+from .target import UnsupportedTargetError, check_path, url_scheme
 from .write import StripeWrite
 
 __all__ = ["Writer", "SaveFuture", "SaveStats", "StripeWrite", "default_writer", "save_async", "save"]

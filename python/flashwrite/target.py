@@ -10,7 +10,8 @@ directory named ``nfs:`` under the current directory.
 from the place a checkpoint lives: create, list, rename, fsync, remove and open
 stripe files. ``LocalTarget`` (a directory of a local or kernel-mounted file
 system) is its first implementation; ``commit`` goes through it. ``nfs.NfsTarget``
-(an NFSv3 export reached with the native NFS client) is the second.
+(an NFSv3 export reached with the native NFS client) is the second; ``locate.resolve``
+picks one for a path.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from . import _core
 from .errors import FlashwriteError
 
-__all__ = ["UnsupportedTargetError", "url_scheme", "local_path", "check_path", "Target", "LocalTarget", "LOCAL", "resolve"]
+__all__ = ["UnsupportedTargetError", "url_scheme", "local_path", "check_path", "Target", "LocalTarget", "LOCAL"]
 
 # RFC 3986 scheme, then "://". "C:\\x" or "a:b" are not URLs; "nfs://h/e" and "s3://b/k" are.
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -211,14 +212,3 @@ class LocalTarget(Target):
 
 
 LOCAL = LocalTarget()
-
-
-def resolve(path: str | os.PathLike, what: str) -> tuple[Target, str]:
-    """(the target ``path`` lives on, its absolute name there: a local path, or the
-    path inside an NFS export). URLs of other schemes raise ``UnsupportedTargetError``
-    naming ``what``."""
-    s = check_path(path, what)
-    if url_scheme(s) == "nfs":
-        from . import nfs  # nfs builds on this module (its Target)
-        return nfs.target_for(s, what)
-    return LOCAL, os.path.abspath(s)
