@@ -306,3 +306,28 @@ def test_ranks_save_to_one_nfs_root(nfs_server, world):
             assert "committed" not in out, out
             assert not os.path.exists(os.path.join(nfs_server.export, "run", "bad"))
     assert temp_entries(os.path.join(nfs_server.export, "run")) == []
+
+
+def test_manager_keeps_the_newest_checkpoints_on_an_nfs_root(nfs_server):
+    url = nfs_server.url("run") + "?connections=2"
+    run = os.path.join(nfs_server.export, "run")
+    mgr = fw.CheckpointManager(url, every_n_steps=1, keep_last=2, writer=fw.Writer(stripes=2))
+    try:
+        assert mgr.path_for(3) == nfs_server.url("run/step-00000003") + "?connections=2"
+        for step in range(1, 5):
+            mgr.maybe_save(step, make_state(step)).result()
+        assert mgr.maybe_save(4, make_state(4)) is None  # that step exists already
+        mgr.wait()
+        assert mgr.all_steps() == [3, 4]
+        assert sorted(os.listdir(run)) == ["step-00000003", "step-00000004"]
+        assert_same(fw.load(os.path.join(run, "step-00000004")), make_state(4))
+    finally:
+        mgr.close()
+    again = fw.CheckpointManager(url, keep_last=2)
+    try:
+        assert again.latest_step() == 4
+        step, state = again.restore()
+        assert step == 4
+        assert_same(state, make_state(4))
+    finally:
+        again.close()

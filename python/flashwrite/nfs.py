@@ -186,6 +186,9 @@ class NfsTarget(Target):
     def rename(self, src: str, dst: str) -> None:
         self.client.rename(src, dst)
 
+    def remove_file(self, path: str) -> None:
+        self.client.unlink(path)
+
     def fsync_dir(self, path: str) -> None:
         pass  # NFSv3 makes CREATE, MKDIR, RENAME and REMOVE stable before it replies
 

@@ -56,7 +56,7 @@ def url_scheme(path: Any) -> str | None:
 def _refusal(path: str, scheme: str, what: str) -> UnsupportedTargetError:
     if scheme == "nfs":
         msg = (f"{what}: {path!r}: nfs:// targets are not supported here yet (fw.save, fw.save_async, "
-               "Writer.save and fw.load, fw.load_async, fw.verify take them). Mount the export "
+               "Writer.save, fw.load, fw.load_async, fw.verify and CheckpointManager take them). Mount the export "
                "(mount -t nfs -o vers=3,nconnect=16 SERVER:/EXPORT /mnt/ck) and pass the mounted path.")
     elif scheme == "file":
         msg = f"{what}: {path!r} is a file:// URL; pass the local path itself (without 'file://')."
@@ -114,6 +114,9 @@ class Target:
         raise NotImplementedError
 
     def rename(self, src: str, dst: str) -> None:
+        raise NotImplementedError
+
+    def remove_file(self, path: str) -> None:
         raise NotImplementedError
 
     def exchange(self, a: str, b: str) -> bool:
@@ -184,6 +187,9 @@ class LocalTarget(Target):
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)
+
+    def remove_file(self, path: str) -> None:
+        os.unlink(path)
 
     def exchange(self, a: str, b: str) -> bool:
         return bool(_core.rename_exchange(a, b))
