@@ -7,6 +7,8 @@ import torch
 import flashwrite as fw
 from fuse_util import fuse_faults_exe, fuse_mount  # noqa: F401  (fixtures of the FUSE fault tests)
 
+from nfs_fixtures import nfs_server  # noqa: F401  (a real NFS server, for tests marked nfs)
+
 # Bounds what one test may write (see disk_guard.py): a runaway test fails alone.
 pytest_plugins = ["disk_guard", "pytester"]
 
@@ -61,7 +63,8 @@ def writer():
 
 # CI runs as root: there a root test that skips (no mount, no loop device) hides a gap in
 # coverage, so FLASHWRITE_REQUIRE_ROOT_TESTS=1 (or --require-root-tests) makes it fail;
-# FLASHWRITE_REQUIRE_FUSE_TESTS=1 does the same for tests marked fuse (no /dev/fuse, no libfuse3).
+# FLASHWRITE_REQUIRE_FUSE_TESTS=1 does the same for tests marked fuse (no /dev/fuse, no libfuse3),
+# and FLASHWRITE_REQUIRE_NFS_TESTS=1 for tests marked nfs (no NFS server could start).
 def pytest_addoption(parser):
     parser.addoption("--require-root-tests", action="store_true", default=False,
                      help="fail, instead of skipping, tests marked root that cannot run "
@@ -91,7 +94,8 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     required = [m for m, needed in (("root", _root_tests_required(item.config)),
-                                    ("fuse", os.environ.get("FLASHWRITE_REQUIRE_FUSE_TESTS") == "1"))
+                                    ("fuse", os.environ.get("FLASHWRITE_REQUIRE_FUSE_TESTS") == "1"),
+                                    ("nfs", os.environ.get("FLASHWRITE_REQUIRE_NFS_TESTS") == "1"))
                 if needed and item.get_closest_marker(m)]
     if rep.skipped and required:
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)

@@ -44,7 +44,7 @@ def _hit(phase: str, pause: tuple[str, int] | None) -> None:
 
 def install_probes(pause: tuple[str, int] | None) -> None:
     import flashwrite._core as core
-    from flashwrite import commit
+    from flashwrite import commit, target
     from flashwrite.format import MANIFEST_NAME
 
     save = sys.modules["flashwrite.save"]  # the module (flashwrite.save is the function)
@@ -65,8 +65,8 @@ def install_probes(pause: tuple[str, int] | None) -> None:
 
     wrap(save.SaveFuture, "wait_staged", lambda *a, **k: "staging")
     wrap(save.StripeWrite, "wait_durable", lambda *a, **k: "writing", after="durable")
-    wrap(commit, "_write_durable",
-         lambda path, data: "write-manifest" if path.endswith(MANIFEST_NAME) else "write-index")
+    wrap(target.LocalTarget, "write_durable",
+         lambda _target, path, data: "write-manifest" if path.endswith(MANIFEST_NAME) else "write-index")
     wrap(os, "fsync", lambda fd: "fsync-file")
     wrap(core, "fsync_dir", lambda path: "fsync-tmpdir" if commit.TMP_MARK in path else "fsync-parent")
     wrap(core, "rename_exchange", lambda a, b: "exchange", after="exchanged")

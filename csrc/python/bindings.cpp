@@ -215,6 +215,10 @@ py::dict cuda_info(bool initialize) {
 
 }  // namespace
 
+namespace fw {
+void register_nfs(py::module_& m);  // nfs_bindings.cpp
+}
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "flashwrite native engine: staging pool, io_uring / thread-pool I/O, checksums";
   m.attr("__version__") = FLASHWRITE_VERSION;
@@ -599,4 +603,5 @@ PYBIND11_MODULE(_core, m) {
         return cuda::pin(reinterpret_cast<void*>(p), n, device);
       },
       py::arg("addr"), py::arg("nbytes"), py::arg("device") = 0);
+  register_nfs(m);
 }

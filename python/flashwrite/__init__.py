@@ -13,6 +13,7 @@ from .info import backend_info
 from .load import load, load_async, verify
 from .manager import CheckpointManager
 from .save import Writer, save, save_async
+from .target import UnsupportedTargetError
 
 __all__ = [
     "__version__",
@@ -32,4 +33,5 @@ __all__ = [
     "UnsafeCheckpointError",
     "CheckpointExistsError",
     "DistributedSaveError",
+    "UnsupportedTargetError",
 ]

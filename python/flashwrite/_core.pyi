@@ -271,3 +271,33 @@ def _cuda_pin(addr: int, nbytes: int, device: int = 0) -> str:
 def cuda_info(initialize: bool = True) -> _CudaInfo:
     """The CUDA runtime flashwrite uses. initialize=False never initialises CUDA
     (dlopen, symbols and versions only), unless it already was."""
+# ---- nfs:// (csrc/io/nfs_client, csrc/python/nfs_bindings.cpp): libnfs loaded at run time
+def nfs_available() -> bool:
+    """Whether libnfs can be loaded (dlopen)."""
+def nfs_unavailable_reason() -> str:
+    """Why nfs:// cannot work here (what to install), or ''."""
+def nfs_exports(server: str, timeout_ms: int = 10000) -> list[str]:
+    """The exports SERVER lists (MOUNT EXPORT via the portmapper)."""
+
+class NfsClient:
+    """An NFSv3 client over several TCP connections (one more for directory operations).
+    Every method that talks to the server releases the GIL; errors are OSError with the
+    errno of the NFS status and the object named as nfs://server[:port]/export/path."""
+    def __init__(self, server: str, export: str, nfs_port: int = 0, mount_port: int = 0, connections: int = 4,
+                 depth: int = 16, io_bytes: int = 1048576, timeout_ms: int = 10000) -> None: ...
+    def url(self, path: str, /) -> str: ...
+    @property
+    def connections(self) -> int: ...
+    def stat(self, path: str, /) -> tuple[bool, bool, int]:
+        """(exists, is_dir, size)"""
+    def listdir(self, path: str, /) -> list[str]: ...
+    def mkdir(self, path: str, /) -> None: ...
+    def rmdir(self, path: str, /) -> None: ...
+    def unlink(self, path: str, /) -> None: ...
+    def rename(self, src: str, dst: str, /) -> None: ...
+    def write_file(self, path: str, data: Any, exclusive: bool = True) -> dict[str, int]:
+        """Create PATH, write DATA (a buffer, kept alive and unchanged by the caller until this
+        returns) with UNSTABLE WRITEs over the connections, COMMIT, and check the write verifiers,
+        rewriting what a server restart may have lost: {bytes, rewrites, commit_rounds}."""
+    def read_into(self, path: str, out: Any, offset: int = 0) -> int:
+        """Read from OFFSET of PATH into the writable buffer OUT; returns the bytes read."""

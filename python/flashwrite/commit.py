@@ -21,6 +21,7 @@ from typing import Any
 from . import _core
 from .errors import CheckpointExistsError
 from .format import INDEX_NAME, MANIFEST_NAME, encode_manifest
+from .target import LOCAL, Target
 
 log = logging.getLogger("flashwrite")
 
@@ -84,41 +85,46 @@ def is_temp_name(name: str) -> bool:
     return parse_temp_name(name) is not None
 
 
-def target_problem(final: str, overwrite: bool) -> str | None:
+def target_problem(final: str, overwrite: bool, target: Target = LOCAL) -> str | None:
     """Why a save may not go to ``final``, or None. overwrite=True replaces a flashwrite
     checkpoint or an empty directory, never anything else (a run directory holding
     logs, a file): that would delete data that is not ours."""
-    if not os.path.lexists(final):
+    if not target.exists(final):
         return None
     if not overwrite:
         return "checkpoint already exists (pass overwrite=True to replace it)"
-    if os.path.isdir(final) and not os.path.islink(final):
-        if os.path.isfile(os.path.join(final, MANIFEST_NAME)) or not os.listdir(final):
+    if target.is_dir(final):
+        if target.is_file(os.path.join(final, MANIFEST_NAME)) or not target.list(final):
             return None
     return "exists and is not a flashwrite checkpoint; refusing to replace it (overwrite=True replaces only checkpoints)"
 
 
-def check_target(final: str, overwrite: bool) -> None:
-    problem = target_problem(final, overwrite)
+def check_target(final: str, overwrite: bool, target: Target = LOCAL) -> None:
+    problem = target_problem(final, overwrite, target)
     if problem:
-        raise CheckpointExistsError(17, problem, final)
+        raise CheckpointExistsError(17, problem, target.show(final))
 
 
-def prepare(final: str, overwrite: bool) -> str:
+def prepare(final: str, overwrite: bool, target: Target = LOCAL) -> str:
     """Create the temp dir (and missing parents). Raises now for a bad target, not later."""
     final = os.path.abspath(final)
-    check_target(final, overwrite)
+    check_target(final, overwrite, target)
     parent = os.path.dirname(final)
-    if os.path.lexists(parent) and not os.path.isdir(parent):
+    if target.exists(parent) and not target.is_dir(parent):
         raise NotADirectoryError(20, "parent of the checkpoint path is not a directory", parent)
     tmp = temp_dir_for(final)
     try:
-        os.makedirs(parent, exist_ok=True)
-        os.mkdir(tmp)
+        target.make_dirs(parent)
+        target.make_dir(tmp)
     except PermissionError as e:
         # Name what the user asked for, not our temporary sibling.
-        raise PermissionError(e.errno, f"cannot create checkpoint {final}: {e.strerror}", e.filename) from None
-    return tmp
+        raise PermissionError(e.errno, f"cannot create checkpoint {target.show(final)}: {e.strerror}",
+                              e.filename) from None
+    try:
+        return target.staging_dir(tmp)
+    except BaseException:
+        target.remove_tree(tmp)
+        raise
 
 
 # Names a checkpoint's own files take: the manifest, the index and the stripes
@@ -151,19 +157,6 @@ def extra_files(files: Any, reserved: tuple[str, ...] = ()) -> dict[str, bytes]:
     return out
 
 
-def _write_durable(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except OSError as e:  # os.write/fsync errors carry no path: name the file, as native errors do
-        raise OSError(e.errno, f"{e.strerror} (writing {os.path.basename(path)})", path) from None
-    finally:
-        os.close(fd)
-
-
 def encode_files(manifest: dict, index: dict | None) -> dict[str, bytes]:
     """The bytes of the index (if any) and of the manifest, in the order they are written."""
     out = {INDEX_NAME: json.dumps(index, indent=1).encode()} if index is not None else {}
@@ -172,41 +165,44 @@ def encode_files(manifest: dict, index: dict | None) -> dict[str, bytes]:
 
 
 def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite: bool,
-             extra: dict[str, bytes] | None = None, encoded: dict[str, bytes] | None = None) -> None:
+             extra: dict[str, bytes] | None = None, encoded: dict[str, bytes] | None = None,
+             target: Target = LOCAL) -> None:
     """Commit: ``extra`` files (config.json, ``extra_files``), the index and the manifest, each
     fsync'd, the manifest last; fsync the directory; rename it into place; fsync the parent.
     encoded: ``encode_files(manifest, index)`` made earlier (manifest and index then unused)."""
     final = os.path.abspath(final)
     parent = os.path.dirname(final)
+    tmp = target.upload(tmp)  # the stripes, durable where the checkpoint lives
     for name, data in (extra or {}).items():
-        _write_durable(os.path.join(tmp, name), data)
+        target.write_durable(os.path.join(tmp, name), data)
     for name, data in (encoded or encode_files(manifest, index)).items():  # the manifest last
-        _write_durable(os.path.join(tmp, name), data)
-    _core.fsync_dir(tmp)
-    if os.path.lexists(final):
-        check_target(final, overwrite)  # it may have appeared or changed while we wrote
+        target.write_durable(os.path.join(tmp, name), data)
+    target.fsync_dir(tmp)
+    if target.exists(final):
+        check_target(final, overwrite, target)  # it may have appeared or changed while we wrote
         # Atomic swap where the file system supports it; the old checkpoint is
         # then at `tmp` and is removed only after the parent is durable.
-        if _core.rename_exchange(tmp, final):
-            _core.fsync_dir(parent)
-            shutil.rmtree(tmp, ignore_errors=True)
+        if target.exchange(tmp, final):
+            target.fsync_dir(parent)
+            target.remove_tree(tmp)
             return
         old = old_dir_for(final)
-        os.rename(final, old)
+        target.rename(final, old)
         try:
-            os.rename(tmp, final)
+            target.rename(tmp, final)
         except BaseException:
-            os.rename(old, final)  # put the previous checkpoint back where it was
+            target.rename(old, final)  # put the previous checkpoint back where it was
             raise
-        _core.fsync_dir(parent)
-        shutil.rmtree(old, ignore_errors=True)
+        target.fsync_dir(parent)
+        target.remove_tree(old)
         return
-    os.rename(tmp, final)
-    _core.fsync_dir(parent)
+    target.rename(tmp, final)
+    target.fsync_dir(parent)
 
 
-def discard(tmp: str) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)
+def discard(tmp: str, target: Target = LOCAL) -> None:
+    """Remove a save's temporary directory (``tmp`` as ``prepare`` returned it)."""
+    target.discard_staging(tmp)
 
 
 # ------------------------------------------------------------ leftovers of crashes

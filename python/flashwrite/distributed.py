@@ -59,6 +59,8 @@ from .format import build_index, merge_manifests, parse_manifest
 from .future import SaveFuture, SaveStats
 from .plan import rank_prefix
 from .read import load_state
+from .locate import resolve
+from .target import LOCAL, Target
 from .write import StripeWrite, StripeWriter
 
 log = logging.getLogger("flashwrite")
@@ -82,8 +84,9 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     coord = coordinator(process_group, timeout, coordination_group)
     seq = coord.next_seq()
     t0 = time.perf_counter()
-    final = os.path.abspath(os.fspath(path))
+    target, final = resolve(path, "save")
     tmp = commit.shared_temp_dir_for(final, coord.nonce, seq)
+    staging = tmp  # where this rank's engine writes its stripes (a local copy for nfs://)
     rank = coord.rank
 
     pool = getattr(writer, "_local", None)  # this rank's local tier (Writer(local_snapshots=True))
@@ -91,21 +94,24 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
 
     def tell_peers(e: BaseException) -> None:
         # Tell the peers now instead of letting them wait for the timeout.
-        coord.run(_report_failure, coord, final, tmp, e, overwrite, t0, store)
+        coord.run(_report_failure, coord, final, tmp, e, overwrite, t0, store, target)
 
     try:
-        commit.check_target(final, overwrite)
-        os.makedirs(tmp, exist_ok=True)  # every rank: the name is agreed, so whoever comes first creates it
+        commit.check_target(final, overwrite, target)
+        target.make_dirs(tmp)  # every rank: the name is agreed, so whoever comes first creates it
+        staging = target.staging_dir(tmp)
         if pool is not None:
             pool.before_save()
-        sw = writer.write_stripes({rank: state_dict}, tmp, t0, prefix=rank_prefix(rank), allow_pickle=allow_pickle,
-                                  metadata=metadata, **({"hold_slots": True} if pool is not None else {}))
+        sw = writer.write_stripes({rank: state_dict}, staging, t0, prefix=rank_prefix(rank),
+                                  allow_pickle=allow_pickle, metadata=metadata,
+                                  **({"hold_slots": True} if pool is not None else {}))
     except BaseException as e:
+        target.drop_staging(staging)
         tell_peers(e)
         raise
-    sw.stats.path = final
+    sw.stats.path = target.show(final)
     sw.stats.extra.update(rank=rank, world_size=coord.size)
-    fut = SaveFuture(final, sw.job, sw.stats, t0)
+    fut = SaveFuture(sw.stats.path, sw.job, sw.stats, t0)
     # Each rank keeps its own part as a local snapshot (its manifest's tree is {rank: state}).
     ls = local.LocalSave(pool, sw, final, (rank, coord.size)) if pool is not None else None
 
@@ -119,13 +125,14 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
                     neighbour.exchange(coord, ls.snapshot() if ls is not None else None, store)
                 except PeerLost as e:
                     lost = e  # the rounds below fail on it, as for any lost peer
-            stats = _agree_and_commit(coord, final, tmp, sw, lost, overwrite, t0, fut, commit_gate)
+            stats = _agree_and_commit(coord, final, tmp, sw, lost, overwrite, t0, fut, commit_gate, target, staging)
             if ls is not None:
                 ls.committed()
             if store is not None:
                 store.committed(final)
             return stats
         finally:
+            target.drop_staging(staging)
             if ls is not None:
                 ls.end()
 
@@ -137,13 +144,13 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
 
 
 def _report_failure(coord: Coordinator, final: str, tmp: str, error: BaseException, overwrite: bool,
-                    t0: float, store: Any = None) -> None:
+                    t0: float, store: Any = None, target: Target = LOCAL) -> None:
     """This rank failed before its save was launched: take part in the save's rounds as failed
     (and in its exchange of neighbour copies, with nothing to send)."""
     try:
         if store is not None:
             neighbour.exchange(coord, None, store)
-        _agree_and_commit(coord, final, tmp, None, error, overwrite, t0, None, None)
+        _agree_and_commit(coord, final, tmp, None, error, overwrite, t0, None, None, target, tmp)
     except BaseException as e:  # noqa: BLE001 - the caller already has its own error
         if e is not error:
             log.warning("flashwrite: coordination of %s failed: %s", final, e)
@@ -156,7 +163,8 @@ def _stop(sw: StripeWrite | None) -> None:
 
 def _agree_and_commit(coord: Coordinator, final: str, tmp: str, sw: StripeWrite | None,
                       error: BaseException | None, overwrite: bool, t0: float, fut: SaveFuture | None,
-                      commit_gate: Callable[[], None] | None) -> SaveStats:
+                      commit_gate: Callable[[], None] | None, target: Target = LOCAL,
+                      staging: str | None = None) -> SaveStats:
     group = coord.group
     manifest = None
     try:
@@ -169,6 +177,7 @@ def _agree_and_commit(coord: Coordinator, final: str, tmp: str, sw: StripeWrite 
                 if done:
                     try:
                         manifest = sw.wait_durable()
+                        target.upload(staging or tmp)  # nfs://: this rank's stripes, committed on the server
                         if commit_gate is not None:
                             commit_gate()  # a cancel that won makes this rank fail the round
                     except BaseException as e:  # noqa: BLE001 - reported to every rank below
@@ -187,7 +196,7 @@ def _agree_and_commit(coord: Coordinator, final: str, tmp: str, sw: StripeWrite 
             texts: list = [None] * coord.size
             collective(dist.all_gather_object, texts, mine, group=group)
             if coord.rank == 0:
-                commit.discard(tmp)
+                commit.discard(tmp, target)
             failures = {r: t for r, t in enumerate(texts) if t is not None}
             summary = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
             if error is not None:
@@ -204,19 +213,19 @@ def _agree_and_commit(coord: Coordinator, final: str, tmp: str, sw: StripeWrite 
         if coord.rank == 0:
             try:
                 merged = merge_manifests(manifests)
-                _check_visible(merged, tmp)
+                _check_visible(merged, tmp, target)
                 parse_manifest(json.dumps(merged).encode())  # what a reader will check, before it is visible
-                commit.finalize(tmp, final, merged, build_index(merged), overwrite)
+                commit.finalize(tmp, final, merged, build_index(merged), overwrite, target=target)
                 outcome[0] = ("ok", sum(f["size"] for f in merged["files"]))
             except BaseException as e:  # noqa: BLE001 - broadcast, then raised on every rank
-                commit.discard(tmp)
+                commit.discard(tmp, target)
                 outcome[0] = ("error", f"{type(e).__name__}: {e}"[:2000])
                 error = e
         collective(dist.broadcast_object_list, outcome, src=coord.global_rank(0), group=group)
     except PeerLost as e:
         _stop(sw)
         coord.lost(e)
-        commit.discard(tmp)
+        commit.discard(tmp, target)
         raise DistributedSaveError(
             f"multi-rank save to {final}: lost contact with a peer (it died, or was silent for longer than the "
             f"timeout of {coord.timeout_s} s); nothing was committed. {e}") from (error or e.__cause__)
@@ -232,9 +241,9 @@ def _agree_and_commit(coord: Coordinator, final: str, tmp: str, sw: StripeWrite 
     return stats
 
 
-def _check_visible(merged: dict, tmp: str) -> None:
+def _check_visible(merged: dict, tmp: str, target: Target = LOCAL) -> None:
     for f in merged["files"]:
-        if not os.path.exists(os.path.join(tmp, f["name"])):
+        if not target.exists(os.path.join(tmp, f["name"])):
             raise FlashwriteError(f"stripe {f['name']} is not visible in {tmp} from rank 0: every rank must write to "
                                   "the same shared file system")
 

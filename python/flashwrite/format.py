@@ -42,6 +42,7 @@ from ._core import CHECKSUM_ALGORITHM
 from .errors import CorruptCheckpointError, FlashwriteError, UnsafeCheckpointError
 from .flatten import referenced_keys
 from .plan import MAX_HEADER_BYTES, PlannedFile
+from .target import local_path
 
 # 2: the tree may hold view, ndarray and npscalar nodes and tensor flags (param, rg).
 # 3: the manifest carries manifest_checksum, a SHA-256 of its own content.
@@ -310,7 +311,7 @@ def check_member_name(name: Any) -> str:
 
 def read_manifest(path: str | os.PathLike, *, shown: str | None = None) -> Manifest:
     """Read and check ``path``/flashwrite.json; messages name ``shown`` (default: path)."""
-    fpath = os.path.join(os.fspath(path), MANIFEST_NAME)
+    fpath = os.path.join(local_path(path, "read manifest"), MANIFEST_NAME)
     mpath = os.path.join(shown, MANIFEST_NAME) if shown is not None else fpath
     if not os.path.isdir(path):
         raise FileNotFoundError(2, "checkpoint directory not found", os.fspath(shown or path))

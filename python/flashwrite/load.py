@@ -8,13 +8,17 @@ the data path).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
+import shutil
 import threading
 from typing import Any
 
 from . import defaults, distributed, foreign, gcpause
 from .format import MANIFEST_NAME
 from .read import LoadResult, load_foreign, load_state, read_tensors
+from .locate import resolve
+from .target import check_path, url_scheme
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
 
@@ -52,12 +56,28 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     a group of the same size (reading only its stripes). Without it, a multi-rank
     checkpoint loads as ``{rank: state}``.
     """
+    check_path(path, "load")  # a URL other than nfs:// is refused before anything else
     options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
                    backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
     # One pause of the collector for the whole load (one collection after it, not one
     # per stage): a state of 100,000 tensors is 100,000s of new objects (see gcpause).
-    with gcpause.paused():
-        return _load(path, process_group, options)
+    with gcpause.paused(), _fetched(path, "load") as local:
+        return _load(local, process_group, options)
+
+
+@contextlib.contextmanager
+def _fetched(path: str | os.PathLike, what: str):
+    """A local path to read ``path`` from: itself, or for nfs:// a copy of the checkpoint
+    read over the NFS connections into /dev/shm (removed afterwards)."""
+    if url_scheme(path) is None:
+        yield path
+        return
+    target, inner = resolve(path, what)
+    local = target.download(inner)
+    try:
+        yield local
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def _load(path: str | os.PathLike, process_group: Any, options: dict) -> Any:
@@ -84,6 +104,7 @@ _load_pool_lock = threading.Lock()
 def load_async(path: str | os.PathLike, **kwargs: Any) -> concurrent.futures.Future:
     """``load`` on a background thread; returns a concurrent.futures.Future."""
     global _load_pool
+    check_path(path, "load_async")  # raised at the call, not by the future
     with _load_pool_lock:
         if _load_pool is None:
             _load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="flashwrite-load")
@@ -93,7 +114,8 @@ def load_async(path: str | os.PathLike, **kwargs: Any) -> concurrent.futures.Fut
 def verify(path: str | os.PathLike) -> dict:
     """Check a checkpoint offline: manifest, stripe sizes and headers, every checksum.
     Raises CorruptCheckpointError (naming file and tensor) or returns a summary."""
-    res = read_tensors(path, verify=True)
+    with _fetched(check_path(path, "verify"), "verify") as local:
+        res = read_tensors(local, verify=True)
     m = res.manifest
     return {"path": os.fspath(path), "files": len(m.files), "tensors": len(m.tensors),
             "bytes": sum(f.size for f in m.files), "writer_version": m.writer_version, "seconds": res.elapsed_s}

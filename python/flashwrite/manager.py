@@ -44,14 +44,13 @@ import errno
 import logging
 import os
 import re
-import shutil
 import signal
 import string
 import threading
 import time
 from typing import Any, Callable
 
-from . import _core, commit, local, neighbour
+from . import commit, local, neighbour
 from .errors import CorruptCheckpointError
 from .flatten import flatten, unflatten
 from .format import MANIFEST_NAME
@@ -59,6 +58,8 @@ from .future import SaveFuture, SaveStats
 from .load import load
 from .read import LoadResult, _load_into, tensor_placer
 from .save import Writer
+from .locate import resolve
+from .target import LOCAL, UnsupportedTargetError
 
 log = logging.getLogger("flashwrite")
 
@@ -176,7 +177,18 @@ class CheckpointManager:
         self._name_re = _name_pattern(name)
         self.on_commit = on_commit
         self.name = name
-        self.root = os.path.abspath(os.fspath(root))
+        # Where the steps live: a local directory, or a directory in an nfs:// export
+        # (then root is the URL without its query, which path_for puts back).
+        self._target, self._dir = resolve(root, "CheckpointManager root")
+        self._query = ""
+        if self._target is LOCAL:
+            self.root = self._dir
+        else:
+            url, _, query = os.fspath(root).partition("?")
+            self.root, self._query = url.rstrip("/"), f"?{query}" if query else ""
+            if local_snapshots or neighbour_copies or (writer is not None and writer.local_snapshots):
+                raise UnsupportedTargetError(f"CheckpointManager root {self.root!r}: local snapshots with nfs:// "
+                                             "are not supported yet", url=self.root, scheme="nfs")
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.keep_last = keep_last
@@ -209,7 +221,7 @@ class CheckpointManager:
         self._sigterm_pending = False
         self._preempting = False
         self._final_state = final_state
-        os.makedirs(self.root, exist_ok=True)
+        self._target.make_dirs(self._dir)
         if cleanup:
             self.cleanup_stale()
         if reserve is not None:
@@ -220,21 +232,29 @@ class CheckpointManager:
     # ----------------------------------------------------------------- naming
 
     def path_for(self, step: int) -> str:
-        return os.path.join(self.root, self.name.format(step=step))
+        """The checkpoint of ``step``, as save and load take it (a URL for nfs://)."""
+        if self._target is LOCAL:
+            return os.path.join(self.root, self.name.format(step=step))
+        return f"{self.root}/{self.name.format(step=step)}{self._query}"
+
+    def _where(self, step: int) -> str:
+        """The checkpoint of ``step`` as its Target names it."""
+        return os.path.join(self._dir, self.name.format(step=step))
 
     def all_steps(self) -> list[int]:
         """Steps of the committed checkpoints under root, ascending. A directory
         counts only under its exact name and with its manifest in place."""
         steps = []
         try:
-            entries = list(os.scandir(self.root))
+            names = self._target.list(self._dir)
         except FileNotFoundError:
             return []
-        for e in entries:
-            m = self._name_re.match(e.name)
-            if not m or os.path.basename(self.path_for(int(m.group(1)))) != e.name:
+        for name in names:
+            m = self._name_re.match(name)
+            if not m or self.name.format(step=int(m.group(1))) != name:
                 continue
-            if e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
+            path = os.path.join(self._dir, name)
+            if self._target.is_dir(path) and self._target.is_file(os.path.join(path, MANIFEST_NAME)):
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
@@ -267,7 +287,7 @@ class CheckpointManager:
             return None
         with self._call():
             p = self._inflight
-            if (p is not None and p.step == step and not p.done.is_set()) or os.path.lexists(self.path_for(step)):
+            if (p is not None and p.step == step and not p.done.is_set()) or self._target.exists(self._where(step)):
                 log.warning("checkpoint for step %d already exists in %s; not saving it again", step, self.root)
                 return None
             return self._start(step, state_dict, overwrite=False, policy=self.if_busy, save_options=save_options)
@@ -361,14 +381,14 @@ class CheckpointManager:
                 self._delete(s)
 
     def _delete(self, step: int) -> None:
-        path = self.path_for(step)
+        path = self._where(step)
         doomed = commit.old_dir_for(path)
-        os.rename(path, doomed)
-        _core.fsync_dir(self.root)
+        self._target.rename(path, doomed)
+        self._target.fsync_dir(self._dir)
         # Without its manifest the moved directory can never be taken for (or
         # restored as) a checkpoint, whatever state a crash leaves it in.
-        os.unlink(os.path.join(doomed, MANIFEST_NAME))
-        shutil.rmtree(doomed, ignore_errors=True)
+        self._target.remove_file(os.path.join(doomed, MANIFEST_NAME))
+        self._target.remove_tree(doomed)
         log.info("removed checkpoint step %d (retention)", step)
 
     def cleanup_stale(self) -> list[str]:
@@ -377,7 +397,10 @@ class CheckpointManager:
         snapshots of this root whose owner died that are older than its newest
         committed step. Returns the names it removed or restored. Called by the
         constructor."""
-        touched = commit.clean_stale(self.root) if self._rank is None or self._rank[0] == 0 else []
+        # On nfs:// the owner of a temporary directory cannot be told alive from dead
+        # (another host's pid): they are left alone there.
+        mine = self._target is LOCAL and (self._rank is None or self._rank[0] == 0)
+        touched = commit.clean_stale(self.root) if mine else []
         if self.local_dir is not None:
             latest = self.latest_step()
             if latest is not None:

@@ -33,6 +33,7 @@ from . import cuda as _cuda
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from .flatten import FlatTensor, flatten, unflatten
 from .format import Manifest, TensorEntry, check_stripe_header, piece_ranges, read_manifest, select_rank
+from .target import local_path
 
 __all__ = ["LoadResult", "CheckpointDir", "read_tensors", "load_state", "tensor_placer"]
 
@@ -70,7 +71,7 @@ class CheckpointDir:
                  describe: Callable[[str, str], Manifest] = lambda base, shown: read_manifest(base, shown=shown)):
         """describe(base, shown): the manifest of the directory opened at ``base`` (messages
         name ``shown``); by default its flashwrite.json, or e.g. ``foreign.describe``."""
-        self.path = os.fspath(path)
+        self.path = local_path(path, "read")
         if not os.path.isdir(self.path):
             raise FileNotFoundError(2, "checkpoint directory not found", self.path)
         self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -24,6 +24,8 @@ from .flatten import flatten_columns
 from .plan import plan_files
 from .format import build_index
 from .future import SaveFuture, SaveStats
+from .locate import resolve
+from .target import UnsupportedTargetError, check_path, url_scheme
 from .write import StripeWrite
 
 __all__ = ["Writer", "SaveFuture", "SaveStats", "StripeWrite", "default_writer", "save_async", "save"]
@@ -229,6 +231,10 @@ class Writer:
         plain file names (``trainer_state.json``, ``tokenizer.json``); they are written and
         fsync'd before the manifest, so the directory never appears without them.
         """
+        check_path(path, "save")  # a URL other than nfs:// is refused before anything else
+        if url_scheme(path) is not None and self._local is not None:
+            raise UnsupportedTargetError(f"save: {os.fspath(path)!r}: local snapshots with nfs:// are not "
+                                         "supported yet; save to a mounted path", url=os.fspath(path), scheme="nfs")
         single = ("hf_model", hf_model), ("hf_config", hf_config), ("extra_files", extra_files)
         if process_group is not None or coordination_group is not None:
             given = [name for name, v in single if v is not None]
@@ -248,8 +254,8 @@ class Writer:
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("Writer is closed")
-        path = os.path.abspath(os.fspath(path))
-        tmp = commit.prepare(path, overwrite)
+        target, path = resolve(path, "save")
+        tmp = commit.prepare(path, overwrite, target)
         snap = self._local
         if snap is not None:
             snap.before_save()
@@ -257,10 +263,10 @@ class Writer:
             sw = self.write_stripes(state_dict, tmp, t0, allow_pickle=allow_pickle, metadata=metadata,
                                     hf_model=hf_model, hold_slots=snap is not None)
         except BaseException:
-            commit.discard(tmp)
+            commit.discard(tmp, target)
             raise
-        sw.stats.path = path
-        fut = SaveFuture(path, sw.job, sw.stats, t0)
+        sw.stats.path = target.show(path)
+        fut = SaveFuture(sw.stats.path, sw.job, sw.stats, t0)
         ls = local.LocalSave(snap, sw, path) if snap is not None else None
 
         def finish(commit_gate: Callable[[], None]) -> SaveStats:
@@ -275,7 +281,7 @@ class Writer:
                 commit_gate()
                 manifest = sw.wait_durable()
                 commit.finalize(tmp, path, manifest, build_index(manifest) if files is None else None, overwrite,
-                                extra=extra, encoded=files)
+                                extra=extra, encoded=files, target=target)
                 if ls is not None:
                     ls.committed()
             finally:
@@ -287,7 +293,7 @@ class Writer:
             return sw.stats
 
         fut._launch(finish, lambda run: self._committer().submit(run), block=block,
-                    cleanup=lambda: commit.discard(tmp))
+                    cleanup=lambda: commit.discard(tmp, target))
         if ls is not None and block:
             # Returning "staged" means the snapshot outlives this process from here on.
             ls.seal()
@@ -357,7 +363,7 @@ def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Wri
     if unknown:
         raise TypeError(f"unknown Writer options: {sorted(unknown)}")
     effective.update(options)
-    if path is not None and options.get("chunk_bytes") is None:
+    if path is not None and options.get("chunk_bytes") is None and url_scheme(check_path(path, "save")) is None:
         # A tuned chunk size sizes the pool: one shared writer per chunk size, so a save to
         # another file system is not bound to the first one's tuning.
         from . import tuning
@@ -383,6 +389,7 @@ def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> Save
     allow_pickle, metadata, hf_model, hf_config, extra_files; process_group,
     coordination_group, timeout for a multi-rank save).
     """
+    check_path(path, "save")  # before the tuning of a path's file system is looked up
     wopts, sopts = _split_options(dict(options))
     return default_writer(path, **wopts).save_async(state_dict, path, **sopts)
 

@@ -17,6 +17,7 @@ from .. import defaults
 from ..errors import CorruptCheckpointError
 from ..format import MANIFEST_NAME, read_manifest
 from ..read import CheckpointDir
+from ..target import local_path, url_scheme
 from .section import InlineItem, StoredChunk, decode_metadata
 
 __all__ = ["FlashwriteStorageReader", "DEFAULT_MAX_READ_BYTES"]
@@ -35,7 +36,7 @@ class FlashwriteStorageReader(StorageReader):
     def __init__(self, path: str | os.PathLike | None = None, *, verify: bool = True, backend: str = "auto",
                  direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
         super().__init__()
-        self.path = None if path is None else os.fspath(path)
+        self.path = None if path is None else local_path(path, "DCP reader")
         self.verify = verify
         self.backend = backend
         self.direct = direct
@@ -46,7 +47,7 @@ class FlashwriteStorageReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id, "DCP reader")
         self.storage_data = {}
         self.load_id = uuid.uuid4().hex
 
@@ -121,6 +122,8 @@ class FlashwriteStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
+            if url_scheme(checkpoint_id) is not None:
+                return False
             return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MANIFEST_NAME))
         except TypeError:
             return False

@@ -32,6 +32,7 @@ from ..errors import CheckpointExistsError, FlashwriteError
 from ..format import build_index, parse_manifest
 from ..plan import rank_prefix
 from ..save import default_writer
+from ..target import local_path
 from ..write import StripeWrite
 from .section import InlineItem, StoredChunk, build_manifest, item_key, stored_chunks
 
@@ -129,7 +130,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                  process_group: Any = None, coordination_group: Any = None, timeout: float | None = None,
                  **writer_options: Any):
         super().__init__()
-        self._fixed_path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self._fixed_path = os.path.abspath(local_path(path, "DCP writer")) if path is not None else None
         self.path: str | None = self._fixed_path
         self.overwrite = overwrite
         self.writer = writer if writer is not None else default_writer(**writer_options)
@@ -230,7 +231,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = os.path.abspath(local_path(checkpoint_id, "DCP writer"))
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -24,6 +24,7 @@ from .. import _core, commit, defaults, dtypes
 from ..flatten import FlatTensor, unflatten
 from ..format import build_index, build_manifest, piece_ranges
 from ..plan import PlannedFile, plan_files
+from ..target import local_path
 from .common import UsageError
 from .sources import FORMATS, META_KEY, SIDECAR, Item, Source, detect, flat_tree, open_source
 
@@ -270,6 +271,7 @@ def to_dcp(src: Source, dst: str, progress: Any, *, allow_pickle: bool) -> None:
 def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_format: str | None = None,
             allow_pickle: bool = False, stripes: int | None = None, shards: int | None = None,
             overwrite: bool = False, progress: Any) -> dict:
+    src_path, dst = local_path(src_path, "convert"), local_path(dst, "convert")
     if src_format and src_format not in FORMATS:
         raise UsageError(f"unknown --from {src_format!r}; choose from {', '.join(FORMATS)}")
     kind = src_format or detect(src_path)

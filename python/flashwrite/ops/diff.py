@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ..format import Manifest, TensorEntry, read_manifest
+from ..target import local_path
 from . import tree as _tree
 
 READ_BYTES = 8 << 20
@@ -67,7 +68,7 @@ def _same_bytes(sa: _Stripes, ea: TensorEntry, sb: _Stripes, eb: TensorEntry, pr
 def diff(a: str, b: str, *, deep: bool = False, pattern: str | None = None, progress: Any = None) -> dict[str, Any]:
     from .inspect import _matcher
     match = _matcher(pattern)
-    ma, mb = read_manifest(a), read_manifest(b)
+    ma, mb = read_manifest(local_path(a, "diff")), read_manifest(local_path(b, "diff"))
     ka = {k for k in ma.tensors if match(k)}
     kb = {k for k in mb.tensors if match(k)}
     out: dict[str, Any] = {"a": os.path.abspath(a), "b": os.path.abspath(b), "deep": deep,

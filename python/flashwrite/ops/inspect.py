@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from ..format import Manifest, read_manifest
+from ..target import local_path
 from . import tree as _tree
 
 
@@ -25,7 +26,7 @@ def _matcher(pattern: str | None):
 def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
     """The manifest as a report: tensors (filtered by ``pattern``: a glob, a substring,
     or ``re:REGEX``), totals by top-level key and dtype, leaves, stripes, writer."""
-    m: Manifest = read_manifest(path)
+    m: Manifest = read_manifest(local_path(path, "inspect"))
     match = _matcher(pattern)
     tensors = []
     by_top: dict[str, list[int]] = {}

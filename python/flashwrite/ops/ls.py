@@ -23,6 +23,7 @@ from typing import Any
 
 from .. import _core, commit, local
 from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD
+from ..target import local_path
 
 VERIFIED_NAME = ".flashwrite-verified.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -148,6 +149,7 @@ def describe(path: str, name: str | None = None) -> Entry | None:
 def list_checkpoints(root: str, recursive: bool = False) -> list[Entry]:
     """Checkpoints in ``root`` (ROOT itself when it is one, else its children;
     with ``recursive``, every directory below that is not inside a checkpoint)."""
+    root = local_path(root, "ls")
     if not os.path.exists(root):
         raise FileNotFoundError(2, "no such directory", root)
     if not os.path.isdir(root):
@@ -174,7 +176,7 @@ def list_checkpoints(root: str, recursive: bool = False) -> list[Entry]:
 def list_local(root: str, local_dir: str | None = None) -> list[Entry]:
     """Local snapshots in ``local_dir`` (default /dev/shm) of ROOT or of its children:
     step, state, size, owner (alive or dead) and where (the header's path)."""
-    root = os.path.abspath(root)
+    root = os.path.abspath(local_path(root, "ls"))
     out = []
     for snap in local.scan(local_dir or local.default_dir()):
         if snap.path != root and os.path.dirname(snap.path) != root:

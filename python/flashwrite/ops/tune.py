@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from .. import defaults
+from ..target import local_path
 
 STRIPES = (1, 2, 4, 8, 16)
 QUEUE_DEPTHS = (4, 8, 16, 32, 64)
@@ -61,7 +62,7 @@ def pick_size(budget_s: float, rate_bps: float, directory: str) -> int:
 class Tuner:
     def __init__(self, directory: str, budget_s: float, progress: Any, device_tool: str = "auto",
                  size: int | None = None, log: Callable[[str], None] = lambda _m: None):
-        if not os.path.isdir(directory):
+        if not os.path.isdir(local_path(directory, "tune")):
             raise FileNotFoundError(2, "no such directory", directory)
         if budget_s <= 0:
             raise ValueError("--budget-s must be positive")

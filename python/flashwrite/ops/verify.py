@@ -10,11 +10,12 @@ from typing import Any
 
 from ..format import read_manifest
 from ..load import read_tensors
+from ..target import local_path
 
 
 def verify(path: str, progress: Any = None) -> dict:
     t0 = time.perf_counter()
-    m = read_manifest(path)
+    m = read_manifest(local_path(path, "verify"))
     by_file: dict[int, set[str]] = {}
     for k, e in m.tensors.items():
         by_file.setdefault(e.file, set()).add(k)

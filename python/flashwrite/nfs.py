@@ -1,0 +1,317 @@
+"""nfs:// targets: checkpoints on an NFSv3 server, with no mount and no root.
+
+``nfs://HOST[:PORT]/EXPORT/PATH[?connections=N&depth=D&timeout=S&mountport=P]``
+
+- The export is found from the server's export list (MOUNT EXPORT through the
+  portmapper): the longest exported prefix of the URL's path wins, and the rest is
+  the path inside the export. NFSv3 names an export by its real path on the server.
+- PORT (or ``nfsport=``) and ``mountport=`` skip the portmapper for those services;
+  with ``mountport=`` the export is the longest prefix the server lets us mount.
+- ``connections`` (default 4): TCP connections for bulk transfers, each with
+  ``depth`` (default 16) WRITE or READ RPCs in flight; ``timeout`` (seconds,
+  default 10): the longest wait for the server without progress before an
+  operation fails with an error naming the server and the operation.
+
+The transfers run in the native core (``_core.NfsClient``, io/nfs_client.cpp) on
+libnfs, loaded at run time. A save stages and checksums its stripes exactly as a
+local save does, into a staging directory in /dev/shm, then sends each stripe with
+UNSTABLE WRITEs over the connections and COMMITs it, checking the server's write
+verifier (a server restart between WRITE and COMMIT means the bytes are written
+again); then the index and the manifest (committed the same way), then the rename.
+NFSv3 servers make directory operations stable before replying, so there is no
+directory fsync. A load reads the stripes back over the connections into /dev/shm
+and loads and verifies them there. The staging copies are removed when the call
+returns.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import urllib.parse
+from dataclasses import dataclass
+
+from . import _core
+from .target import Target, UnsupportedTargetError
+
+__all__ = ["NfsUrl", "parse_url", "NfsTarget", "target_for"]
+
+DEFAULT_CONNECTIONS = 4
+DEFAULT_DEPTH = 16
+DEFAULT_TIMEOUT_S = 10.0
+_QUERY_KEYS = {"connections", "depth", "timeout", "nfsport", "mountport"}
+
+
+@dataclass(frozen=True)
+class NfsUrl:
+    server: str
+    path: str                 # the path on the server (export + path inside it)
+    nfs_port: int = 0
+    mount_port: int = 0
+    connections: int = DEFAULT_CONNECTIONS
+    depth: int = DEFAULT_DEPTH
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def parse_url(url: str) -> NfsUrl:
+    """Split an nfs:// URL; a malformed one raises UnsupportedTargetError saying what is wrong."""
+    u = urllib.parse.urlsplit(url)
+
+    def bad(why: str) -> UnsupportedTargetError:
+        return UnsupportedTargetError(f"{url!r}: {why} (expected nfs://HOST[:PORT]/EXPORT/PATH"
+                                      "[?connections=N&depth=D&timeout=S&mountport=P])", url=url, scheme="nfs")
+
+    if u.scheme.lower() != "nfs":
+        raise bad("not an nfs:// URL")
+    if not u.hostname:
+        raise bad("no server")
+    path = os.path.normpath("/" + u.path.lstrip("/")) if u.path else "/"
+    if path == "/":
+        raise bad("no export path")
+    q = urllib.parse.parse_qs(u.query, keep_blank_values=True)
+    unknown = set(q) - _QUERY_KEYS
+    if unknown:
+        raise bad(f"unknown parameter(s) {sorted(unknown)}; known: {sorted(_QUERY_KEYS)}")
+
+    def num(key: str, default: float, cast=int, low: float = 1) -> float:
+        if key not in q:
+            return default
+        try:
+            v = cast(q[key][-1])
+        except ValueError:
+            raise bad(f"{key}={q[key][-1]!r} is not a number") from None
+        if v < low:
+            raise bad(f"{key} must be at least {low}")
+        return v
+
+    try:
+        port = u.port or 0
+    except ValueError:
+        raise bad("bad port") from None
+    return NfsUrl(server=u.hostname, path=path, nfs_port=int(num("nfsport", port)),
+                  mount_port=int(num("mountport", 0)), connections=int(num("connections", DEFAULT_CONNECTIONS)),
+                  depth=int(num("depth", DEFAULT_DEPTH)), timeout_s=float(num("timeout", DEFAULT_TIMEOUT_S, float, 0.1)))
+
+
+def _require_libnfs(url: str, what: str) -> None:
+    if not hasattr(_core, "NfsClient") or not _core.nfs_available():
+        reason = _core.nfs_unavailable_reason() if hasattr(_core, "nfs_unavailable_reason") else "no NFS client"
+        raise UnsupportedTargetError(f"{what}: {url!r} needs libnfs: {reason}", url=url, scheme="nfs")
+
+
+def find_export(server: str, path: str, timeout_s: float) -> str:
+    """The longest export of ``server`` that is ``path`` or a parent of it (the export
+    list comes from the server's MOUNT service, found through its portmapper)."""
+    exports = _core.nfs_exports(server, int(timeout_s * 1000))
+    best = ""
+    for e in exports:
+        e = os.path.normpath(e)
+        if (path == e or path.startswith(e.rstrip("/") + "/")) and len(e) > len(best):
+            best = e
+    if not best:
+        raise FileNotFoundError(2, f"no export of {server} contains {path} (exports: {', '.join(exports) or 'none'})",
+                                f"nfs://{server}{path}")
+    return best
+
+
+def _mount_longest(u: NfsUrl) -> tuple[str, NfsTarget]:
+    """With mountport= the portmapper is not asked, so neither is the export list: the
+    longest prefix of the path the server lets us mount is the export."""
+    parts = u.path.rstrip("/").split("/")
+    refused: OSError | None = None
+    for i in range(len(parts), 1, -1):
+        export = "/".join(parts[:i])
+        try:
+            return export, NfsTarget(u, export)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.ENOENT, errno.EPERM):
+                raise
+            refused = e
+    raise FileNotFoundError(2, f"the server mounts no prefix of {u.path} ({refused})",
+                            f"nfs://{u.server}:{u.mount_port}{u.path}")
+
+
+class NfsTarget(Target):
+    """Checkpoints in one export of one NFS server. Paths are inside the export ("/run/ck")."""
+
+    name = "nfs"
+
+    def __init__(self, url: NfsUrl, export: str):
+        self.url = url
+        self.export = export
+        self.client = _core.NfsClient(url.server, export, nfs_port=url.nfs_port, mount_port=url.mount_port,
+                                      connections=url.connections, depth=url.depth,
+                                      timeout_ms=int(url.timeout_s * 1000))
+        self._staging: dict[str, str] = {}  # local staging directory -> temporary directory on the server
+        self._lock = threading.Lock()
+
+    def show(self, path: str) -> str:
+        """The URL of ``path`` (for messages and stats)."""
+        return self.client.url(path)
+
+    def exists(self, path: str) -> bool:
+        return self.client.stat(path)[0]
+
+    def is_dir(self, path: str) -> bool:
+        return self.client.stat(path)[1]
+
+    def is_file(self, path: str) -> bool:
+        exists, is_dir, _ = self.client.stat(path)
+        return exists and not is_dir
+
+    def list(self, path: str) -> list[str]:
+        return self.client.listdir(path)
+
+    def make_dirs(self, path: str) -> None:
+        parts = [p for p in path.split("/") if p]
+        cur = ""
+        for p in parts:
+            cur += "/" + p
+            exists, is_dir, _ = self.client.stat(cur)
+            if not exists:
+                try:
+                    self.client.mkdir(cur)
+                except FileExistsError:
+                    pass
+            elif not is_dir:
+                raise NotADirectoryError(20, "not a directory", self.show(cur))
+
+    def make_dir(self, path: str) -> None:
+        self.client.mkdir(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.client.rename(src, dst)
+
+    def remove_file(self, path: str) -> None:
+        self.client.unlink(path)
+
+    def fsync_dir(self, path: str) -> None:
+        pass  # NFSv3 makes CREATE, MKDIR, RENAME and REMOVE stable before it replies
+
+    def remove_tree(self, path: str) -> None:
+        try:
+            exists, is_dir, _ = self.client.stat(path)
+            if not exists:
+                return
+            if is_dir:
+                for name in self.client.listdir(path):
+                    self.remove_tree(f"{path}/{name}")
+                self.client.rmdir(path)
+            else:
+                self.client.unlink(path)
+        except OSError:
+            pass  # best effort, as shutil.rmtree(ignore_errors=True)
+
+    def write_durable(self, path: str, data: bytes) -> None:
+        self.client.write_file(path, data, True)
+
+    def open_stripe(self, path: str, write: bool) -> int:
+        raise UnsupportedTargetError(f"{self.show(path)}: stripes on nfs:// are sent by the NFS client, not opened",
+                                     url=self.show(path), scheme="nfs")
+
+    # ---- staging: the engine writes stripes locally; upload sends them over NFS
+
+    def staging_dir(self, tmp: str) -> str:
+        local = tempfile.mkdtemp(prefix="flashwrite-nfs-", dir=_staging_root())
+        with self._lock:
+            self._staging[local] = tmp
+        return local
+
+    def upload(self, staging: str) -> str:
+        with self._lock:
+            tmp = self._staging.get(staging)
+        if tmp is None:
+            return staging  # a temporary directory on the server already (sent earlier, or by another rank)
+        for name in sorted(os.listdir(staging)):
+            src = os.path.join(staging, name)
+            size = os.path.getsize(src)
+            if size == 0:
+                self.client.write_file(f"{tmp}/{name}", b"", True)
+                continue
+            with open(src, "rb") as fh:
+                with mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as m:
+                    self.client.write_file(f"{tmp}/{name}", m, True)
+            os.unlink(src)  # the staging copy goes as soon as the server holds it
+        self.drop_staging(staging)
+        return tmp
+
+    def discard_staging(self, staging: str) -> None:
+        with self._lock:
+            tmp = self._staging.pop(staging, None)
+        if tmp is None:  # a temporary directory on the server
+            self.remove_tree(staging)
+            return
+        shutil.rmtree(staging, ignore_errors=True)
+        self.remove_tree(tmp)
+
+    def drop_staging(self, staging: str) -> None:
+        with self._lock:
+            known = self._staging.pop(staging, None) is not None
+        if known:  # never a server path taken for a local one
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def download(self, path: str) -> str:
+        """Copy the checkpoint directory ``path`` into a fresh local directory; returns it."""
+        local = tempfile.mkdtemp(prefix="flashwrite-nfs-", dir=_staging_root())
+        try:
+            exists, is_dir, _ = self.client.stat(path)
+            if not exists or not is_dir:
+                raise FileNotFoundError(2, "checkpoint directory not found", self.show(path))
+            for name in self.client.listdir(path):
+                exists, is_dir, size = self.client.stat(f"{path}/{name}")
+                if is_dir:
+                    continue
+                # Straight into the staging file's pages: no buffer in between.
+                fd = os.open(os.path.join(local, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    if size:
+                        os.ftruncate(fd, size)
+                        with mmap.mmap(fd, size) as m:
+                            n = self.client.read_into(f"{path}/{name}", m, 0)
+                        if n != size:
+                            os.ftruncate(fd, n)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            shutil.rmtree(local, ignore_errors=True)
+            raise
+        return local
+
+
+def _staging_root() -> str:
+    return os.environ.get("FLASHWRITE_NFS_STAGING") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
+_targets: dict[tuple, NfsTarget] = {}
+_targets_lock = threading.Lock()
+
+
+def target_for(url: str, what: str) -> tuple[NfsTarget, str]:
+    """(the target serving ``url``, the path inside its export)."""
+    _require_libnfs(url, what)
+    u = parse_url(url)
+    key = (u.server, u.nfs_port, u.mount_port, u.connections, u.depth, u.timeout_s)
+    with _targets_lock:
+        cached = [(e, t) for (k, e), t in _targets.items() if k == key]
+    if u.mount_port:
+        # The export list needs the portmapper; an explicit mount port means it is not asked.
+        hits = [(e, t) for e, t in cached if u.path == e or u.path.startswith(e.rstrip("/") + "/")]
+        export, t = max(hits, key=lambda h: len(h[0])) if hits else _mount_longest(u)
+    else:
+        export = find_export(u.server, u.path, u.timeout_s)  # asked each time: exports come and go
+        t = dict(cached).get(export) or NfsTarget(u, export)
+    with _targets_lock:
+        t = _targets.setdefault((key, export), t)
+    return t, u.path[len(export):] or "/"
+
+
+def forget(t: NfsTarget) -> None:
+    """Drop a cached target (after its server failed), so the next call connects afresh."""
+    with _targets_lock:
+        for k, v in list(_targets.items()):
+            if v is t:
+                del _targets[k]

@@ -1,0 +1,35 @@
+"""The ``nfs_server`` fixture: a fresh nfs-ganesha server per test (see nfs_server.py).
+
+Tests that use it are marked ``nfs``; they skip, with the reason, only where the server
+cannot start, and FLASHWRITE_REQUIRE_NFS_TESTS=1 (CI) turns that skip into a failure."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+from nfs_server import Export, NfsServer, NfsServerUnavailable
+
+
+@contextlib.contextmanager
+def serving(workdir: str, exports: list[Export] | None = None):
+    """A started NfsServer exporting ``exports`` (default: a fresh directory), stopped afterwards."""
+    os.makedirs(workdir, exist_ok=True)
+    server = NfsServer(exports=list(exports or []), workdir=workdir)
+    try:
+        server.start()
+    except NfsServerUnavailable as e:
+        server.stop()
+        pytest.skip(f"no NFS server here: {e}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nfs_server(tmp_path):
+    with serving(str(tmp_path / "nfs")) as server:
+        yield server
