@@ -618,6 +618,7 @@ _mutation_value = st.one_of(_scalars, st.lists(_scalars, max_size=3), st.just(_D
                             st.tuples(st.just("delta"), st.integers(-9000, 9000)))
 
 
+@pytest.mark.slow  # README's command leaves it out; CI runs it (-m slow)
 def test_fuzz_manifest(shmdir):
     """Structured mutations of a real manifest, then a full load (both verify modes).
 
@@ -664,6 +665,7 @@ def test_fuzz_manifest(shmdir):
     assert FUZZ_COUNTS["manifest"] >= 3400 and outcomes["rejected"] > 1000, (outcomes, sealed)
 
 
+@pytest.mark.slow  # README's command leaves it out; CI runs it (-m slow)
 def test_fuzz_stripe_header(shmdir):
     """Mutated safetensors headers (length field, bytes, structure) under a valid manifest."""
     c = Ckpt(os.path.join(shmdir, "ck"))
@@ -719,6 +721,7 @@ _MANIFEST_SHAPED = st.fixed_dictionaries(
     optional={"files": _values, "tensors": _values, "aliases": _values, "tree": _values})
 
 
+@pytest.mark.slow  # README's command leaves it out; CI runs it (-m slow)
 def test_fuzz_parse_and_unflatten():
     """One input per case, straight into a parser: the manifest parser (raw bytes, any
     JSON, manifest-shaped JSON), the tree builder, or the stripe header check."""

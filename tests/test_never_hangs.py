@@ -33,6 +33,7 @@ def _child(scenario, tmp_path, *args, fake=None, timeout=120, **env):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # README's command leaves it out; CI runs it (-m slow)
 def test_bounded_pool_with_gpu_and_cpu_chunks_never_starves(fake_cudart, tmp_path):
     # Before the fix: the copy threads sat in acquire() for host chunks while every
     # slot held a landed device chunk that only they could write (5 of 7 runs hung).
@@ -47,6 +48,7 @@ def test_trim_never_frees_the_slots_of_a_starting_save(tmp_path):
     assert out == {"hung": False, "freed_while_running": 0}
 
 
+@pytest.mark.slow  # README's command leaves it out; CI runs it (-m slow)
 def test_saves_that_hold_their_slots_never_starve(tmp_path):
     # Before the fix: a copy thread took a slot before it claimed a chunk; with one slot
     # per chunk held for a local snapshot, it waited for good (the kill -9 test of
