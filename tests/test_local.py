@@ -284,6 +284,26 @@ def test_ranks_agree_on_one_step_after_kill(tmp_path, mode, agreed, world):
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def _stage_with_copies_then_kill(world, tmp_path, root, shm, step2) -> dict:
+    """Every rank stages step 2 with neighbour copies (its commit held back); once each
+    holder has its copy (or after 60 s), all ranks are killed. Returns {holder: [ranks
+    whose copy of step 2 it holds]}."""
+    procs = _ranks(world, tmp_path, root, shm, "all_staged", "neighbours")
+    for p in procs:
+        _wait_line(p, "STAGED")
+    deadline = time.monotonic() + 60
+    while True:  # the copies go out while the stripes are written (the commit is held back)
+        held = {r: [s.body["rank"] for s in local.scan(f"{shm}/r{r}") if s.body.get("replica") and s.path == step2]
+                for r in range(world)}
+        if all(held.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.communicate()
+    return held
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_lost_nodes_rank_restores_from_its_neighbours_memory(tmp_path, world):
@@ -292,19 +312,7 @@ def test_a_lost_nodes_rank_restores_from_its_neighbours_memory(tmp_path, world):
     root, shm = tmp_path / "ck", f"/dev/shm/fwtest-nb-{os.getpid()}-{world}"
     step2 = str(root / "step-00000002")
     try:
-        procs = _ranks(world, tmp_path, root, shm, "all_staged", "neighbours")
-        for p in procs:
-            _wait_line(p, "STAGED")
-        deadline = time.monotonic() + 60
-        while True:  # the copies go out while the stripes are written (the commit is held back)
-            held = {r: [s.body["rank"] for s in local.scan(f"{shm}/r{r}") if s.body.get("replica") and s.path == step2]
-                    for r in range(world)}
-            if all(held.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        for p in procs:
-            p.send_signal(signal.SIGKILL)
-            p.communicate()
+        held = _stage_with_copies_then_kill(world, tmp_path, root, shm, step2)
         assert held == {r: [(r - 1) % world] for r in range(world)}
         for r in range(world):  # one copy per holder, refilled in place: step 1's became step 2's
             assert len([f for f in os.listdir(f"{shm}/r{r}") if "-replica" in f]) == 2  # its pool and header
@@ -332,18 +340,8 @@ def test_a_neighbours_copy_that_fails_its_checksums_is_refused(tmp_path):
     root, shm = tmp_path / "ck", f"/dev/shm/fwtest-nbflip-{os.getpid()}"
     step2 = str(root / "step-00000002")
     try:
-        procs = _ranks(world, tmp_path, root, shm, "all_staged", "neighbours")
-        for p in procs:
-            _wait_line(p, "STAGED")
-        deadline = time.monotonic() + 60
-        while True:
-            copies = [s for s in local.scan(f"{shm}/r0") if s.body.get("replica") and s.path == step2]
-            if copies or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        for p in procs:
-            p.send_signal(signal.SIGKILL)
-            p.communicate()
+        _stage_with_copies_then_kill(world, tmp_path, root, shm, step2)
+        copies = [s for s in local.scan(f"{shm}/r0") if s.body.get("replica") and s.path == step2]
         assert len(copies) == 1 and copies[0].body["rank"] == 1
         shutil.rmtree(f"{shm}/r1")  # the lost node
         for _f, _off, n, at in copies[0].body["chunks"]:  # tensor bytes, not only a stripe's header

@@ -212,23 +212,34 @@ int errno_of_rpc(int status) { return status == RPC_STATUS_TIMEOUT ? ETIMEDOUT :
 
 void submit(Op& op);
 
-void on_write(rpc_context*, int status, void* data, void* priv) {
-  Op& op = *static_cast<Op*>(priv);
+// The transport's and then the server's verdict on a WRITE or READ reply: the reply when
+// both are OK, else nullptr after failing the transfer (errno, operation, offset).
+template <class Res>
+Res* reply_ok(Op& op, int status, void* data, const char* kind) {
   Loop& lp = *op.loop;
   Transfer& t = *lp.t;
   lp.inflight--;
   if (status != RPC_STATUS_SUCCESS) {
-    std::string msg = std::string("NFS WRITE ") + rpc_status_name(status);
+    std::string msg = std::string("NFS ") + kind + " " + rpc_status_name(status);
     if (status == RPC_STATUS_ERROR && data) msg += std::string(": ") + static_cast<const char*>(data);
     t.fail(errno_of_rpc(status), msg, op.off, op.len);
-    return;
+    return nullptr;
   }
-  auto* res = static_cast<WRITE3res*>(data);
+  auto* res = static_cast<Res*>(data);
   if (res->status != NFS3_OK) {
-    t.fail(errno_of_status(res->status), "NFS WRITE (status " + std::to_string(res->status) + ")", op.off, op.len);
-    return;
+    t.fail(errno_of_status(res->status), std::string("NFS ") + kind + " (status " + std::to_string(res->status) + ")",
+           op.off, op.len);
+    return nullptr;
   }
   lp.progress = Clock::now();
+  return res;
+}
+
+void on_write(rpc_context*, int status, void* data, void* priv) {
+  Op& op = *static_cast<Op*>(priv);
+  Transfer& t = *op.loop->t;
+  auto* res = reply_ok<WRITE3res>(op, status, data, "WRITE");
+  if (!res) return;
   const WRITE3resok& ok = res->WRITE3res_u.resok;
   Piece& p = (*t.pieces)[op.piece];
   if (op.off != p.off && std::memcmp(p.verf, ok.verf, NFS3_WRITEVERFSIZE) != 0) p.mixed = true;
@@ -246,21 +257,9 @@ void on_write(rpc_context*, int status, void* data, void* priv) {
 
 void on_read(rpc_context*, int status, void* data, void* priv) {
   Op& op = *static_cast<Op*>(priv);
-  Loop& lp = *op.loop;
-  Transfer& t = *lp.t;
-  lp.inflight--;
-  if (status != RPC_STATUS_SUCCESS) {
-    std::string msg = std::string("NFS READ ") + rpc_status_name(status);
-    if (status == RPC_STATUS_ERROR && data) msg += std::string(": ") + static_cast<const char*>(data);
-    t.fail(errno_of_rpc(status), msg, op.off, op.len);
-    return;
-  }
-  auto* res = static_cast<READ3res*>(data);
-  if (res->status != NFS3_OK) {
-    t.fail(errno_of_status(res->status), "NFS READ (status " + std::to_string(res->status) + ")", op.off, op.len);
-    return;
-  }
-  lp.progress = Clock::now();
+  Transfer& t = *op.loop->t;
+  auto* res = reply_ok<READ3res>(op, status, data, "READ");
+  if (!res) return;
   const READ3resok& ok = res->READ3res_u.resok;
   uint64_t n = std::min<uint64_t>(ok.data.data_len, op.len);
   std::memcpy(t.rbuf + (op.off - t.base), ok.data.data_val, n);
