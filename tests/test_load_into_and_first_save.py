@@ -177,3 +177,29 @@ def test_manager_prepares_the_pool_from_the_state_it_restores(tmp_path):
         assert ready >= 32 << 20
         mgr.maybe_save(6, state).result()
         assert mgr._writer.pool_bytes == ready
+
+
+# ------------------------------------------------------------------ zero_copy
+
+
+def test_zero_copy_views_whole_stripe_buffers_filled_through_the_bounce_slots(tmp_path, monkeypatch, small_chunks):
+    sd = _state(5)
+    fw.save(sd, tmp_path / "ck", chunk_bytes=1 << 20, stripes=2)
+    jobs = []
+    real = _read._core.start_load
+
+    def spy(*a, **kw):
+        jobs.append(real(*a, **kw))
+        return jobs[-1]
+
+    monkeypatch.setattr(_read._core, "start_load", spy)
+    views = fw.load(tmp_path / "ck", zero_copy=True)
+    # Every byte was placed into the stripe buffers (read through the job's huge-page
+    # bounce slots), so the job itself held no whole-file buffer.
+    assert len(jobs) == 1 and jobs[0].buffers() == [None, None]
+    storages = {t.untyped_storage().data_ptr() for k, t in views.items() if isinstance(t, torch.Tensor)}
+    assert len(storages) == 2  # one buffer per stripe, viewed by its tensors
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(views[k].detach(), v.detach()), k
+    assert views["step"] == 3

@@ -10,8 +10,10 @@ CPU tensors come back owning their memory, like ``torch.load``'s: each has a
 storage of exactly its bytes at offset 0, allocated here and filled by the native
 job, which reads through bounce buffers and copies each verified chunk out on its
 own threads while later reads are in flight (no whole-stripe buffer is held). With
-``zero_copy=True`` they are views of whole-stripe read buffers instead (no copy, but
-one tensor keeps its whole stripe's buffer alive). ``into=`` copies into existing tensors. Tensors bound for CUDA devices
+``zero_copy=True`` they are views of whole-stripe buffers instead (one buffer per
+stripe, filled through the same bounce slots; one tensor keeps its whole stripe's
+buffer alive). ``into=`` fills existing CPU tensors the same way where they are
+contiguous and of the stored dtype (others get a copy). Tensors bound for CUDA devices
 are read into pinned bounce buffers and copied host-to-device by the native
 engine chunk by chunk, each chunk verified first (see ``cuda.py``); other
 devices get a copy.
@@ -186,7 +188,26 @@ class CheckpointDir:
             # are placed too: a stripe whose every byte is placed is never held whole.
             owned: dict[str, torch.Tensor] = {}
             headers: dict[int, torch.Tensor] = {}
-            if not zero_copy:
+            stripes: dict[int, torch.Tensor] = {}
+            if zero_copy:
+                # Whole-stripe buffers, filled like owned tensors: each byte not placed
+                # elsewhere is placed at its own offset in its stripe's buffer. The reads
+                # go to the job's huge-page bounce slots, so they reach the disk as large
+                # requests; read straight into 4 KiB pages they are cut at the device's
+                # segment limit (254 pages on virtio-blk: ~1 MiB requests), which cost
+                # zero_copy more than the copy out of the slots costs owned loads.
+                taken: dict[int, list[tuple[int, int]]] = {}
+                for p in placements:
+                    taken.setdefault(p[0], []).append((p[1], p[1] + p[2]))
+                for fi in file_ids:
+                    size = m.files[fi].size
+                    buf = stripes[fi] = torch.empty(size, dtype=torch.uint8)
+                    pos = 0
+                    for a, b in sorted(taken.get(slot[fi], [])) + [(size, size)]:
+                        if a > pos:
+                            placements.append((slot[fi], pos, a - pos, -1, buf.data_ptr() + pos))
+                        pos = max(pos, b)
+            else:
                 for k in wanted:
                     if k not in targets and k not in hosted:
                         e = m.tensors[k]
@@ -197,7 +218,8 @@ class CheckpointDir:
                     headers[fi] = torch.empty(m.files[fi].header_bytes, dtype=torch.uint8)
                     placements.append((slot[fi], 0, m.files[fi].header_bytes, -1, headers[fi].data_ptr()))
             t0 = time.perf_counter()
-            # `targets`, `hosted`, `owned` and `headers` keep the destinations alive until the job is done.
+            # `targets`, `hosted`, `owned`, `headers` and `stripes` keep the destinations alive until the job
+            # is done.
             job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
                                    max(1, min(4, len(os.sched_getaffinity(0)))), direct, placements=placements,
                                    streams=streams)
@@ -224,9 +246,12 @@ class CheckpointDir:
                     by_file[e.file].append(e)
             for i, fi in enumerate(file_ids):
                 fe = m.files[fi]
-                header = memoryview(headers[fi].numpy()) if fi in headers else memoryview(buffers[i])
+                held = headers.get(fi, stripes.get(fi))
+                header = memoryview(held.numpy()) if held is not None else memoryview(buffers[i])
                 check_stripe_header(header[: fe.header_bytes], fe, by_file[fi])
-                if buffers[i] is not None:
+                if fi in stripes:
+                    bases[fi] = stripes[fi]
+                elif buffers[i] is not None:
                     bases[fi] = torch.frombuffer(buffers[i], dtype=torch.uint8)
             backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
             del job, buffers  # from here the bases own the read buffers
