@@ -36,6 +36,10 @@ FIO_CONFIGS = [(1 << 20, 32, 1), (1 << 20, 32, 4), (8 << 20, 16, 1), (8 << 20, 1
                (16 << 20, 32, 4)]
 LOADS = ["load", "load_into", "zero_copy", "torch_load", "safetensors_load_file"]
 SAVES = ["save_async", "manager"]
+# With --baseline: these also run with another flashwrite (e.g. the code before a change),
+# interleaved in the same rounds, as "<kind>@base".
+BASE_LOADS = ["load", "load_into", "zero_copy"]
+BASE_SAVES = ["manager"]
 
 
 def _sizes(gib: float) -> dict[str, int]:
@@ -109,7 +113,7 @@ def child_save(kind: str, gib: float, root: str, steps: int, step_s: float) -> d
             fut = fw.save_async(state, os.path.join(root, f"s{i}"))
             stalls.append(fut.stats.stall_s)
             st = fut.result()
-            waits.append(st.pool_wait_s)
+            waits.append(getattr(st, "pool_wait_s", float("nan")))
             shutil.rmtree(os.path.join(root, f"s{i}"))
     else:
         with fw.CheckpointManager(root, every_n_steps=steps, keep_last=1) as mgr:
@@ -119,14 +123,17 @@ def child_save(kind: str, gib: float, root: str, steps: int, step_s: float) -> d
                 fut = mgr.maybe_save(step, state)
                 if fut is not None:
                     stalls.append(fut.stats.stall_s)
-                    waits.append(fut.result().pool_wait_s)
+                    waits.append(getattr(fut.result(), "pool_wait_s", float("nan")))
     return {"first_stall_s": stalls[0], "later_stall_s": statistics.median(stalls[1:]),
             "first_pool_wait_s": waits[0], "later_pool_wait_s": statistics.median(waits[1:])}
 
 
-def _child(args: list[str]) -> dict:
+def _child(args: list[str], pythonpath: str | None = None) -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *args], check=True,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -145,7 +152,7 @@ def fio_best(directory: str, nbytes: int) -> dict:
             "configs": configs}
 
 
-def run_size(gib: float, rounds: int, d: str, steps: int, step_s: float) -> dict:
+def run_size(gib: float, rounds: int, d: str, steps: int, step_s: float, base: str | None) -> dict:
     import torch
     import flashwrite as fw
     os.makedirs(d, exist_ok=True)
@@ -160,15 +167,18 @@ def run_size(gib: float, rounds: int, d: str, steps: int, step_s: float) -> dict
         row: dict = {"fio": fio_best(d, nbytes)}
         for kind in LOADS:
             row[kind] = _child(["load", kind, str(gib), ck, torch_file])
+            if base and kind in BASE_LOADS:
+                row[kind + "@base"] = _child(["load", kind, str(gib), ck, torch_file], base)
         for kind in SAVES:
             root = os.path.join(d, f"saves-{kind}")
-            shutil.rmtree(root, ignore_errors=True)
-            os.makedirs(root)
-            row[kind] = _child(["save", kind, str(gib), root, str(steps), str(step_s)])
-            shutil.rmtree(root, ignore_errors=True)
+            for tag, path in [("", None)] + ([("@base", base)] if base and kind in BASE_SAVES else []):
+                shutil.rmtree(root, ignore_errors=True)
+                os.makedirs(root)
+                row[kind + tag] = _child(["save", kind, str(gib), root, str(steps), str(step_s)], path)
+                shutil.rmtree(root, ignore_errors=True)
         per_round.append(row)
-        print(f"{gib} GiB round {r + 1}: " + json.dumps({k: v.get("s", v.get("read_s")) for k, v in row.items()
-                                                         if k in LOADS or k == "fio"}), file=sys.stderr)
+        print(f"{gib} GiB round {r + 1}: " + json.dumps({k: v.get("s", v.get("read_s", v.get("first_stall_s")))
+                                                         for k, v in row.items()}), file=sys.stderr, flush=True)
     shutil.rmtree(ck, ignore_errors=True)
     os.unlink(torch_file)
 
@@ -177,11 +187,12 @@ def run_size(gib: float, rounds: int, d: str, steps: int, step_s: float) -> dict
 
     out = {"gib": gib, "rounds": per_round, "fio_read_s": med(lambda r: r["fio"]["read_s"]),
            "fio_write_s": med(lambda r: r["fio"]["write_s"])}
-    for kind in LOADS:
+    kinds = [k for k in per_round[0] if k != "fio"]
+    for kind in (k for k in kinds if k.split("@")[0] in LOADS):
         out[f"{kind}_s"] = med(lambda r: r[kind]["s"])
         # Per round, against that round's fio: the side-by-side ratio.
         out[f"{kind}_x_fio"] = med(lambda r: r["fio"]["read_s"] / r[kind]["s"])
-    for kind in SAVES:
+    for kind in (k for k in kinds if k.split("@")[0] in SAVES):
         for f in ("first_stall_s", "later_stall_s", "first_pool_wait_s"):
             out[f"{kind}_{f}"] = med(lambda r: r[kind][f])
         out[f"{kind}_first_over_later"] = med(lambda r: r[kind]["first_stall_s"] / r[kind]["later_stall_s"])
@@ -201,6 +212,16 @@ def table(results: list[dict]) -> str:
             cells.append(f"{r[k + '_first_stall_s']:.3f} / {r[k + '_later_stall_s']:.3f} "
                          f"({r[k + '_first_over_later']:.1f}x; {r[k + '_first_pool_wait_s']:.3f})")
         lines.append("| " + " | ".join(cells) + " |")
+    if any("load@base_s" in r for r in results):
+        lines += ["", "Baseline (--baseline), same rounds:", "",
+                  "| GiB | load s (x fio) | load(into=) s (x fio) | zero_copy s (x fio) "
+                  "| manager first / later stall s (ratio; first pool wait) |", "|" + "---|" * 5]
+        for r in results:
+            cells = [f"{r['gib']:g}"] + [f"{r[k + '@base_s']:.3f} ({r[k + '@base_x_fio']:.2f}x)" for k in BASE_LOADS]
+            k = "manager@base"
+            cells.append(f"{r[k + '_first_stall_s']:.3f} / {r[k + '_later_stall_s']:.3f} "
+                         f"({r[k + '_first_over_later']:.1f}x)")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -218,9 +239,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="manager: a save every this many steps")
     ap.add_argument("--step-s", type=float, default=0.5, help="manager: seconds per training step")
     ap.add_argument("--json")
+    ap.add_argument("--baseline", help="PYTHONPATH of another flashwrite to run some columns with too")
     a = ap.parse_args()
     t0 = time.time()
-    results = [run_size(g, a.rounds, os.path.join(a.dir, f"{g:g}GiB"), a.steps, a.step_s) for g in a.gib]
+    results = [run_size(g, a.rounds, os.path.join(a.dir, f"{g:g}GiB"), a.steps, a.step_s, a.baseline) for g in a.gib]
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     doc = {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
