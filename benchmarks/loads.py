@@ -48,8 +48,11 @@ def _sizes(gib: float) -> dict[str, int]:
     return {f"w{i}": min(per, n - i * per) for i in range(-(-n // per))}
 
 
-def make_state(gib: float) -> dict:
+def make_state(gib: float, fast: bool = False) -> dict:
+    """The state loaded (random bytes); fast: the same sizes, filled quickly (saves)."""
     import torch
+    if fast:
+        return {"model": {k: torch.full((n,), float(i)) for i, (k, n) in enumerate(_sizes(gib).items())}, "step": 1}
     g = torch.Generator().manual_seed(0)
     return {"model": {k: torch.randn(n, generator=g) for k, n in _sizes(gib).items()}, "step": 1}
 
@@ -106,7 +109,7 @@ def child_save(kind: str, gib: float, root: str, steps: int, step_s: float) -> d
     ``fw.save_async(state, path)`` once per checkpoint. manager: ``maybe_save`` at every
     step of a loop that runs ``step_s`` per step; a save is due every ``steps`` steps."""
     import flashwrite as fw
-    state = make_state(gib)
+    state = make_state(gib, fast=True)
     stalls, waits = [], []
     if kind == "save_async":
         for i in range(3):
@@ -152,7 +155,8 @@ def fio_best(directory: str, nbytes: int) -> dict:
             "configs": configs}
 
 
-def run_size(gib: float, rounds: int, d: str, steps: int, step_s: float, base: str | None) -> dict:
+def run_size(gib: float, rounds: int, d: str, steps: int, step_s: float, base: str | None,
+             partial=lambda rows: None) -> dict:
     import torch
     import flashwrite as fw
     os.makedirs(d, exist_ok=True)
@@ -177,6 +181,7 @@ def run_size(gib: float, rounds: int, d: str, steps: int, step_s: float, base: s
                 row[kind + tag] = _child(["save", kind, str(gib), root, str(steps), str(step_s)], path)
                 shutil.rmtree(root, ignore_errors=True)
         per_round.append(row)
+        partial(per_round)
         print(f"{gib} GiB round {r + 1}: " + json.dumps({k: v.get("s", v.get("read_s", v.get("first_stall_s")))
                                                          for k, v in row.items()}), file=sys.stderr, flush=True)
     shutil.rmtree(ck, ignore_errors=True)
@@ -242,14 +247,22 @@ def main() -> None:
     ap.add_argument("--baseline", help="PYTHONPATH of another flashwrite to run some columns with too")
     a = ap.parse_args()
     t0 = time.time()
-    results = [run_size(g, a.rounds, os.path.join(a.dir, f"{g:g}GiB"), a.steps, a.step_s, a.baseline) for g in a.gib]
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
-    doc = {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
-           "load_average_at_end": load, "results": results}
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    results: list[dict] = []
+
+    def save(extra: dict | None = None) -> list[str]:
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[:3]
+        doc = {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
+               "load_average_at_end": load, "results": results, **(extra or {})}
+        if a.json:  # after every round: a long run that is stopped keeps what it measured
+            with open(a.json, "w") as f:
+                json.dump(doc, f, indent=1)
+        return load
+
+    for g in a.gib:
+        results.append(run_size(g, a.rounds, os.path.join(a.dir, f"{g:g}GiB"), a.steps, a.step_s, a.baseline,
+                                lambda rows, g=g: save({"in_progress": {"gib": g, "rounds": rows}})))
+        load = save()
     print(table(results))
     print(f"load average at the end: {' '.join(load)}")
 
