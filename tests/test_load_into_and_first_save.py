@@ -203,3 +203,18 @@ def test_zero_copy_views_whole_stripe_buffers_filled_through_the_bounce_slots(tm
         if isinstance(v, torch.Tensor):
             assert torch.equal(views[k].detach(), v.detach()), k
     assert views["step"] == 3
+
+
+def test_a_save_during_the_preparation_finds_its_slots_there(tmp_path):
+    # The save's reservation meets the preparation's in whatever order: the pool ends at
+    # one save's worth, never the two added up (a preparation used to hold a reservation
+    # after growing the pool, and a save that came in between grew it again).
+    from flashwrite.save import _planned_bytes
+    sd = _big(4)
+    for i in range(3):
+        with fw.Writer() as w:
+            need, _ = _planned_bytes(sd, w.stripes, w.chunk_bytes)
+            w.reserve(sd)
+            w.save(sd, tmp_path / f"s{i}")
+            w._reserving.result()
+            assert w.pool_bytes == need
