@@ -50,8 +50,9 @@ void Engine::reserve(uint64_t bytes, int device) {
   }
   const uint64_t slot = pool_->slot_bytes();
   const auto slots = static_cast<size_t>((bytes + slot - 1) / slot);
-  pool_->reserve(slots);
-  pool_->unreserve(slots);  // the slots stay; only the hold against trim() goes
+  // The slots stay; no hold against trim() is kept. One locked step: a save that
+  // starts meanwhile waits for this growth instead of adding its slots on top.
+  pool_->reserve(slots, /*hold=*/false);
 }
 
 // Later slabs are pinned as they are created (the hooks stay set).

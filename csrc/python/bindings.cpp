@@ -278,6 +278,7 @@ PYBIND11_MODULE(_core, m) {
            "Wait until every chunk is staged and checksummed, or the job ended; see `checksummed`.")
       .def_property_readonly("checksummed", [](const PySaveJob& s) { return s.job->checksummed(); })
       .def_property_readonly("holds_slots", [](const PySaveJob& s) { return s.job->holds_slots(); })
+      .def_property_readonly("pool_wait_s", [](const PySaveJob& s) { return s.job->pool_wait_s(); })
       .def("chunk_slots",
            [](const PySaveJob& s) {
              std::vector<std::tuple<uint32_t, uint64_t, uint64_t, int64_t>> out;

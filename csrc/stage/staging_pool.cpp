@@ -151,23 +151,29 @@ void StagingPool::pin_slab(Slab& s) {
   pin_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-bool StagingPool::reserve(size_t slots) {
+bool StagingPool::reserve(size_t slots, bool hold) {
   std::lock_guard<std::mutex> lk(mu_);
   adopt_after_fork();
-  ++reservations_;
-  reserved_slots_ += slots;
-  size_t want = reserved_slots_;
-  if (max_slots_) want = std::min(want, max_slots_);
-  if (want <= total_slots_) return total_slots_ >= reserved_slots_;
-  size_t add = want - total_slots_;
-  auto slab = std::make_unique<Slab>();
+  // Not held: the pool is to hold `slots` for a save to come, or what the
+  // reservations held now need if that is more (never the sum of the two).
+  const size_t held = hold ? 0 : slots;
+  if (hold) ++reservations_;
+  reserved_slots_ += slots - held;
   struct Undo {  // the reservation does not outlive a failed allocation
     StagingPool* pool;
     size_t slots;
     ~Undo() {
       if (pool) --pool->reservations_, pool->reserved_slots_ -= slots;
     }
-  } undo{this, slots};
+  } undo{hold ? this : nullptr, slots};
+  size_t want = std::max(reserved_slots_, held);
+  if (max_slots_) want = std::min(want, max_slots_);
+  if (want <= total_slots_) {
+    undo.pool = nullptr;
+    return total_slots_ >= reserved_slots_;
+  }
+  size_t add = want - total_slots_;
+  auto slab = std::make_unique<Slab>();
   // Faulted in now, in parallel: every slot is then resident for good, so
   // later saves neither pay for page faults nor grow the process (slots are
   // reused last-in-first-out, and a save may touch only some of them).

@@ -58,7 +58,11 @@ class StagingPool {
   // can hold all of its slots at once (two saves staging at once on one pool,
   // each holding its slots until it is staged, would otherwise wait for each
   // other for good).
-  bool reserve(size_t slots);
+  // hold=false: prepare for a save to come: grow the pool to hold `slots`
+  // (or what the reservations held need, if more) and keep no reservation.
+  // A job that reserves meanwhile waits for the growth and then finds its
+  // slots there, instead of being counted on top of the preparation's.
+  bool reserve(size_t slots, bool hold = true);
   void unreserve(size_t slots);
   // Blocks until a slot is free (returns it), *cancel becomes true or
   // interrupt() returns true (returns nullptr). interrupt is checked under the

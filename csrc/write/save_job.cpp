@@ -110,8 +110,10 @@ void SaveJob::start() {
     // pool reserved: then no copy waits for another chunk's checksum, and the
     // checksums can wait until staging is over (each chunk keeps its slot until
     // then). Else each chunk is checksummed as it is copied, and slots recycle.
+    const auto wait0 = std::chrono::steady_clock::now();
     defer_hash_ = pool_->reserve(plan_.chunks.size());
     reserved_ = true;
+    pool_wait_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
     slot_refs_.reset(new std::atomic<uint8_t>[plan_.chunks.size()]());
     ctl_.start([this] { run(); });
   } catch (...) {

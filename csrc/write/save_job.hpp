@@ -94,6 +94,10 @@ class SaveJob {
   bool wait_checksummed(double timeout_s);
   bool checksummed() const { return checksummed_.load(); }
   bool holds_slots() const { return hold_; }
+  // Seconds start() waited for the staging pool to hold this save's slots: a
+  // preparation in the background still under way (Engine::reserve), or the
+  // pool grown (allocated and faulted in) by this save. ~0 when it was ready.
+  double pool_wait_s() const { return pool_wait_s_; }
   // Valid once checksummed, while the slots are held.
   std::vector<ChunkSlot> chunk_slots() const;
   // Give the held slots back to the pool (their bytes stay until reused).
@@ -174,6 +178,7 @@ class SaveJob {
   std::vector<char*> held_;  // written slots kept for the snapshot
   double staged_s_ = -1, done_s_ = -1;
   double pin_s_ = 0;
+  double pool_wait_s_ = 0;
   std::chrono::steady_clock::time_point t0_;
 
   std::mutex fallback_mu_;

@@ -138,6 +138,9 @@ class SaveJob:
     @property
     def holds_slots(self) -> bool:
         """Started with hold_slots=True and the pool can hold the whole save."""
+    @property
+    def pool_wait_s(self) -> float:
+        """Seconds the start waited for the staging pool (a background reserve, or growing it)."""
     def chunk_slots(self) -> list[ChunkSlot]: ...
     def release_slots(self) -> None:
         """Give a held save's slots back to the pool (after the job is done)."""

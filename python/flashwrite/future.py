@@ -32,6 +32,11 @@ class SaveStats:
     direct: bool = False            # every stripe written with O_DIRECT
     files_buffered: int = 0         # stripes that fell back to buffered I/O + fsync
     pool_bytes: int = 0
+    # Of stall_s, how long the save waited for the staging pool to hold its slots: a
+    # preparation still under way (Writer.reserve, or one the CheckpointManager started
+    # from the first state it saw), or memory this save allocated and faulted in itself.
+    # ~0 once the pool is ready, as for every save after the first.
+    pool_wait_s: float = 0.0
     pinned: bool = False
     pin_s: float = 0.0              # of the stall: page-locking the staging pool (GPU saves; 0 once pinned)
     settings: dict = field(default_factory=dict)  # stripes/queue_depth/chunk_bytes used, and where each came from

@@ -40,8 +40,8 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
 
     map_location: "cpu" (default), a device, a {saved_device: device} dict, or None
     for the devices they were saved from.
-    zero_copy: CPU tensors are views of the page-aligned read buffers instead of
-    owning their memory: no second copy, but any one tensor keeps its whole stripe
+    zero_copy: CPU tensors are views of one buffer per stripe file instead of
+    owning their memory: fewer allocations, but any one tensor keeps its whole stripe
     file's buffer alive, and offset views upset APIs that ignore storage offsets
     (``torch.set_rng_state``). For inference-style loads that keep the whole state.
     into: an existing (nested) state dict; its tensors are filled in place and it is

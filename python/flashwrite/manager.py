@@ -142,6 +142,9 @@ class CheckpointManager:
     keep_local: ``close()`` keeps the newest snapshot in local_dir (for a restart).
     reserve: a state dict (or a size in bytes) to size the staging pool for now, in the
     background, so the first save stalls no longer than later ones (``Writer.reserve``).
+    Without it the manager does the same from the first state it sees: the one
+    ``restore()`` returns, or one passed to ``maybe_save`` at a step that is not due
+    (``SaveStats.pool_wait_s`` says how long a save still waited for the pool).
     process_group: every rank of the group runs a manager on the same root; each save is
     one multi-rank checkpoint (``save_async(process_group=)``), each rank keeps its own
     local snapshot, and ``restore()`` agrees across ranks on the newest step that every
@@ -224,6 +227,7 @@ class CheckpointManager:
         self._target.make_dirs(self._dir)
         if cleanup:
             self.cleanup_stale()
+        self._pool_prepared = reserve is not None
         if reserve is not None:
             self._writer.reserve(reserve)
         if handle_sigterm:
@@ -284,6 +288,8 @@ class CheckpointManager:
         self._check_step(step)
         _check_save_options(save_options)
         if not self.is_due(step):
+            if not callable(state_dict):
+                self._prepare_pool(state_dict)
             return None
         with self._call():
             p = self._inflight
@@ -324,6 +330,17 @@ class CheckpointManager:
             self._inflight = pending
         fut.add_done_callback(lambda _f: self._finished(pending))
         return fut
+
+    def _prepare_pool(self, state: Any) -> None:
+        """Prepare the writer's staging pool in the background from the first state seen
+        (see ``Writer.prepare``); a state that cannot be planned is left to its save."""
+        if self._pool_prepared:
+            return
+        self._pool_prepared = True
+        try:
+            self._writer.prepare(state, self.root)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+            log.debug("not preparing the staging pool: %s", e)
 
     def _finished(self, p: _Pending) -> None:
         """Runs once per save, on the writer's commit thread: log, then retention."""
@@ -467,7 +484,16 @@ class CheckpointManager:
         while the tensors live; pages written later are copied then); ``zero_copy=False``
         copies every snapshot into fresh memory, resizable like ``torch.load``'s. From
         storage, ``zero_copy=True`` means views of read buffers.
+
+        The state restored is the first one the manager sees: unless ``reserve=`` was
+        given, the writer's staging pool is prepared from it in the background.
         """
+        got = self._restore(step, into, fallback, load_options)
+        if got is not None:
+            self._prepare_pool(got[1])
+        return got
+
+    def _restore(self, step: int | None, into: Any, fallback: bool, load_options: dict) -> tuple[int, Any] | None:
         with self._call():
             if self.process_group is not None:
                 if step is not None:

@@ -10,8 +10,10 @@ CPU tensors come back owning their memory, like ``torch.load``'s: each has a
 storage of exactly its bytes at offset 0, allocated here and filled by the native
 job, which reads through bounce buffers and copies each verified chunk out on its
 own threads while later reads are in flight (no whole-stripe buffer is held). With
-``zero_copy=True`` they are views of whole-stripe read buffers instead (no copy, but
-one tensor keeps its whole stripe's buffer alive). ``into=`` copies into existing tensors. Tensors bound for CUDA devices
+``zero_copy=True`` they are views of whole-stripe buffers instead (one buffer per
+stripe, filled through the same bounce slots; one tensor keeps its whole stripe's
+buffer alive). ``into=`` fills existing CPU tensors the same way where they are
+contiguous and of the stored dtype (others get a copy). Tensors bound for CUDA devices
 are read into pinned bounce buffers and copied host-to-device by the native
 engine chunk by chunk, each chunk verified first (see ``cuda.py``); other
 devices get a copy.
@@ -109,7 +111,8 @@ class CheckpointDir:
 
     def read(self, *, manifest: Manifest | None = None, keys: set[str] | None = None, verify: bool = True,
              backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH,
-             device_targets: dict[str, torch.Tensor] | None = None, zero_copy: bool = True) -> LoadResult:
+             device_targets: dict[str, torch.Tensor] | None = None, zero_copy: bool = True,
+             host_targets: dict[str, torch.Tensor] | None = None) -> LoadResult:
         """Read and verify the stripes holding ``keys`` (default: every tensor); return CPU
         tensors that view whole-stripe read buffers (zero_copy) or own their bytes (filled
         by the native job out of its bounce buffers).
@@ -119,14 +122,18 @@ class CheckpointDir:
         contiguous CUDA tensor of the stored dtype and size to receive that tensor's
         bytes: they are then copied there by the native engine through pinned bounce
         buffers (verified chunk by chunk before the copy) and never held in host memory
-        as a whole.
+        as a whole. host_targets may name, per key, a contiguous CPU tensor of the stored
+        dtype and size that the native job fills in place (``load(into=)``): each verified
+        chunk is copied there from its bounce slot, so no second buffer or pass is made.
+        The destinations must not overlap one another.
         """
         with self._user_paths():
             return self._read(manifest or self.manifest, keys, verify, backend, direct, queue_depth,
-                              device_targets or {}, zero_copy)
+                              device_targets or {}, zero_copy, host_targets or {})
 
     def _read(self, shown_manifest: Manifest, keys: set[str] | None, verify: bool, backend: str, direct: bool,
-              queue_depth: int, device_targets: dict[str, torch.Tensor], zero_copy: bool) -> LoadResult:
+              queue_depth: int, device_targets: dict[str, torch.Tensor], zero_copy: bool,
+              host_targets: dict[str, torch.Tensor]) -> LoadResult:
         with gcpause.paused():  # per-tensor work on both sides of the wait: see gcpause
             m, path, base = self.manifest, self.path, self.base
             wanted = set(m.tensors) if keys is None else keys
@@ -177,13 +184,40 @@ class CheckpointDir:
             scatter = _cuda.Scatter(on_gpu, defaults.GATHER_TENSOR_BYTES, defaults.GATHER_RUN_BYTES)
             placements.extend(scatter.placements)
             streams = _cuda.current_streams(p[3] for p in placements) if placements else []
+            hosted = {k: t for k, t in host_targets.items() if k in wanted and k not in targets}
+            for k, t in hosted.items():
+                e = m.tensors[k]
+                if (t.device.type != "cpu" or not t.is_contiguous() or t.dtype != _dtype(e.dtype)
+                        or t.numel() * t.element_size() != e.nbytes):
+                    raise ValueError(f"host target for {k!r} must be a contiguous CPU tensor of {e.nbytes} bytes")
+                if e.nbytes:
+                    placements.append((slot[e.file], e.offset, e.nbytes, -1, t.data_ptr()))
             # Owned CPU tensors, and each stripe's header (checked against the manifest below),
             # are placed too: a stripe whose every byte is placed is never held whole.
             owned: dict[str, torch.Tensor] = {}
             headers: dict[int, torch.Tensor] = {}
-            if not zero_copy:
+            stripes: dict[int, torch.Tensor] = {}
+            if zero_copy:
+                # Whole-stripe buffers, filled like owned tensors: each byte not placed
+                # elsewhere is placed at its own offset in its stripe's buffer. The reads
+                # go to the job's huge-page bounce slots, so they reach the disk as large
+                # requests; read straight into 4 KiB pages they are cut at the device's
+                # segment limit (254 pages on virtio-blk: ~1 MiB requests), which cost
+                # zero_copy more than the copy out of the slots costs owned loads.
+                taken: dict[int, list[tuple[int, int]]] = {}
+                for p in placements:
+                    taken.setdefault(p[0], []).append((p[1], p[1] + p[2]))
+                for fi in file_ids:
+                    size = m.files[fi].size
+                    buf = stripes[fi] = torch.empty(size, dtype=torch.uint8)
+                    pos = 0
+                    for a, b in sorted(taken.get(slot[fi], [])) + [(size, size)]:
+                        if a > pos:
+                            placements.append((slot[fi], pos, a - pos, -1, buf.data_ptr() + pos))
+                        pos = max(pos, b)
+            else:
                 for k in wanted:
-                    if k not in targets:
+                    if k not in targets and k not in hosted:
                         e = m.tensors[k]
                         t = owned[k] = _host_empty(e)
                         if e.nbytes:
@@ -192,7 +226,8 @@ class CheckpointDir:
                     headers[fi] = torch.empty(m.files[fi].header_bytes, dtype=torch.uint8)
                     placements.append((slot[fi], 0, m.files[fi].header_bytes, -1, headers[fi].data_ptr()))
             t0 = time.perf_counter()
-            # `targets`, `owned` and `headers` keep the destinations alive until the job is done.
+            # `targets`, `hosted`, `owned`, `headers` and `stripes` keep the destinations alive until the job
+            # is done.
             job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
                                    max(1, min(4, len(os.sched_getaffinity(0)))), direct, placements=placements,
                                    streams=streams)
@@ -219,19 +254,22 @@ class CheckpointDir:
                     by_file[e.file].append(e)
             for i, fi in enumerate(file_ids):
                 fe = m.files[fi]
-                header = memoryview(headers[fi].numpy()) if fi in headers else memoryview(buffers[i])
+                held = headers.get(fi, stripes.get(fi))
+                header = memoryview(held.numpy()) if held is not None else memoryview(buffers[i])
                 check_stripe_header(header[: fe.header_bytes], fe, by_file[fi])
-                if buffers[i] is not None:
+                if fi in stripes:
+                    bases[fi] = stripes[fi]
+                elif buffers[i] is not None:
                     bases[fi] = torch.frombuffer(buffers[i], dtype=torch.uint8)
             backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
             del job, buffers  # from here the bases own the read buffers
             tensors = {}
             scatter.finish()
-            for k, t in targets.items():
+            for k, t in (*targets.items(), *hosted.items()):
                 _cuda.mark_written(t)
                 tensors[k] = t
             for k in wanted:
-                if k in targets:
+                if k in targets or k in hosted:
                     continue
                 t = owned.get(k)
                 if t is None:
@@ -267,12 +305,17 @@ def load_state(path: str | os.PathLike, *, rank: tuple[int, int] | None = None, 
         # A rank's tensors were stored under the keys of {rank: state}: match `into` by those.
         wrap: Callable[[Any], Any] = (lambda x: x) if keys is None else (lambda x: {rank[0]: x})
         into_flat = flatten(wrap(into), allow_pickle=True) if into is not None else None
+        hosted: dict[str, torch.Tensor] = {}
         if into_flat is not None:
             targets = _into_targets(into_flat[1], m, keys)
+            hosted = _into_host_targets(into_flat[1], m, keys)
         else:
             targets = _map_targets([m.tensors[k] for k in (m.tensors if keys is None else sorted(keys))], map_location)
+        # into=: the destinations that can take the bytes are filled by the native job;
+        # the rest (other dtypes, strided) come as owned tensors that _load_into copies,
+        # so no stripe is held whole.
         res = ck.read(manifest=m, keys=keys, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
-                      device_targets=targets, zero_copy=zero_copy or into is not None)
+                      device_targets=targets, zero_copy=zero_copy, host_targets=hosted)
     if into_flat is not None:
         return _load_into(res, into, into_flat, wrap, strict, allow_pickle)
     with gcpause.paused():
@@ -370,6 +413,35 @@ def _into_targets(dst_flat: list[FlatTensor], m: Manifest, keys: set[str] | None
     return out
 
 
+def _into_host_targets(dst_flat: list[FlatTensor], m: Manifest, keys: set[str] | None) -> dict[str, torch.Tensor]:
+    """The CPU tensors of ``into`` that the native job fills in place: contiguous, of the
+    stored dtype and shape, and sharing no bytes with another destination (those, like
+    the rest, are filled by ``_load_into``'s copies, in order)."""
+    out, spans = {}, []
+    for ft in dst_flat:
+        e, d = m.tensors.get(ft.key), ft.tensor
+        if e is None or (keys is not None and ft.key not in keys) or d.device.type != "cpu":
+            continue
+        if tuple(d.shape) != tuple(e.shape):  # before any byte moves
+            raise ValueError(f"load(into=...): {ft.key} has shape {tuple(e.shape)} in the checkpoint, "
+                             f"{tuple(d.shape)} in the destination")
+        if (not e.nbytes or d.dtype != _dtype(e.dtype) or not d.is_contiguous() or d.is_conj()
+                or d.is_neg() or type(d) not in (torch.Tensor, torch.nn.Parameter)):
+            continue
+        out[ft.key] = d
+        spans.append((d.data_ptr(), d.data_ptr() + e.nbytes, ft.key))
+    spans.sort()
+    end, prev = -1, None
+    for a, b, k in spans:  # destinations that overlap another: copied in Python instead
+        if a < end:
+            out.pop(k, None)
+            if prev is not None:
+                out.pop(prev, None)
+        if b > end:
+            end, prev = b, k
+    return out
+
+
 def _load_into(res: LoadResult, into: Any, into_flat: tuple, wrap: Callable[[Any], Any], strict: bool,
                allow_pickle: bool) -> Any:
     """Copy what was read into ``into`` (whose flattening, of ``wrap(into)``, is ``into_flat``)."""
@@ -387,8 +459,9 @@ def _load_into(res: LoadResult, into: Any, into_flat: tuple, wrap: Callable[[Any
         d = dst.get(k)
         if d is None:
             continue
-        if s is d:
-            continue  # filled in place by the native engine (a GPU destination)
+        if s is d or (s.data_ptr() == d.data_ptr() and s.dtype == d.dtype and s.shape == d.shape
+                      and s.stride() == d.stride() and s.device == d.device):
+            continue  # filled in place by the native engine
         if d.shape != s.shape:
             raise ValueError(f"load(into=...): {k} has shape {tuple(s.shape)} in the checkpoint, "
                              f"{tuple(d.shape)} in the destination")

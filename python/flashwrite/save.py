@@ -58,13 +58,15 @@ class Writer:
     neighbour_copies: with local_snapshots, in multi-rank saves (``process_group=``), each
     rank also keeps a copy of rank r-1's snapshot (``flashwrite.neighbour``); every rank
     must set it alike.
+    reserve: a state dict (or a size in bytes) to prepare the staging pool for now, in the
+    background (``reserve()``), so the first save stalls no longer than later ones.
     """
 
     def __init__(self, stripes: int | None = None, queue_depth: int | None = None,
                  chunk_bytes: int | None = None, backend: str = "auto", direct: bool = True,
                  max_staging_bytes: int | None = None, copy_threads: int | None = None, *,
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None,
-                 neighbour_copies: bool = False):
+                 neighbour_copies: bool = False, reserve: Any = None):
         # Settings not given here come, per save, from a tuning saved for the target's
         # file system (`flashwrite tune --save`), else from defaults.py.
         self._explicit = {k for k, v in (("stripes", stripes), ("queue_depth", queue_depth),
@@ -100,6 +102,8 @@ class Writer:
         self._executor_pid = 0
         self._lock = threading.Lock()
         self._closed = False
+        if reserve is not None:
+            self.reserve(reserve)
 
     def _new_engine(self, chunk_bytes: int, max_staging_bytes: int) -> Any:
         engine = _core.Engine(chunk_bytes, max_staging_bytes)
@@ -154,6 +158,19 @@ class Writer:
         if block:
             fut.result()
         return fut
+
+    def prepare(self, state: Any, directory: str | os.PathLike | None = None) -> concurrent.futures.Future | None:
+        """``reserve(state)`` unless the pool is already prepared or being prepared, or a save
+        has used it: how a ``CheckpointManager`` gets the pool ready from the first state it
+        sees (a restored one, or one handed to a save that was not due), before the first
+        save needs it. directory: where saves will go (a tuned chunk size for its file
+        system is taken first). Returns the reservation's future, or None."""
+        with self._lock:
+            if self._closed or self._reserving is not None or self._engine_used or self._engine.pool_bytes:
+                return None
+        if directory is not None:
+            self._settings_for(os.fspath(directory))
+        return self.reserve(state)
 
     @property
     def max_staging_bytes(self) -> int | None:

@@ -66,7 +66,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     if streams and engine.pin_error:
         _warn_unpinned(engine.pin_error)
     stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(columns.keys),
-                      stripes=len(files))
+                      stripes=len(files), pool_wait_s=job.pool_wait_s)
     sw = StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
     sw.hf_section = hf_section
     return sw
