@@ -19,9 +19,15 @@ from flashwrite.bench.state import make_state, parse_size, planned_bytes, state_
 COLUMNS = ["stall_s", "durable_s", "gbps", "vs_device", "cpu_s_per_gib", "rss_growth", "load_s", "load_vs_device"]
 
 
-def cli(*args: str, cwd: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: str | None = None, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flashwrite.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+                          timeout=timeout, cwd=cwd, env=None if env is None else {**os.environ, **env})
+
+
+# The peer adapters of this checkout, named as a user of an installed flashwrite would (a
+# library never runs a peers.py it finds in the current directory).
+PEERS = {"FLASHWRITE_PEERS_FILE": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                               "benchmarks", "peers.py")}
 
 
 def test_parse_size():
@@ -69,7 +75,7 @@ def test_demo_prints_the_side_by_side_table(tmp_path):
 def test_bench_writes_json_with_every_column(tmp_path):
     out, png = tmp_path / "res.json", tmp_path / "res.png"
     p = cli("bench", "--size", "16MiB", "--contenders", "torch_save,deepspeed,flashwrite", "--dir", str(tmp_path),
-            "--json", str(out), "--plot", str(png), "--device-tool", "probe", "--plain", "-q")
+            "--json", str(out), "--plot", str(png), "--device-tool", "probe", "--plain", "-q", env=PEERS)
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads(out.read_text())["comparison"]
     assert res["device"]["write_s"] > 0 and res["device"]["read_s"] > 0 and "probe" in res["device"]["tool"]
