@@ -218,3 +218,16 @@ def test_a_save_during_the_preparation_finds_its_slots_there(tmp_path):
             w.save(sd, tmp_path / f"s{i}")
             w._reserving.result()
             assert w.pool_bytes == need
+
+
+def test_exit_while_the_pool_is_prepared_in_the_background():
+    """A process that ends while its pool is still being prepared (a restore, then exit)
+    exits cleanly: the interpreter waits for the reservation instead of tearing its thread
+    down inside native code (that aborted with std::terminate)."""
+    import subprocess
+    import sys
+
+    code = "import flashwrite as fw\nw = fw.Writer()\nw.reserve(512 << 20)\nprint('returned', flush=True)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, "returned"), r.stderr[-2000:]
+    assert "terminate" not in r.stderr

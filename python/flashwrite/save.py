@@ -153,7 +153,9 @@ class Writer:
             except BaseException as e:
                 fut.set_exception(e)
 
-        threading.Thread(target=run, name="flashwrite-reserve", daemon=True).start()
+        # Not a daemon: the interpreter waits for it at exit. A daemon thread would be torn
+        # down inside the native reservation while the interpreter finalizes (std::terminate).
+        threading.Thread(target=run, name="flashwrite-reserve").start()
         self._reserving = fut
         if block:
             fut.result()
