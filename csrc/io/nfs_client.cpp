@@ -494,6 +494,25 @@ std::vector<Piece> split(uint64_t off, uint64_t len, uint64_t piece) {
   return out;
 }
 
+// Runs transfer t over min(connections, items) bulk connections (conns[1..]), one poll loop
+// a thread, the first on the caller's; a connection with RPCs still out afterwards is
+// dropped (that cancels them), to be made afresh.
+void run_transfer(std::vector<std::unique_ptr<Client::Conn>>& conns, Transfer& t, size_t items, const Options& o) {
+  size_t n = std::min<size_t>(o.connections, std::max<size_t>(1, items));
+  std::vector<Loop> loops(n);
+  std::vector<std::thread> threads;
+  for (size_t c = 0; c < n; ++c) {
+    loops[c].ctx = conns[c + 1]->ctx;
+    loops[c].t = &t;
+    loops[c].depth = o.depth;
+  }
+  for (size_t c = 1; c < n; ++c) threads.emplace_back(run_loop, std::ref(loops[c]), o.timeout_ms);
+  if (items) run_loop(loops[0], o.timeout_ms);
+  for (auto& th : threads) th.join();
+  for (size_t c = 0; c < n; ++c)
+    if (loops[c].inflight > 0) conns[c + 1].reset();
+}
+
 }  // namespace
 
 WriteResult Client::write_file(const std::string& path, const char* buf, uint64_t len, bool exclusive) {
@@ -525,19 +544,7 @@ WriteResult Client::write_file(const std::string& path, const char* buf, uint64_
     t.pieces = &pieces;
     t.todo = todo;
     for (auto& i : todo) pieces[i].mixed = false;
-    size_t n = std::min<size_t>(opts_.connections, std::max<size_t>(1, todo.size()));
-    std::vector<Loop> loops(n);
-    std::vector<std::thread> threads;
-    for (size_t c = 0; c < n; ++c) {
-      loops[c].ctx = conns_[c + 1]->ctx;
-      loops[c].t = &t;
-      loops[c].depth = opts_.depth;
-    }
-    for (size_t c = 1; c < n; ++c) threads.emplace_back(run_loop, std::ref(loops[c]), opts_.timeout_ms);
-    if (!todo.empty()) run_loop(loops[0], opts_.timeout_ms);
-    for (auto& th : threads) th.join();
-    for (size_t c = 0; c < n; ++c)
-      if (loops[c].inflight > 0) conns_[c + 1].reset();  // RPCs still out: drop the connection (cancels them)
+    run_transfer(conns_, t, todo.size(), opts_);
     if (t.err) {
       note_failure(t.err);
       throw IoError(t.err, t.op + " (server " + opts_.server + ")", url(path), t.err_off, t.err_len);
@@ -630,19 +637,7 @@ uint64_t Client::read_file(const std::string& path, char* buf, uint64_t offset, 
   t.pieces = &pieces;
   t.todo.resize(pieces.size());
   for (size_t i = 0; i < pieces.size(); ++i) t.todo[i] = i;
-  size_t n = std::min<size_t>(opts_.connections, std::max<size_t>(1, pieces.size()));
-  std::vector<Loop> loops(n);
-  std::vector<std::thread> threads;
-  for (size_t c = 0; c < n; ++c) {
-    loops[c].ctx = conns_[c + 1]->ctx;
-    loops[c].t = &t;
-    loops[c].depth = opts_.depth;
-  }
-  for (size_t c = 1; c < n; ++c) threads.emplace_back(run_loop, std::ref(loops[c]), opts_.timeout_ms);
-  if (!pieces.empty()) run_loop(loops[0], opts_.timeout_ms);
-  for (auto& th : threads) th.join();
-  for (size_t c = 0; c < n; ++c)
-    if (loops[c].inflight > 0) conns_[c + 1].reset();
+  run_transfer(conns_, t, pieces.size(), opts_);
   if (t.err) {
     note_failure(t.err);
     throw IoError(t.err, t.op + " (server " + opts_.server + ")", url(path), t.err_off, t.err_len);
