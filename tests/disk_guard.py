@@ -137,8 +137,10 @@ class DiskGuard:
                 self._note_peak(used, cur["nodeid"])
                 if used - cur["start"] > self.limit:
                     cur["tripped"] = used - cur["start"]
-                    cur["killed"] = _kill_children()
+                    # Raise first, kill second: a test waiting on its child sees the exception
+                    # as soon as the child's death wakes it, not a clean exit it might pass on.
                     _raise_in_thread(cur["thread"], DiskGuardExceeded)
+                    cur["killed"] = _kill_children()
 
     def start(self, item: pytest.Item) -> None:
         with self._lock:

@@ -2,6 +2,7 @@
 suite goes on. Run in an inner pytest session with a small limit."""
 import os
 import textwrap
+from xml.etree import ElementTree
 
 import pytest
 
@@ -30,12 +31,20 @@ RUNAWAY = textwrap.dedent('''
 def test_guard_fails_only_the_runaway_tests(pytester):
     pytester.makepyfile(test_runaway=RUNAWAY)
     base = pytester.path / "base"
+    junit = pytester.path / "inner.xml"
     res = pytester.runpytest_subprocess("-p", "disk_guard", f"--basetemp={base}", "-v", "-p", "no:cacheprovider",
-                                        "-o", "timeout=120")
+                                        "-o", "timeout=120", f"--junitxml={junit}")
     out = res.stdout.str()
     res.assert_outcomes(failed=2, passed=1)
-    assert out.count("past the limit of 0.06 GiB") == 2, out
-    assert "DiskGuardExceeded" in out, out
+    # Each test's own report, not a count over the whole output (pytest 9.2 repeats a
+    # failure's first line in the short summary, earlier versions do not).
+    failures = {case.get("name"): "".join(f.get("message", "") + (f.text or "") for f in case.iter("failure"))
+                for case in ElementTree.parse(junit).getroot().iter("testcase")}
+    assert set(failures) == {"test_runaway_in_process", "test_runaway_child", "test_small_one_after"}, failures
+    for name in ("test_runaway_in_process", "test_runaway_child"):
+        assert "past the limit of 0.06 GiB" in failures[name], (name, out)
+        assert "DiskGuardExceeded" in failures[name], (name, out)
+    assert failures["test_small_one_after"] == "", out
     assert "test_small_one_after PASSED" in out, out
     assert list(base.iterdir()) == [], f"the guard leaves no test directory behind: {list(base.iterdir())}"
     assert "disk guard: peak use" in out
