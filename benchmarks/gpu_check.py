@@ -463,9 +463,11 @@ def measure(args) -> dict:
     new = [(lo, hi) for lo, hi, _ in _vmas() if lo not in before and hi - lo >= 64 << 20]
     res["pool_numa_pages"] = _numa_nodes(new)
     res["gpu_numa_node"] = _gpu_numa_node(dev)
+    res["pool_numa_node"] = writer._engine.pool_numa_node      # the node flashwrite asked for (mbind)
+    res["pool_numa_error"] = writer._engine.pool_numa_error
     log(f"reserve(): {res['reserve_s']:.2f} s for {writer.pool_bytes / 2**30:.2f} GiB, pinned={res['pool_pinned']} "
         f"{res['pin_error'] or ''}; pool pages per NUMA node {res['pool_numa_pages']}, GPU on node "
-        f"{res['gpu_numa_node']}")
+        f"{res['gpu_numa_node']} (pool asked for node {res['pool_numa_node']}: {res['pool_numa_error'] or 'placed'})")
     rounds = []
 
     def one_save(name: str, block: bool = True) -> dict:

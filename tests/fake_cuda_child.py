@@ -444,6 +444,51 @@ def scenario_fork_after_info(d):
     return out
 
 
+def _big_mappings(min_bytes):
+    """{start address: policy} of the mappings of at least min_bytes (/proc/self/numa_maps)."""
+    out = {}
+    with open("/proc/self/numa_maps") as f:
+        for line in f:
+            parts = line.split()
+            kv = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+            pages = max(int(kv.get("anon", 0)), int(kv.get("mapped", 0)))
+            if pages * int(kv.get("kernelpagesize_kB", 4)) * 1024 >= min_bytes:
+                out[parts[0]] = parts[1]
+    return out
+
+
+def scenario_numa(d):
+    """The pool pinned for device 0 is faulted in on that device's node."""
+    before = _big_mappings(32 << 20)
+    eng = _core.Engine(8 << 20)
+    eng.reserve(64 << 20, device=0)
+    new = {a: p for a, p in _big_mappings(32 << 20).items() if a not in before}
+    return {"node": eng.pool_numa_node, "error": eng.pool_numa_error, "pinned": eng.pool_pinned,
+            "new_policies": sorted(new.values())}
+
+
+def scenario_pin_outside_lock(d):
+    """Pinning a new slab (slow: FAKE_CUDART_REGISTER_DELAY_MS) does not hold the pool's lock."""
+    import threading
+    eng = _core.Engine(8 << 20)
+    took = {}
+
+    def grow():
+        t0 = time.monotonic()
+        eng.reserve(32 << 20, device=0)
+        took["reserve_s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=grow)
+    t.start()
+    time.sleep(0.4)
+    t0 = time.monotonic()
+    during = eng.pool_bytes, eng.trim()
+    took["query_s"] = time.monotonic() - t0
+    t.join()
+    return {**took, "during": list(during), "after": eng.pool_bytes, "pinned": eng.pool_pinned,
+            "trim_after": eng.trim()}
+
+
 if __name__ == "__main__":
     name, d = sys.argv[1], sys.argv[2]
     print(json.dumps(globals()["scenario_" + name](d)))

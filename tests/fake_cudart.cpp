@@ -297,6 +297,8 @@ int cudaHostRegister(void* p, size_t n, unsigned) {
   if (!init_ok()) return kErrInitialization;
   if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   if (env_int("FAKE_CUDART_FAIL_REGISTER", 0)) return 2;  // cudaErrorMemoryAllocation
+  // Pinning tens of GiB takes seconds on real hardware.
+  if (int ms = env_int("FAKE_CUDART_REGISTER_DELAY_MS", 0)) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   if (!p || !n || is_device(p)) return kErrInvalidValue;
   {
     std::lock_guard<std::mutex> lk(mem_mu);
@@ -480,6 +482,18 @@ int cudaStreamEndCapture(void* s, void** graph) {
   *graph = st;  // a non-null stand-in for the graph; nothing can launch it
   return 0;
 }
+// FAKE_CUDART_PCI_BUS_ID names the device's PCI slot (a real one of this
+// machine, so /sys/bus/pci/devices/<id>/numa_node exists); unset: not supported.
+int cudaDeviceGetPCIBusId(char* buf, int len, int device) {
+  if (!init_ok()) return kErrInitialization;
+  if (device < 0 || device >= env_int("FAKE_CUDART_DEVICES", 1)) return 101;  // cudaErrorInvalidDevice
+  const char* id = std::getenv("FAKE_CUDART_PCI_BUS_ID");
+  if (!id || !*id) return 801;  // cudaErrorNotSupported
+  if (!buf || len <= 0) return kErrInvalidValue;
+  std::snprintf(buf, static_cast<size_t>(len), "%s", id);
+  return 0;
+}
+
 int cudaStreamIsCapturing(void* s, int* status) {
   if (!init_ok()) return kErrInitialization;
   Stream* st = S(s);

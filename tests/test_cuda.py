@@ -493,6 +493,42 @@ def test_fake_runtime_pinning_failure_is_reported_and_saves_still_work(fake_cuda
     assert out["pinned"] is False and out["pin_error"].startswith("cudaHostRegister of ")
 
 
+def _a_pci_device():
+    devs = sorted(os.listdir("/sys/bus/pci/devices")) if os.path.isdir("/sys/bus/pci/devices") else []
+    if not devs:
+        pytest.skip("no PCI device in /sys/bus/pci/devices to stand for the GPU")
+    with open(f"/sys/bus/pci/devices/{devs[0]}/numa_node") as f:
+        return devs[0].upper(), int(f.read())   # CUDA spells the bus id in capitals
+
+
+def test_fake_runtime_pool_follows_the_gpus_numa_node(fake_cudart, tmp_path):
+    bus, node = _a_pci_device()
+    out = _fake(fake_cudart, "numa", tmp_path, FAKE_CUDART_PCI_BUS_ID=bus)
+    assert out["node"] == node and out["pinned"] is True and out["error"] is None
+    assert out["new_policies"] and set(out["new_policies"]) == {f"prefer:{node}" if node >= 0 else "default"}
+
+
+def test_staging_numa_node_is_placed_with_mbind(fake_cudart, tmp_path):
+    # Forced, as for a process bound to one socket: node 0 exists everywhere.
+    out = _fake(fake_cudart, "numa", tmp_path, FLASHWRITE_STAGING_NUMA_NODE=0)
+    assert out == {"node": 0, "error": None, "pinned": True, "new_policies": ["prefer:0"]}
+
+
+def test_bad_staging_numa_node_is_a_clear_error():
+    r = subprocess.run([sys.executable, "-c", "from flashwrite import _core; _core.Engine(8 << 20)"],
+                       env={**os.environ, "FLASHWRITE_STAGING_NUMA_NODE": "socket0"}, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "FLASHWRITE_STAGING_NUMA_NODE=socket0: expected a NUMA node number" in r.stderr
+
+
+def test_fake_runtime_pinning_does_not_hold_the_pool_lock(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "pin_outside_lock", tmp_path, FAKE_CUDART_REGISTER_DELAY_MS=1500)
+    assert out["reserve_s"] >= 1.5, out          # the pin hook did run...
+    assert out["query_s"] < 0.5, out             # ...while the pool answered at once,
+    assert out["during"] == [0, 0], out          # with its slots not yet there and nothing trimmed,
+    assert out["after"] == 32 << 20 and out["pinned"] is True and out["trim_after"] == 32 << 20, out
+
+
 def test_fake_runtime_h2d_load_places_and_keeps_the_rest_on_the_host(fake_cudart, tmp_path):
     out = _fake(fake_cudart, "load", tmp_path, FAKE_CUDART_COPY_DELAY_US=200)
     assert out == {"mismatches": 0, "placed_ok": True, "host_ok": True, "headers_ok": True}

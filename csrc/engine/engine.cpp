@@ -1,7 +1,10 @@
 #include "engine/engine.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
+#include <stdexcept>
+#include <string>
 
 #include <unistd.h>
 
@@ -21,8 +24,28 @@ std::vector<StreamRef> wait_streams(const GivenStreams& given, const std::vector
   return out;
 }
 
+// FLASHWRITE_STAGING_NUMA_NODE: the NUMA node of the staging pool, for every
+// save (a process bound to one socket); otherwise the pool follows the node of
+// the first GPU it is pinned for, and host-only saves leave it to the kernel.
+static int numa_node_from_env() {
+  const char* v = std::getenv("FLASHWRITE_STAGING_NUMA_NODE");
+  if (!v || !*v) return -2;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end || n < -1 || n > 1023)
+    throw std::invalid_argument(std::string("FLASHWRITE_STAGING_NUMA_NODE=") + v +
+                                ": expected a NUMA node number (0-1023), or -1 for the kernel's default");
+  return static_cast<int>(n);
+}
+
 Engine::Engine(uint64_t chunk_bytes, uint64_t max_staging_bytes)
-    : pool_(std::make_shared<StagingPool>(chunk_bytes, max_staging_bytes)) {}
+    : pool_(std::make_shared<StagingPool>(chunk_bytes, max_staging_bytes)) {
+  const int node = numa_node_from_env();
+  if (node != -2) {
+    numa_given_ = true;
+    pool_->set_numa_node(node);
+  }
+}
 
 std::unique_ptr<SaveJob> Engine::start_save(std::vector<FileSpec> files, std::vector<Segment> segments,
                                             SaveOptions opt, const std::vector<int>& devices,
@@ -60,6 +83,9 @@ void Engine::pin_pool(int device) {
   std::lock_guard<std::mutex> lk(cuda_mu_);
   if (pinning_) return;
   pinning_ = true;
+  // Slabs made from now on are faulted in on the GPU's node: DMA from memory
+  // on the other socket crosses the link between them.
+  if (!numa_given_) pool_->set_numa_node(cuda::numa_node(device));
   pool_->set_pin_hooks(cuda_pin_hooks(device, pin_error_));
 }
 
@@ -111,6 +137,7 @@ std::shared_ptr<StagingPool> bounce_pool(uint64_t slot_bytes, size_t slots, int 
     return c.pool;
   old = std::move(c.pool);
   auto p = std::make_shared<StagingPool>(slot_bytes, slot_bytes * slots);
+  p->set_numa_node(cuda::numa_node(device));
   p->set_pin_hooks(cuda_pin_hooks(device));
   p->reserve(slots);  // held for good: trim() is never called on these
   c.pool = p;

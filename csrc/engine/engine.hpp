@@ -53,6 +53,10 @@ class Engine {
   uint64_t pool_bytes() const { return pool_->capacity_bytes(); }
   uint64_t max_staging_bytes() const { return pool_->max_slots() * pool_->slot_bytes(); }
   bool pool_pinned() const { return pool_->pinned(); }
+  // The NUMA node the pool's new slabs prefer (-1: the kernel's default), and
+  // why placing the last one failed (empty if it did not).
+  int pool_numa_node() const { return pool_->numa_node(); }
+  std::string pool_numa_error() const { return pool_->numa_error(); }
   uint64_t trim() { return pool_->trim(); }
 
  private:
@@ -62,6 +66,7 @@ class Engine {
   std::shared_ptr<StagingPool> pool_;
   std::mutex cuda_mu_;  // guards pinning_ and streams_
   bool pinning_ = false;
+  bool numa_given_ = false;  // FLASHWRITE_STAGING_NUMA_NODE chose the pool's node
   std::shared_ptr<CopyStreams> streams_;
   const std::shared_ptr<PinError> pin_error_ = std::make_shared<PinError>();
 };

@@ -331,6 +331,16 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("pool_bytes", &Engine::pool_bytes)
       .def_property_readonly("max_staging_bytes", &Engine::max_staging_bytes)
       .def_property_readonly("pool_pinned", &Engine::pool_pinned)
+      .def_property_readonly("pool_numa_node", &Engine::pool_numa_node,
+                             "The NUMA node the pool's new slabs prefer (the first GPU's, or "
+                             "FLASHWRITE_STAGING_NUMA_NODE), or -1 for the kernel's default.")
+      .def_property_readonly(
+          "pool_numa_error",
+          [](const Engine& e) {
+            std::string err = e.pool_numa_error();
+            return err.empty() ? py::none() : py::object(py::str(err));
+          },
+          "Why the last slab could not be placed on that node, or None.")
       .def_property_readonly(
           "pin_error",
           [](const Engine& e) {

@@ -4,9 +4,11 @@
 #include <link.h>
 
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -72,6 +74,7 @@ bool bind_all(void* h, Runtime& rt, bool forced) {
   bind(h, "cudaDriverGetVersion", rt.DriverGetVersion);
   bind(h, "cudaStreamIsCapturing", rt.StreamIsCapturing);
   bind(h, "cudaThreadExchangeStreamCaptureMode", rt.ThreadExchangeStreamCaptureMode);
+  bind(h, "cudaDeviceGetPCIBusId", rt.DeviceGetPCIBusId);
   // Neither initialises the driver.
   if (rt.RuntimeGetVersion) rt.RuntimeGetVersion(&rt.runtime_version);
   if (rt.DriverGetVersion) rt.DriverGetVersion(&rt.driver_version);
@@ -263,6 +266,28 @@ std::string pin(void* p, size_t n, int device) {
     err = e.what();
   }
   return err;
+}
+
+int numa_node(int device) {
+  const Runtime& rt = runtime();
+  if (!rt.available || !rt.DeviceGetPCIBusId) return -1;
+  char bus[64] = {};
+  cudaError_t e = cudaSuccess;
+  try {
+    on_device_thread(device, [&] { e = rt.DeviceGetPCIBusId(bus, sizeof bus - 1, device); });
+  } catch (const std::exception&) {
+    return -1;
+  }
+  if (e != cudaSuccess) {
+    rt.GetLastError();
+    return -1;
+  }
+  std::string id(bus);
+  for (auto& c : id) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));  // sysfs names are lower case
+  std::ifstream f("/sys/bus/pci/devices/" + id + "/numa_node");
+  int node = -1;
+  if (!(f >> node)) return -1;
+  return node;
 }
 
 void unpin(void* p, int device) {

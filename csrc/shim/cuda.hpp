@@ -90,6 +90,8 @@ struct Runtime {
   // Optional (CUDA 10.1+): graph capture awareness; skipped where missing.
   cudaError_t (*StreamIsCapturing)(cudaStream_t, int*) = nullptr;
   cudaError_t (*ThreadExchangeStreamCaptureMode)(int*) = nullptr;
+  // Optional: where the device sits (its NUMA node, through sysfs).
+  cudaError_t (*DeviceGetPCIBusId)(char*, int, int) = nullptr;
 };
 
 // Loads once (thread-safe). Search order: $FLASHWRITE_CUDA_RUNTIME (a path;
@@ -158,6 +160,10 @@ void on_device_thread(int device, const std::function<void()>& fn);
 // longer these, so it is dropped and p registered again; one that merely
 // overlaps the range cannot be dropped from here and is an error.
 std::string pin(void* p, size_t n, int device);
+
+// The NUMA node of `device` (/sys/bus/pci/devices/<its PCI bus id>/numa_node),
+// or -1 where the runtime or the kernel cannot say (one node, a VM).
+int numa_node(int device);
 void unpin(void* p, int device);
 
 }  // namespace fw::cuda

@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -39,6 +40,7 @@ bool StagingPool::adopt_after_fork() {
   slabs_.clear();
   free_.clear();
   total_slots_ = reservations_ = reserved_slots_ = 0;  // the parent's jobs do not run here
+  busy_ = false;  // a growth in a thread of the parent's does not continue here
   if (backing_fd_ >= 0) {
     ::close(backing_fd_);  // the parent's descriptor keeps its lock
     backing_fd_ = -1;
@@ -144,28 +146,66 @@ double StagingPool::pin_seconds() const {
   return pin_s_;
 }
 
-void StagingPool::pin_slab(Slab& s) {
-  if (s.pinned || !hooks_.pin) return;
+namespace {
+
+// mbind(MPOL_PREFERRED) through the system call (no libnuma): pages faulted in
+// from now on come from `node` while it has memory, else from any node.
+std::string prefer_node(void* p, size_t n, int node) {
+  constexpr int kMaxNodes = 1024;
+  constexpr int kPreferred = 1;  // MPOL_PREFERRED
+  if (node < 0) return {};
+  if (node >= kMaxNodes) return "NUMA node " + std::to_string(node) + " is out of range";
+  unsigned long mask[kMaxNodes / (8 * sizeof(unsigned long))] = {};
+  mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));
+  if (::syscall(SYS_mbind, p, n, kPreferred, mask, static_cast<unsigned long>(kMaxNodes + 1), 0u) == 0) return {};
+  const int e = errno;
+  return "mbind(MPOL_PREFERRED, node " + std::to_string(node) + ") of " + std::to_string(n) +
+         " bytes: " + std::strerror(e) + " (errno " + std::to_string(e) + "); the pages come from any node";
+}
+
+}  // namespace
+
+double StagingPool::fill_slab(Slab& s, const PinHooks& hooks, int node, std::string& numa_err) {
+  numa_err = prefer_node(s.mem.data(), s.mem.capacity(), node);
+  // Faulted in now, in parallel: every slot is then resident for good, so
+  // later saves neither pay for page faults nor grow the process (slots are
+  // reused last-in-first-out, and a save may touch only some of them).
+  const size_t bytes = s.mem.capacity();
+  const unsigned n = static_cast<unsigned>(std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), defaults::kPrefaultMaxThreads));
+  const size_t part = round_up((bytes + n - 1) / n, kAlign);
+  std::vector<std::thread> faulters;
+  unsigned i = 0;
+  try {
+    for (; i < n && i * part < bytes; ++i) faulters.emplace_back([&, i] { s.mem.prefault(i * part, part); });
+  } catch (const std::system_error&) {
+    // No thread to spare: fault the rest in here (a joinable thread must not
+    // be destroyed, so never leave this block without the joins below).
+    for (; i < n && i * part < bytes; ++i) s.mem.prefault(i * part, part);
+  }
+  for (auto& t : faulters) t.join();
+  if (!hooks.pin) return 0;
   const auto t0 = std::chrono::steady_clock::now();
-  s.pinned = hooks_.pin(s.mem.data(), s.mem.capacity());
-  pin_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  s.pinned = hooks.pin(s.mem.data(), s.mem.capacity());
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 bool StagingPool::reserve(size_t slots, bool hold) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
   adopt_after_fork();
   // Not held: the pool is to hold `slots` for a save to come, or what the
   // reservations held now need if that is more (never the sum of the two).
   const size_t held = hold ? 0 : slots;
   if (hold) ++reservations_;
   reserved_slots_ += slots - held;
-  struct Undo {  // the reservation does not outlive a failed allocation
+  struct Undo {  // the reservation does not outlive a failed allocation (runs with mu_ held)
     StagingPool* pool;
     size_t slots;
     ~Undo() {
       if (pool) --pool->reservations_, pool->reserved_slots_ -= slots;
     }
   } undo{hold ? this : nullptr, slots};
+  // A growth under way may already hold what this reservation needs.
+  cv_.wait(lk, [&] { return !busy_; });
   size_t want = std::max(reserved_slots_, held);
   if (max_slots_) want = std::min(want, max_slots_);
   if (want <= total_slots_) {
@@ -174,34 +214,50 @@ bool StagingPool::reserve(size_t slots, bool hold) {
   }
   size_t add = want - total_slots_;
   auto slab = std::make_unique<Slab>();
-  // Faulted in now, in parallel: every slot is then resident for good, so
-  // later saves neither pay for page faults nor grow the process (slots are
-  // reused last-in-first-out, and a save may touch only some of them).
-  slab->mem = new_slab_memory(add * slot_bytes_, slab->file_offset);
+  slab->mem = new_slab_memory(add * slot_bytes_, slab->file_offset);  // under mu_: it may grow the backing file
   // Before it is faulted in or pinned: a fork from then on leaves it out.
   if (slab->file_offset < 0) slab->dont_fork = slab->mem.dont_fork();
-  {
-    const size_t bytes = slab->mem.capacity();
-    const unsigned n = static_cast<unsigned>(std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), defaults::kPrefaultMaxThreads));
-    const size_t part = round_up((bytes + n - 1) / n, kAlign);
-    std::vector<std::thread> faulters;
-    unsigned i = 0;
-    try {
-      for (; i < n && i * part < bytes; ++i) faulters.emplace_back([&, i] { slab->mem.prefault(i * part, part); });
-    } catch (const std::system_error&) {
-      // No thread to spare: fault the rest in here (a joinable thread must not
-      // be destroyed, so never leave this block without the joins below).
-      for (; i < n && i * part < bytes; ++i) slab->mem.prefault(i * part, part);
-    }
-    for (auto& t : faulters) t.join();
+  // Faulting and pinning tens of GiB take seconds: not under the lock, so the
+  // jobs running on this pool acquire and release their slots meanwhile.
+  const PinHooks hooks = hooks_;
+  const int node = numa_node_;
+  std::string numa_err;
+  double pin_s = 0;
+  busy_ = true;
+  lk.unlock();
+  try {
+    pin_s = fill_slab(*slab, hooks, node, numa_err);
+  } catch (...) {
+    lk.lock();
+    busy_ = false;
+    cv_.notify_all();
+    throw;
   }
-  pin_slab(*slab);
+  lk.lock();
+  busy_ = false;
+  pin_s_ += pin_s;
+  if (node >= 0) numa_error_ = numa_err;
   for (size_t i = 0; i < add; ++i) free_.push_back(slab->mem.data() + i * slot_bytes_);
   total_slots_ += add;
   slabs_.push_back(std::move(slab));
   undo.pool = nullptr;
   cv_.notify_all();
   return total_slots_ >= reserved_slots_;
+}
+
+void StagingPool::set_numa_node(int node) {
+  std::lock_guard<std::mutex> lk(mu_);
+  numa_node_ = node;
+}
+
+int StagingPool::numa_node() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return numa_node_;
+}
+
+std::string StagingPool::numa_error() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return numa_error_;
 }
 
 void StagingPool::unreserve(size_t slots) {
@@ -244,17 +300,26 @@ void StagingPool::wake() {
 }
 
 size_t StagingPool::trim() {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
   adopt_after_fork();
-  if (reservations_ || free_.size() != total_slots_) return 0;  // slots reserved or in use
+  if (busy_ || reservations_ || free_.size() != total_slots_) return 0;  // slots reserved, in use or growing
   size_t freed = total_slots_ * slot_bytes_;
-  for (auto& s : slabs_)
-    if (s->pinned && hooks_.unpin) hooks_.unpin(s->mem.data());
+  std::vector<std::unique_ptr<Slab>> gone = std::move(slabs_);
   slabs_.clear();
   free_.clear();
   total_slots_ = 0;
+  // Unregistering costs what registering did: not under the lock.
+  const PinHooks hooks = hooks_;
+  busy_ = true;
+  lk.unlock();
+  for (auto& s : gone)
+    if (s->pinned && hooks.unpin) hooks.unpin(s->mem.data());
+  gone.clear();  // unmapped
+  lk.lock();
+  busy_ = false;
   // The file's pages are the memory (tmpfs): give them back too.
   if (backing_fd_ >= 0 && backing_bytes_ && ::ftruncate(backing_fd_, 0) == 0) backing_bytes_ = 0;
+  cv_.notify_all();
   return freed;
 }
 
@@ -265,10 +330,39 @@ bool StagingPool::owns(const char* slot) const {
 }
 
 void StagingPool::set_pin_hooks(PinHooks hooks) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
   adopt_after_fork();
+  cv_.wait(lk, [&] { return !busy_; });
   hooks_ = std::move(hooks);
-  for (auto& s : slabs_) pin_slab(*s);
+  std::vector<Slab*> todo;
+  for (auto& s : slabs_)
+    if (!s->pinned) todo.push_back(s.get());
+  if (todo.empty() || !hooks_.pin) return;
+  // Pinning the slabs made before (seconds for tens of GiB) is not done under
+  // the lock: running jobs acquire and release slots meanwhile.
+  const PinHooks pin = hooks_;
+  busy_ = true;
+  lk.unlock();
+  double secs = 0;
+  std::vector<bool> done(todo.size(), false);
+  try {
+    for (size_t i = 0; i < todo.size(); ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      done[i] = pin.pin(todo[i]->mem.data(), todo[i]->mem.capacity());
+      secs += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  } catch (...) {
+    lk.lock();
+    for (size_t i = 0; i < todo.size(); ++i) todo[i]->pinned = done[i];
+    busy_ = false;
+    cv_.notify_all();
+    throw;
+  }
+  lk.lock();
+  for (size_t i = 0; i < todo.size(); ++i) todo[i]->pinned = done[i];
+  pin_s_ += secs;
+  busy_ = false;
+  cv_.notify_all();
 }
 
 }  // namespace fw

@@ -80,6 +80,13 @@ class StagingPool {
   void set_pin_hooks(PinHooks hooks);
   // Seconds spent page-locking slabs so far (the pin hook's calls).
   double pin_seconds() const;
+  // Slabs created from now on prefer this NUMA node (mbind MPOL_PREFERRED before
+  // they are faulted in): the GPU's node, so DMA does not cross the socket
+  // link. -1: the kernel's default (first touch). numa_error() says why the
+  // last placement failed, or is empty.
+  void set_numa_node(int node);
+  int numa_node() const;
+  std::string numa_error() const;
 
   // Call before the first reserve(). The file is created (mode 0600) when the
   // first slab is; the caller names it and removes it.
@@ -100,8 +107,10 @@ class StagingPool {
   // parent made. Returns true when it did so now.
   bool adopt_after_fork();
   bool owns(const char* slot) const;  // under mu_
+  // Faults in (on numa_node_ when set) and pins a new slab; called with mu_
+  // released while busy_ is set. Returns the seconds spent pinning.
+  double fill_slab(Slab& s, const PinHooks& hooks, int node, std::string& numa_err);
   AlignedBuffer new_slab_memory(size_t bytes, int64_t& file_offset);
-  void pin_slab(Slab& s);
 
   const size_t slot_bytes_;
   const size_t max_slots_;
@@ -117,6 +126,13 @@ class StagingPool {
   int backing_fd_ = -1;
   uint64_t backing_bytes_ = 0;  // the file's allocated length
   double pin_s_ = 0;
+  int numa_node_ = -1;
+  std::string numa_error_;
+  // A slab is being faulted in, pinned or unpinned with mu_ released (seconds
+  // for tens of GiB): acquire() and release() of running jobs go on meanwhile;
+  // reserve(), set_pin_hooks() and trim() wait for it (cv_), so one slab at a
+  // time changes and a reserve() finds the slots the growth made.
+  bool busy_ = false;
   int owner_pid_;       // the process the slabs belong to
   bool forked_ = false;  // adopted after a fork: release() checks its slots
 };

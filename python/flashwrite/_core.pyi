@@ -167,6 +167,10 @@ class Engine:
     @property
     def pool_pinned(self) -> bool: ...
     @property
+    def pool_numa_node(self) -> int: ...  # -1: the kernel's default
+    @property
+    def pool_numa_error(self) -> str | None: ...
+    @property
     def pin_error(self) -> str | None: ...
     def trim(self) -> int:
         """Free the pool (bytes freed); 0 while a save holds or reserves slots."""
