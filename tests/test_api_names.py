@@ -91,8 +91,11 @@ def test_manager_save_async_returns_once_staged_and_save_is_the_same(tmp_path):
 
 
 def test_local_snapshots_is_a_flag_and_find_local_snapshots_lists_them(tmp_path, shmdir):
-    with CheckpointManager(tmp_path / "root", local_snapshots=True, local_dir=shmdir) as m:
-        assert m._writer.local_snapshots is True  # noqa: SLF001 - the manager's own writer
+    w = Writer(local_snapshots=True, local_dir=shmdir)
+    assert w.local_snapshots is True
+    with Writer() as plain:
+        assert plain.local_snapshots is False
+    with w, CheckpointManager(tmp_path / "root", writer=w, local_snapshots=True) as m:
         m.save_async(5, {"a": torch.ones(4)}).result(60)
         found = m.find_local_snapshots()
         assert list(found) == [5] and found[5][0].path == m.path_for(5)
