@@ -13,7 +13,7 @@ dropped right before what it times (as root):
   loop (the manager prepares its pool from the first state it sees); with each save's
   ``SaveStats.pool_wait_s``.
 
-    python benchmarks/loads.py --gib 1 2 4 --rounds 3 --dir /work/loads-bench --json benchmarks/results/loads.json
+    python benchmarks/loads.py --gib 1 2 4 --rounds 3 --dir /work/loads-bench --json benchmarks/results/cold-load-and-first-save.json
 
 Medians over rounds. Ratios: fio's time / the load's (above 1.0 is faster than fio).
 """

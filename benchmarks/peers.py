@@ -127,7 +127,8 @@ class DeepSpeedFastPersist(Contender):
         import deepspeed.io.fast_file_writer as ffw
         from deepspeed.ops.op_builder import AsyncIOBuilder
         if not torch.cuda.is_available():
-            # Its UtilsBuilder has no CPU-accelerator build; the generic one works (PEERS.md).
+            # Its UtilsBuilder has no CPU-accelerator build; the generic one works (found while
+            # setting up this peer; DeepSpeed's docs do not say so).
             from deepspeed.ops.op_builder.utils import UtilsBuilder
             ffw.UtilsBuilder = UtilsBuilder
         self.handle = AsyncIOBuilder().load().aio_handle(1 << 20, 8, False, True, 1)

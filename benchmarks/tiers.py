@@ -115,7 +115,7 @@ def restores(gib: float, state: dict, d: str, rounds: int, settle_s: float) -> d
                 one("local_copy_s", lambda: m2.restore(zero_copy=False), then_write="local_copy_first_write_s")
                 one("local_into_s", lambda: m2.restore(into=dest))
                 one("local_s", lambda: m2.restore(), then_write="local_first_write_s")  # takes it: last
-                assert not m2.local_snapshots(), "the default restore did not take the snapshot"
+                assert not m2.find_local_snapshots(), "the default restore did not take the snapshot"
                 m2._writer.close()  # it saved nothing
                 one("flashwrite_cold_s", lambda: fw.load(m2.path_for(1)), cold=True)
                 one("flashwrite_cold_into_s", lambda: fw.load(m2.path_for(1), into=dest), cold=True)

@@ -7,7 +7,7 @@ One invocation runs both, each in a fresh process, on the same model (GPT-2 shap
 ``--save-steps`` steps with ``save_total_limit=2``:
 
     python benchmarks/trainer_save.py --dir /tmp/trainer-bench --steps 8 --save-steps 2 \
-        --json benchmarks/results/trainer-save.json
+        --json benchmarks/results/hf-trainer-save-every-2-steps-2026-12-01.json
 
 With ``--save-steps 1`` the first save also allocates flashwrite's staging pool (there is
 no step without a save to reserve it in the background, see ``flashwrite.transformers``).

@@ -134,7 +134,7 @@ def test_restart_removes_dead_owners_older_snapshots(tmp_path, shmdir):
     import shutil
     shutil.rmtree(root / "step-00000003")  # step 3 never reached storage
     m = CheckpointManager(root, local_snapshots=True, local_dir=shmdir)
-    steps = sorted(m.local_snapshots())
+    steps = sorted(m.find_local_snapshots())
     assert steps == [3] and not os.path.exists(half)
     step, state = m.restore()
     assert step == 3
@@ -421,7 +421,7 @@ def test_zero_copy_restore_adopts_a_dead_writers_pool_copy_on_write(tmp_path):
         p.send_signal(signal.SIGKILL)
         p.communicate()
         m = CheckpointManager(root, local_snapshots=True, local_dir=shm)
-        snap = m.local_snapshots()[2][0]
+        snap = m.find_local_snapshots()[2][0]
         keep = os.open(snap.pool, os.O_RDONLY)  # the write-back may remove the file at any moment
         step, state = m.restore(zero_copy=True)
         assert step == 2
@@ -491,7 +491,7 @@ def test_restart_takes_a_committed_snapshot_copying_nothing(tmp_path):
         assert mapped == f"{snap.pool} (deleted)" and perms.startswith("rw") and perms.endswith("s")
         assert _copied(state["model"]["h"])
         # Taken: gone from the local tier; only w's pages stay allocated.
-        assert not os.path.exists(snap.header) and not os.path.exists(snap.pool) and m.local_snapshots() == {}
+        assert not os.path.exists(snap.header) and not os.path.exists(snap.pool) and m.find_local_snapshots() == {}
         held = os.fstat(keep).st_blocks * 512
         assert w.nbytes <= held <= w.nbytes + 2 * local.PAGE < pool_bytes, (held, pool_bytes)
         # The pool is this process's while w lives: nobody adopts or takes it.

@@ -61,14 +61,14 @@ def test_local_tier_goes_by_the_name(tmp_path, shmdir, caplog):
                               keep_local=True) as m:
         m.save(4, state(4))
     with fw.CheckpointManager(root, name="checkpoint-{step}", local_snapshots=True, local_dir=shmdir) as m2:
-        assert list(m2.local_snapshots()) == [4]
+        assert list(m2.find_local_snapshots()) == [4]
         with caplog.at_level(logging.INFO, logger="flashwrite"):
             step, got = m2.restore()
         assert step == 4 and "from local memory" in caplog.text
         assert_same(got, state(4))
     # A manager with another pattern on the same root sees neither the checkpoint nor the snapshot.
     with fw.CheckpointManager(root, local_snapshots=True, local_dir=shmdir) as m3:
-        assert m3.all_steps() == [] and m3.local_snapshots() == {} and m3.restore() is None
+        assert m3.all_steps() == [] and m3.find_local_snapshots() == {} and m3.restore() is None
 
 
 def test_save_options_and_on_commit(tmp_path):

@@ -8,7 +8,7 @@ checkpoint is a directory of valid safetensors files plus a manifest.
 from ._core import __version__
 from .errors import (CheckpointExistsError, ChecksumMismatchError, CorruptCheckpointError, DistributedSaveError,
                      FlashwriteError, UnsafeCheckpointError)
-from .future import SaveFuture, SaveStats
+from .future import CheckpointFuture, LoadFuture, LoadStats, SaveFuture, SaveStats
 from .info import backend_info
 from .load import load, load_async, verify
 from .manager import CheckpointManager
@@ -26,6 +26,9 @@ __all__ = [
     "Writer",
     "SaveFuture",
     "SaveStats",
+    "CheckpointFuture",
+    "LoadFuture",
+    "LoadStats",
     "CheckpointManager",
     "FlashwriteError",
     "CorruptCheckpointError",

@@ -50,6 +50,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import peers, report, runner
+    if a.peers:
+        peers.use_peers_file(a.peers)
     if a.contenders in ("all", "default"):
         contenders = peers.default_contenders()
     else:
@@ -93,7 +95,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_overhead(a: argparse.Namespace) -> int:
-    from .bench import overhead, report
+    from .bench import overhead, peers, report
+    if a.peers:
+        peers.use_peers_file(a.peers)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     res = overhead.run(steps=a.steps, every=a.every, rounds=a.rounds, directory=a.dir, modes=modes,
                        width=a.width, depth=a.depth, threads=a.threads, log=_log(a.quiet))
@@ -175,6 +179,9 @@ def _parser() -> argparse.ArgumentParser:
                    help='Writer options for flashwrite, e.g. \'{"stripes": 8}\' (default: the defaults)')
     b.add_argument("--markdown", action="store_true", help="also print the tables as markdown")
     b.add_argument("--overhead", action="store_true", help="also run the training-overhead benchmark")
+    b.add_argument("--peers", metavar="FILE",
+                   help="a peers.py of adapters for more contenders (a source checkout's benchmarks/peers.py); "
+                        "nothing in the current directory is ever loaded")
     b.add_argument("--steps", type=int, default=60, help="training steps for --overhead")
     b.add_argument("--every", type=int, default=10, help="checkpoint every N steps for --overhead")
     b.add_argument("--overhead-rounds", type=int, default=1, help="rounds for --overhead")
@@ -191,6 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--depth", type=int, default=6, help="MLP layers (default 6)")
     o.add_argument("--threads", type=int, default=1, help="training intra-op threads (default 1)")
     o.add_argument("--dir", default=".")
+    o.add_argument("--peers", metavar="FILE", help="a peers.py of adapters for more modes (as for bench)")
     o.add_argument("--plain", action="store_true")
     o.add_argument("--quiet", "-q", action="store_true")
     o.add_argument("--markdown", action="store_true")

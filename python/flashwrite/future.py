@@ -1,4 +1,10 @@
-"""One save in flight: its figures (``SaveStats``) and its future (``SaveFuture``).
+"""Work in flight: the futures that ``save_async`` and ``load_async`` return.
+
+Both are ``CheckpointFuture``s, which are ``concurrent.futures.Future``s (so
+``concurrent.futures.wait`` and ``as_completed`` take them) with the same extras:
+``path``, ``wait(timeout)`` (True once done, never raises the work's error) and
+``stats`` (``SaveStats`` or ``LoadStats``). A save's future tracks it from staging to
+commit (``SaveFuture``); a load's, from its queue to the returned state (``LoadFuture``).
 
 Every save, on one rank or many, is launched the same way (``SaveFuture._launch``):
 wait for staging if asked, then run the save's ``finish`` on a background thread,
@@ -14,6 +20,98 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import torch
+
+
+class CheckpointFuture(concurrent.futures.Future):
+    """What every flashwrite future has: ``result``, ``exception``, ``done``,
+    ``add_done_callback`` and ``cancel`` as ``concurrent.futures.Future`` has them, plus
+    ``path`` (the checkpoint), ``wait`` and ``stats``."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the work has ended, well or not (GIL released); True when it has,
+        False when ``timeout`` ran out first. Its outcome is for ``result()`` to raise."""
+        done, _ = concurrent.futures.wait([self], timeout)
+        return bool(done)
+
+    @property
+    def stats(self) -> Any:
+        raise NotImplementedError
+
+
+@dataclass
+class LoadStats:
+    """Figures of one ``load_async``. Times are seconds from the load_async call."""
+
+    path: str
+    queued_s: float | None = None   # waited for a free loader thread
+    total_s: float | None = None    # the state returned
+    tensors: int = 0                # tensors in the returned state
+    bytes: int = 0                  # their bytes
+
+    @property
+    def gbps(self) -> float | None:
+        return self.bytes / self.total_s / 1e9 if self.total_s else None
+
+
+class LoadFuture(CheckpointFuture):
+    """A ``load_async`` in progress. ``result()`` returns what ``load`` returns, or raises
+    what it raised. ``cancel()`` succeeds only while the load is still queued."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self._stats = LoadStats(path)
+        self._t0 = time.perf_counter()
+
+    def _run(self, load: Callable[[], Any]) -> None:
+        """Run ``load`` on this (loader) thread and complete the future with its outcome."""
+        if not self.set_running_or_notify_cancel():
+            return
+        self._stats.queued_s = time.perf_counter() - self._t0
+        try:
+            state = load()
+        except BaseException as e:
+            self.set_exception(e)
+            return
+        self._stats.tensors, self._stats.bytes = _count_tensors(state)
+        self._stats.total_s = time.perf_counter() - self._t0
+        self.set_result(state)
+
+    @property
+    def stats(self) -> LoadStats:
+        return self._stats
+
+    def __repr__(self) -> str:
+        state = "cancelled" if self.cancelled() else "failed" if self.done() and self.exception() else \
+            "loaded" if self.done() else "loading" if self.running() else "queued"
+        return f"<LoadFuture {self.path!r} {state}>"
+
+
+def launch_load(path: str, load: Callable[[], Any], submit: Callable[[Callable[[], None]], Any]) -> LoadFuture:
+    """A ``LoadFuture`` for ``load()``, which ``submit`` runs on a loader thread."""
+    fut = LoadFuture(path)
+    submit(lambda: fut._run(load))
+    return fut
+
+
+def _count_tensors(obj: Any) -> tuple[int, int]:
+    """(tensors, bytes) in a nested state as load returns it."""
+    n = nbytes = 0
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            n, nbytes = n + 1, nbytes + o.nelement() * o.element_size()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return n, nbytes
 
 
 @dataclass
@@ -52,17 +150,16 @@ class SaveStats:
 Finish = Callable[[Callable[[], None]], SaveStats]
 
 
-class SaveFuture:
+class SaveFuture(CheckpointFuture):
     """A save in progress. ``result()`` returns its SaveStats once the checkpoint is
     durable and committed, or raises what went wrong (the temporary directory is
     then already removed and no earlier checkpoint was touched)."""
 
     def __init__(self, path: str, job: Any, stats: SaveStats, t0: float):
-        self.path = path
+        super().__init__(path)
         self._job = job  # the native save job (staging + writing this rank's stripes)
         self._stats = stats
         self._t0 = t0
-        self._future: concurrent.futures.Future = concurrent.futures.Future()
         self._released = False
         self._state_lock = threading.Lock()
         self._cancelled = False
@@ -85,14 +182,14 @@ class SaveFuture:
                 self._job.cancel()
                 self._job.wait()
                 cleanup()
-                self._future.set_exception(e)
+                self.set_exception(e)
                 return
-            self._future.set_result(result)
+            self.set_result(result)
 
         try:
             if block:
                 self.wait_staged()
-            self._future.set_running_or_notify_cancel()
+            self.set_running_or_notify_cancel()
             submit(run)  # raises if the thread that commits was shut down meanwhile
         except BaseException as e:
             self._job.cancel()
@@ -133,18 +230,6 @@ class SaveFuture:
     def staged(self) -> bool:
         return self._job.staged
 
-    def result(self, timeout: float | None = None) -> SaveStats:
-        return self._future.result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def add_done_callback(self, fn: Callable[[SaveFuture], Any]) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
-
     def progress(self) -> float:
         """Fraction of the bytes written so far (1.0 once durable)."""
         written, total = self._job.progress()
@@ -160,13 +245,13 @@ class SaveFuture:
         futures raise ``DistributedSaveError``). Returns False (and changes nothing)
         once the commit has begun or the save has finished."""
         with self._state_lock:
-            if self._committing or self._future.done():
+            if self._committing or self.done():
                 return False
             self._cancelled = True
         self._job.cancel()
         return True
 
     def __repr__(self) -> str:
-        state = "committed" if self.done() and not self._future.exception() else \
+        state = "committed" if self.done() and not self.exception() else \
             "failed" if self.done() else "staged" if self.staged else "staging"
         return f"<SaveFuture {self.path!r} {state} {self.progress():.0%}>"

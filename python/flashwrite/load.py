@@ -16,11 +16,12 @@ from typing import Any
 
 from . import defaults, distributed, foreign, gcpause
 from .format import MANIFEST_NAME
+from .future import LoadFuture, LoadStats, launch_load
 from .read import LoadResult, load_foreign, load_state, read_tensors
 from .locate import resolve
 from .target import check_path, url_scheme
 
-__all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
+__all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult", "LoadFuture", "LoadStats"]
 
 DEFAULT_READ_QUEUE_DEPTH = defaults.READ_QUEUE_DEPTH
 
@@ -101,14 +102,18 @@ _load_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _load_pool_lock = threading.Lock()
 
 
-def load_async(path: str | os.PathLike, **kwargs: Any) -> concurrent.futures.Future:
-    """``load`` on a background thread; returns a concurrent.futures.Future."""
+def load_async(path: str | os.PathLike, **kwargs: Any) -> LoadFuture:
+    """``load(path, **kwargs)`` on a background thread (two loads run at once, more wait
+    their turn). Returns a ``LoadFuture``: a ``concurrent.futures.Future`` of the same
+    family as ``save_async``'s (``result()``, ``done()``, ``wait()``, ``stats``).
+    A path that can never load (an unsupported URL) raises here, not through the future."""
     global _load_pool
-    check_path(path, "load_async")  # raised at the call, not by the future
+    check_path(path, "load_async")
     with _load_pool_lock:
         if _load_pool is None:
             _load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="flashwrite-load")
-    return _load_pool.submit(load, path, **kwargs)
+        pool = _load_pool
+    return launch_load(os.fspath(path), lambda: load(path, **kwargs), pool.submit)
 
 
 def verify(path: str | os.PathLike) -> dict:

@@ -48,6 +48,7 @@ import signal
 import string
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 from . import commit, local, neighbour
@@ -299,8 +300,17 @@ class CheckpointManager:
             return self._start(step, state_dict, overwrite=False, policy=self.if_busy, save_options=save_options)
 
     def save(self, step: int, state_dict: StateSource, *, overwrite: bool = False, **save_options: Any) -> SaveFuture:
-        """Save now (after the save in flight, if any, is durable). Returns once staged.
-        save_options: as for ``maybe_save``."""
+        """The same as ``save_async``: returns once staged, NOT once durable (unlike
+        ``flashwrite.save`` and ``Writer.save``). Call ``.result()`` on the future, or
+        ``wait()``, to block until the checkpoint is committed. Kept under this name
+        because a training loop that checkpoints must not stall on the disk."""
+        return self.save_async(step, state_dict, overwrite=overwrite, **save_options)
+
+    def save_async(self, step: int, state_dict: StateSource, *, overwrite: bool = False,
+                   **save_options: Any) -> SaveFuture:
+        """Save now (after the save in flight, if any, is durable). Returns the save's
+        future once staged, as ``flashwrite.save_async`` does. save_options: as for
+        ``maybe_save``."""
         self._check_step(step)
         _check_save_options(save_options)
         with self._call():
@@ -426,6 +436,13 @@ class CheckpointManager:
         return touched
 
     def local_snapshots(self, replicas: bool = False) -> dict[int, list[local.Snapshot]]:
+        """Deprecated name of ``find_local_snapshots`` (``local_snapshots`` is the
+        constructor's flag, and ``Writer.local_snapshots`` says whether it is on)."""
+        warnings.warn("CheckpointManager.local_snapshots() is renamed find_local_snapshots()", DeprecationWarning,
+                      stacklevel=2)
+        return self.find_local_snapshots(replicas)
+
+    def find_local_snapshots(self, replicas: bool = False) -> dict[int, list[local.Snapshot]]:
         """Local snapshots of this root's steps (any owner), newest first per step.
         replicas: the copies this rank holds of rank r-1's snapshots instead
         (``neighbour_copies``)."""
@@ -455,7 +472,7 @@ class CheckpointManager:
         copy of the newest step: callers pick only steps older than, or equal to, a
         committed one)."""
         removed = []
-        for step, snaps in [*self.local_snapshots().items(), *self.local_snapshots(replicas=True).items()]:
+        for step, snaps in [*self.find_local_snapshots().items(), *self.find_local_snapshots(replicas=True).items()]:
             for snap in snaps:
                 if doomed(step) and not snap.alive:
                     local.remove(snap)
@@ -501,7 +518,7 @@ class CheckpointManager:
                                       process_group=self.process_group, **load_options)
                 return self._restore_agreed(into, load_options)
             committed = self.all_steps()
-            snaps = self.local_snapshots()
+            snaps = self.find_local_snapshots()
             if step is not None:
                 self._check_step(step)
                 candidates = [step]
@@ -591,7 +608,7 @@ class CheckpointManager:
         committed = self.all_steps()
         newest = committed[-1] if committed else -1
         verified: dict[int, LoadResult] = {}
-        for s, snaps in sorted(self.local_snapshots().items(), reverse=True):
+        for s, snaps in sorted(self.find_local_snapshots().items(), reverse=True):
             if s < newest:
                 break  # storage has a newer step for every rank
             for snap in snaps:
@@ -599,7 +616,7 @@ class CheckpointManager:
                 if res is not None:
                     verified[s] = res
                     break
-        held = {s: snaps[0] for s, snaps in self.local_snapshots(replicas=True).items() if s >= newest}
+        held = {s: snaps[0] for s, snaps in self.find_local_snapshots(replicas=True).items() if s >= newest}
         offer = {"steps": sorted(set(committed) | set(verified)), "own": sorted(verified), "held": sorted(held),
                  "fetch": self.local_dir is not None}
         offers: list = [None] * world

@@ -403,10 +403,10 @@ def _split_options(options: dict) -> tuple[dict, dict]:
 def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> SaveFuture:
     """Snapshot ``state_dict`` into host memory and write it to ``path`` in the background.
 
-    Options: Writer settings (stripes, queue_depth, chunk_bytes, backend, direct,
-    max_staging_bytes, copy_threads) and per-save settings (overwrite, block,
-    allow_pickle, metadata, hf_model, hf_config, extra_files; process_group,
-    coordination_group, timeout for a multi-rank save).
+    Options: every parameter of ``Writer(...)`` (read from its signature: stripes,
+    queue_depth, chunk_bytes, backend, direct, max_staging_bytes, copy_threads,
+    local_snapshots, local_dir, neighbour_copies, reserve), which pick the shared Writer,
+    and every parameter of ``Writer.save_async`` (overwrite, block, allow_pickle, ...).
     """
     check_path(path, "save")  # before the tuning of a path's file system is looked up
     wopts, sopts = _split_options(dict(options))

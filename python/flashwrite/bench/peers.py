@@ -2,15 +2,16 @@
 
 Every save is timed from the call until the caller may mutate its tensors
 (stall) and until the bytes are durable (fsync'd, fsync added where the peer
-has none). Peers are called as PEERS.md describes, with their own best settings
-where one is documented (DCP thread_count, torch_checkpointing without its
-default O_DIRECT, which fails on ext4).
+has none). Each peer is called through its public API as its own documentation
+shows, with its own best settings where one is documented (DCP thread_count,
+torch_checkpointing without its default O_DIRECT, which fails on ext4).
 
 Here: what a user compares on their own storage with nothing extra installed
 (torch.save, safetensors, DCP's public API, flashwrite). Adapters that reach into
 other projects' internals (DCP's async stager, torch_checkpointing, DeepSpeed's
 op builders) live in the repository's ``benchmarks/peers.py`` and join the table
-when it is found (see ``external``).
+when it is found beside the package or named by ``flashwrite bench --peers FILE``
+(see ``external``).
 """
 
 from __future__ import annotations
@@ -250,21 +251,36 @@ def _builtin(dcp_threads: int) -> list[Contender]:
 PEERS_FILE = os.path.join("benchmarks", "peers.py")
 
 
+PEERS_ENV = "FLASHWRITE_PEERS_FILE"
+
+
+def use_peers_file(path: str | os.PathLike) -> str:
+    """Take the peer adapters from ``path`` (``flashwrite bench --peers FILE``), in this
+    process and in the workers it starts (they inherit ``FLASHWRITE_PEERS_FILE``)."""
+    full = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"--peers {full}: not a file")
+    os.environ[PEERS_ENV] = full
+    external.cache_clear()
+    return full
+
+
 @functools.lru_cache(maxsize=None)
 def external() -> Any:
     """The adapters for peers whose use needs their internals (DCP's async stager,
-    torch_checkpointing, DeepSpeed's op builders): ``benchmarks/peers.py`` of the source
-    checkout this package runs from (an editable install), or the file that
-    ``FLASHWRITE_PEERS_FILE`` names; None otherwise (a wheel: those peers are then not
-    offered). Never a file found in the current directory: a library must not run code
-    from wherever its caller happens to be. The library itself never imports those projects."""
+    torch_checkpointing, DeepSpeed's op builders): the file named explicitly
+    (``--peers FILE``, i.e. ``FLASHWRITE_PEERS_FILE``), else ``benchmarks/peers.py`` of
+    the source checkout this package itself is installed from (an editable install);
+    None otherwise (a wheel: those peers are then not offered). Never a file found in
+    the current directory: a library must not run code from wherever its caller happens
+    to be. The library itself never imports those projects."""
     here = os.path.dirname(os.path.abspath(__file__))
-    named = os.environ.get("FLASHWRITE_PEERS_FILE")
+    named = os.environ.get(PEERS_ENV)
     path = os.path.abspath(named) if named else os.path.normpath(os.path.join(here, os.pardir, os.pardir, os.pardir,
                                                                               PEERS_FILE))
     if not os.path.isfile(path):
         if named:
-            raise FileNotFoundError(f"FLASHWRITE_PEERS_FILE names {path}, which is not a file")
+            raise FileNotFoundError(f"{PEERS_ENV} names {path}, which is not a file")
         return None
     spec = importlib.util.spec_from_file_location("flashwrite_benchmarks_peers", path)
     mod = importlib.util.module_from_spec(spec)

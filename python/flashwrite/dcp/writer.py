@@ -115,7 +115,11 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     """DCP ``StorageWriter`` (and ``AsyncStager``) writing through flashwrite's native engine.
 
     path: the checkpoint directory (or pass ``checkpoint_id`` to dcp.save).
-    overwrite: replace an existing checkpoint atomically (DCP's writer overwrites too).
+    overwrite: replace an existing checkpoint atomically. False by default, as everywhere in
+    flashwrite (``save``, ``Writer.save``, ``CheckpointManager.save``): a save that would
+    replace a committed checkpoint raises ``CheckpointExistsError`` unless asked to, since
+    a refused save is loud and a replaced checkpoint is gone for good. (torch's own
+    ``FileSystemWriter`` overwrites by default: pass ``overwrite=True`` for that.)
     writer: a ``flashwrite.Writer`` to use; otherwise the shared one for ``writer_options``
     (stripes, queue_depth, chunk_bytes, backend, direct, max_staging_bytes, copy_threads).
     process_group: the group passed to ``dcp.async_save`` (default: the default group);
@@ -126,7 +130,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
 
     _synchronize_after_execute = False  # stage() returns only once staged
 
-    def __init__(self, path: str | os.PathLike | None = None, *, overwrite: bool = True, writer: Any = None,
+    def __init__(self, path: str | os.PathLike | None = None, *, overwrite: bool = False, writer: Any = None,
                  process_group: Any = None, coordination_group: Any = None, timeout: float | None = None,
                  **writer_options: Any):
         super().__init__()
