@@ -88,7 +88,9 @@ def test_huge_timeouts_wait_instead_of_overflowing(fake_cudart, tmp_path):
     for name, r in out.items():
         assert r["staged"] is True and r["staged_flag"] is True, (name, r)
         assert r["done"] is True and r["done_flag"] is True, (name, r)
-        assert r["waited_s"] > 0.15, (name, r)  # it really waited for the 300 ms fence
+        # It really waited for the 300 ms fence (with the overflow, wait returned False
+        # after ~50 ms, whatever the load of the machine).
+        assert r["since_fence_s"] >= 0.29, (name, r)
 
 
 def test_nan_timeout_is_refused(tmp_path):
