@@ -14,7 +14,8 @@ import torch
 import flashwrite as fw
 from flashwrite.bench import devicelimit, overhead, report, runner
 from flashwrite.cli import main
-from flashwrite.bench.state import make_state, parse_size, planned_bytes, state_bytes
+from flashwrite.bench.state import make_state, planned_bytes, state_bytes
+from flashwrite.sizes import parse_size
 
 COLUMNS = ["stall_s", "durable_s", "gbps", "vs_device", "cpu_s_per_gib", "rss_growth", "load_s", "load_vs_device"]
 
