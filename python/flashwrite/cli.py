@@ -109,7 +109,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from .errors import FlashwriteError
     from .ops.ls import record_verified
     from .ops.progress import Progress
-    from .ops.verify import verify
+    from .load import verify
     try:
         summary = verify(a.path, Progress(quiet=a.json or a.quiet))
     except (FlashwriteError, OSError, ValueError) as e:
