@@ -112,23 +112,22 @@ def check_entries(header: dict[str, Any], data_bytes: int, name: str) -> dict[st
     return out
 
 
+def _header(text: bytes, n: int, size: int, name: str) -> SafetensorsHeader:
+    if len(text) != n:
+        raise _bad(name, "header was cut short")
+    header, meta = parse_object(text, name)
+    return SafetensorsHeader(8 + n, check_entries(header, size - 8 - n, name), meta)
+
+
 def parse(buf: bytes | memoryview, size: int, name: str) -> SafetensorsHeader:
     """The header at the start of ``buf`` (at least the whole header) of a ``size``-byte file."""
     n = header_length(buf, size, name)
-    if len(buf) < 8 + n:
-        raise _bad(name, "header was cut short")
-    header, meta = parse_object(bytes(buf[8:8 + n]), name)
-    return SafetensorsHeader(8 + n, check_entries(header, size - 8 - n, name), meta)
+    return _header(bytes(buf[8:8 + n]), n, size, name)
 
 
 def read(fd: int, name: str, size: int | None = None) -> SafetensorsHeader:
     """The header of the open file ``fd`` (``size``: its size, when the caller has it)."""
     if size is None:
         size = os.fstat(fd).st_size
-    head = os.pread(fd, 8, 0)
-    n = header_length(head, size, name)
-    text = os.pread(fd, n, 8)
-    if len(text) != n:
-        raise _bad(name, "header was cut short")
-    header, meta = parse_object(text, name)
-    return SafetensorsHeader(8 + n, check_entries(header, size - 8 - n, name), meta)
+    n = header_length(os.pread(fd, 8, 0), size, name)
+    return _header(os.pread(fd, n, 8), n, size, name)
