@@ -14,7 +14,8 @@ import torch
 import flashwrite as fw
 from flashwrite.bench import devicelimit, overhead, report, runner
 from flashwrite.cli import main
-from flashwrite.bench.state import make_state, parse_size, planned_bytes, state_bytes
+from flashwrite.bench.state import make_state, planned_bytes, state_bytes
+from flashwrite.sizes import fmt_bytes, parse_size
 
 COLUMNS = ["stall_s", "durable_s", "gbps", "vs_device", "cpu_s_per_gib", "rss_growth", "load_s", "load_vs_device"]
 
@@ -37,6 +38,13 @@ def test_parse_size():
     assert parse_size("4096") == 4096
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+def test_fmt_bytes_is_parse_size_backwards():
+    assert [fmt_bytes(n) for n in (None, 0, 1023, 1024, 3 << 29, 2 << 30, 5 << 40)] == \
+        ["-", "0 B", "1023 B", "1 KiB", "1.50 GiB", "2 GiB", "5 TiB"]
+    for text in ("64 MiB", "1.50 GiB", "3 KiB"):
+        assert fmt_bytes(parse_size(text.replace(" ", ""))) == text
 
 
 def test_synthetic_state_is_a_training_state():
@@ -116,6 +124,42 @@ def test_verify_ok_and_corrupt(tmp_path, capsys):
     assert main(["verify", str(good)]) == 1
     err = capsys.readouterr().err
     assert "FAILED" in err and stripe in err
+
+
+class _Progress:
+    def __init__(self):
+        self.calls = []
+
+    def start(self, total, what):
+        self.calls.append(("start", total, what))
+
+    def advance(self, n):
+        self.calls.append(("advance", n))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_verify_checks_stripe_by_stripe_and_names_the_damaged_one(tmp_path):
+    path = tmp_path / "ck"
+    with fw.Writer(stripes=3) as w:
+        w.save({f"t{i}": torch.arange(50_000, dtype=torch.float32) + i for i in range(6)}, path)
+    stripes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    sizes = [os.path.getsize(path / f) for f in stripes]
+    assert len(stripes) == 3
+    p = _Progress()
+    summary = fw.verify(path, progress=p)
+    assert summary["files"] == 3 and summary["bytes"] == sum(sizes) and summary["tensors"] == 6
+    assert p.calls[0] == ("start", sum(sizes), "verify ck") and p.calls[-1] == ("finish",)
+    assert sorted(c[1] for c in p.calls[1:-1]) == sorted(sizes)  # one advance per stripe
+    with open(path / stripes[2], "r+b") as f:  # the last stripe damaged: the first two pass, then it fails
+        f.seek(sizes[2] - 100)
+        f.write(b"\xff" * 8)
+    p = _Progress()
+    with pytest.raises(fw.ChecksumMismatchError) as e:
+        fw.verify(path, progress=p)
+    assert e.value.file == stripes[2]
+    assert [c[0] for c in p.calls] == ["start", "advance", "advance", "finish"]
 
 
 def test_report_plain_table_and_markdown():

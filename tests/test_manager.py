@@ -18,6 +18,7 @@ from fault_util import flip_byte, make_state, temp_entries
 import flashwrite as fw
 from flashwrite import commit
 from flashwrite.format import decode_manifest_json
+from flashwrite.sizes import fmt_bytes
 
 N = 1 << 14  # small states: these tests are about policy, not bandwidth
 
@@ -146,9 +147,11 @@ def test_commit_log_line(tmp_path, small_writer, caplog):
     ck = tmp_path / "step-00000007"
     on_disk = sum(os.path.getsize(ck / f["name"]) for f in decode_manifest_json((ck / "flashwrite.json").read_text())["files"])
     assert stats.bytes == on_disk
-    unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1)) if on_disk >= s)
-    shown = f"{on_disk / scale:.2f} {unit}" if unit != "B" else f"{on_disk} B"
-    assert fw.manager._fmt_bytes(stats.bytes) == shown and f", {shown}," in msg
+    unit, scale = next((u, s) for u, s in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+                       if on_disk >= s)
+    v = on_disk / scale
+    shown = f"{v:.0f} {unit}" if v == int(v) else f"{v:.2f} {unit}"
+    assert fmt_bytes(stats.bytes) == shown and f", {shown}," in msg
     assert f"{stats.gbps:.3g} GB/s" in msg
     for part in ("stall ", "durable after ", "GB/s"):
         assert part in msg

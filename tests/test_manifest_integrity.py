@@ -197,7 +197,7 @@ def _raw(path) -> dict:
 def _write_raw(path, raw: dict) -> None:
     """Write the on-disk (packed) form, resealed: the packed-table checks must refuse it."""
     body = {k: v for k, v in raw.items() if k != fmt.SEAL_FIELD}
-    body[fmt.SEAL_FIELD] = {"algorithm": "sha256", "digest": fmt._content_digest(body)}
+    body[fmt.SEAL_FIELD] = {"algorithm": "sha256", "digest": fmt.content_digest(body)}
     (path / fmt.MANIFEST_NAME).write_text(json.dumps(body))
 
 

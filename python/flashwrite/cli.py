@@ -10,7 +10,7 @@ from typing import Sequence
 
 
 def _size(text: str) -> int:
-    from .bench.state import parse_size
+    from .sizes import parse_size
     try:
         return parse_size(text)
     except ValueError as e:
@@ -23,7 +23,7 @@ def _log(quiet: bool):
 
 def cmd_demo(a: argparse.Namespace) -> int:
     from .bench import report, runner
-    from .bench.state import fmt_bytes
+    from .sizes import fmt_bytes
     print(f"flashwrite demo: saving and loading a {fmt_bytes(a.size)} synthetic training state "
           f"(GPT-like parameters + Adam moments + optimizer fields) in {os.path.abspath(a.dir)}", flush=True)
     res = runner.compare(a.size, ["torch_save", "flashwrite"], a.dir, rounds=1, isolation="inprocess",
@@ -113,7 +113,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from .errors import FlashwriteError
     from .ops.ls import record_verified
     from .ops.progress import Progress
-    from .ops.verify import verify
+    from .load import verify
     try:
         summary = verify(a.path, Progress(quiet=a.json or a.quiet))
     except (FlashwriteError, OSError, ValueError) as e:

@@ -21,6 +21,7 @@ from typing import Any
 from . import _core
 from .errors import CheckpointExistsError
 from .format import INDEX_NAME, MANIFEST_NAME, encode_manifest
+from .owner import owner_alive
 from .target import LOCAL, Target
 
 log = logging.getLogger("flashwrite")
@@ -208,51 +209,20 @@ def discard(tmp: str, target: Target = LOCAL) -> None:
 # ------------------------------------------------------------ leftovers of crashes
 
 
-def _boot_time() -> float | None:
-    try:
-        with open("/proc/stat") as fh:
-            for line in fh:
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def process_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (fields[0] is the state,
-    fields[19] the start time in clock ticks), or None when no live process has that pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    return None if not fields or fields[0] in ("Z", "X") else fields
-
-
-def owner_alive(name: str, path: str) -> bool:
+def temp_owner_alive(name: str, path: str) -> bool:
     """Whether the process that created temp dir ``name`` may still be writing it.
 
     The pid is in the name; a live process with that pid that started after the
     directory was last modified is a recycled pid, not the owner.
     """
     parsed = parse_temp_name(name)
-    pid = parsed.pid if parsed is not None else None
-    if pid is None:
+    if parsed is None or parsed.pid is None:
         return False
-    fields = process_stat(pid)
-    if fields is None:
-        return False
-    btime = _boot_time()
-    if btime is None or len(fields) < 20:
-        return True  # cannot tell: keep it
-    started = btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     try:
         mtime = os.lstat(path).st_mtime
     except OSError:
         return False
-    return started <= mtime + 2.0  # btime has 1 s resolution
+    return owner_alive({"pid": parsed.pid}, started_by=mtime + 2.0)  # the boot time has 1 s resolution
 
 
 def clean_stale(root: str) -> list[str]:
@@ -274,7 +244,7 @@ def clean_stale(root: str) -> list[str]:
             if not e.is_dir(follow_symlinks=False):
                 os.unlink(e.path)
             elif temp.kind == "tmp":
-                if owner_alive(e.name, e.path):
+                if temp_owner_alive(e.name, e.path):
                     log.debug("leaving %s: its process is still alive", e.path)
                     continue
                 shutil.rmtree(e.path)

@@ -39,6 +39,7 @@ for _dt in list(_ST_CODES) + [getattr(torch, n) for n in _EXTRA if hasattr(torch
 
 
 _NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in _BY_NAME.items()}
+_BY_CODE: dict[str, torch.dtype] = {code: dt for dt, code in _ST_CODES.items()}
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -58,6 +59,11 @@ def dtype_from_name(name: str) -> torch.dtype:
 def safetensors_code(dt: torch.dtype) -> str | None:
     """The header code for ``dt``, or None when it is stored as raw bytes."""
     return _ST_CODES.get(dt)
+
+
+def dtype_from_code(code: str) -> torch.dtype | None:
+    """The dtype a safetensors header code names, or None for a code flashwrite does not know."""
+    return _BY_CODE.get(code) if isinstance(code, str) else None
 
 
 def itemsize(dt: torch.dtype) -> int:

@@ -8,27 +8,24 @@ with large parallel aligned O_DIRECT reads into bounce buffers, and the native j
 each tensor's bytes out into its own storage wherever its data sits (safetensors offsets
 need no alignment); tensors bound for a GPU go through the pinned host-to-device pipeline.
 
-Headers are hostile input: bounded length, valid JSON object, known dtypes, shapes
-that match byte ranges, ranges inside the file and not overlapping, names unique
-across shards, and index entries that name plain files inside the directory.
+Headers are hostile input, parsed by ``format.safetensors_header`` (bounded length,
+valid JSON object, known dtypes, shapes that match byte ranges, ranges inside the file
+and not overlapping); here, names must be unique across shards and index entries must
+name plain files inside the directory.
 """
 
 from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import stat
-import struct
 
 from . import dtypes
 from .defaults import READ_CHUNK_BYTES
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
-from .format import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, check_member_name
-from .plan import MAX_HEADER_BYTES
+from .format import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, check_member_name, safetensors_header
 
-_CODES = {code: dt for dt, code in dtypes._ST_CODES.items()}
 MAX_INDEX_BYTES = 64 << 20
 
 
@@ -121,68 +118,25 @@ def describe(base: str, shown: str, names: list[str] | None = None, from_index: 
             raise CorruptCheckpointError(f"{name} (listed in the index) is missing from {shown}", file=name) from None
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeCheckpointError(f"{name} in {shown} is not a regular file", file=name)
-        header_bytes, entries, writer = _read_header(full, name, st.st_size)
-        if writer == "flashwrite" and whole_dir:
+        header = _read_header(full, name, st.st_size)
+        if header.metadata.get("writer") == "flashwrite" and whole_dir:
             # Its stripes without its manifest: a crashed or damaged save, never a whole checkpoint.
             raise CorruptCheckpointError(f"{os.path.join(shown, MANIFEST_NAME)} is missing: {name} was written by "
                                          "flashwrite, so this is an incomplete flashwrite checkpoint",
                                          file=MANIFEST_NAME)
-        files.append(FileEntry(name, st.st_size, header_bytes))
-        for key, (dt_name, shape, start, end) in entries.items():
+        files.append(FileEntry(name, st.st_size, header.header_bytes))
+        for key, e in header.tensors.items():
             if key in tensors:
                 raise _bad(name, f"tensor {key!r} is also in {files[tensors[key].file].name}", key)
-            tensors[key] = TensorEntry(key, fi, header_bytes + start, end - start, dt_name, shape, "cpu", ())
+            tensors[key] = TensorEntry(key, fi, header.header_bytes + e.start, e.end - e.start,
+                                       dtypes.dtype_name(e.dtype), e.shape, "cpu", ())
     tree = {"t": "dict", "items": [[{"t": "str", "v": k}, {"t": "tensor", "k": k}] for k in tensors]}
     return Manifest(files, tensors, {}, tree, READ_CHUNK_BYTES, "", {}, {})
 
 
-def _read_header(full: str, name: str,
-                 size: int) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]], str | None]:
-    """(header bytes, {name: (dtype, shape, start, end)}, the writer its metadata names)"""
+def _read_header(full: str, name: str, size: int) -> safetensors_header.SafetensorsHeader:
     fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise _bad(name, "too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise _bad(name, f"header length {n} is larger than the file or the safetensors limit")
-        raw = os.pread(fd, n, 8)
+        return safetensors_header.read(fd, name, size)
     finally:
         os.close(fd)
-    if len(raw) != n:
-        raise _bad(name, "header was cut short")
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise _bad(name, "safetensors header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise _bad(name, "safetensors header is not an object")
-    meta = header.pop("__metadata__", None)
-    writer = meta.get("writer") if isinstance(meta, dict) and isinstance(meta.get("writer"), str) else None
-    data = size - 8 - n
-    out = {}
-    spans = []
-    for key, h in header.items():
-        if not isinstance(h, dict):
-            raise _bad(name, "header entry is not an object", key)
-        dt = _CODES.get(h.get("dtype"))
-        if dt is None:
-            raise _bad(name, f"unknown dtype {str(h.get('dtype'))[:20]!r}", key)
-        shape, offs = h.get("shape"), h.get("data_offsets")
-        if not isinstance(shape, list) or len(shape) > 64 or not all(
-                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 62) for x in shape):
-            raise _bad(name, "shape must be a list of at most 64 non-negative integers", key)
-        if not isinstance(offs, list) or len(offs) != 2 or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in offs) or not 0 <= offs[0] <= offs[1] <= data:
-            raise _bad(name, f"data_offsets must lie inside the {data} data bytes", key)
-        if math.prod(shape) * dt.itemsize != offs[1] - offs[0]:
-            raise _bad(name, f"dtype {h['dtype']} and shape {shape} do not fit {offs[1] - offs[0]} bytes", key)
-        out[key] = (dtypes.dtype_name(dt), tuple(shape), offs[0], offs[1])
-        if offs[1] > offs[0]:
-            spans.append((offs[0], offs[1], key))
-    spans.sort()
-    for (_, e1, k1), (s2, _, k2) in zip(spans, spans[1:]):
-        if e1 > s2:
-            raise _bad(name, f"tensors {k1!r} and {k2!r} overlap", k2)
-    return 8 + n, out, writer

@@ -39,7 +39,6 @@ import logging
 import mmap
 import os
 import secrets
-import socket
 import threading
 import time
 import warnings
@@ -48,9 +47,10 @@ from typing import Any
 
 import torch
 
-from . import _core, commit, dtypes
+from . import _core, dtypes
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 from .format import Manifest, parse_manifest, piece_ranges
+from .owner import owner_alive, start_ticks, this_owner
 
 log = logging.getLogger("flashwrite")
 
@@ -65,27 +65,6 @@ PAGE = 4096
 
 def default_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot), or None when it is not running."""
-    fields = commit.process_stat(pid)
-    return int(fields[19]) if fields is not None and len(fields) >= 20 else None
-
-
-def this_owner() -> dict:
-    pid = os.getpid()
-    return {"pid": pid, "start": _start_ticks(pid), "host": socket.gethostname()}
-
-
-def owner_alive(owner: Any) -> bool:
-    """Whether the process that wrote a header still runs (a recycled pid is not it)."""
-    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
-        return False
-    if owner.get("host") not in (None, socket.gethostname()):
-        return True  # another node's file (a shared local_dir): not ours to judge
-    ticks = _start_ticks(owner["pid"])
-    return ticks is not None and (owner.get("start") is None or ticks == owner["start"])
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -198,7 +177,7 @@ def remove_orphan_pools(local_dir: str) -> None:
             pid = int(name[len(PREFIX):].split("-")[0])
         except ValueError:
             continue
-        if p in used or _start_ticks(pid) is not None:
+        if p in used or start_ticks(pid) is not None:
             continue  # in use, or its pid runs (perhaps recycled: leave it, it is only memory)
         try:
             os.unlink(p)

@@ -55,6 +55,7 @@ from . import commit, local, neighbour
 from .errors import CorruptCheckpointError
 from .flatten import flatten, unflatten
 from .format import MANIFEST_NAME
+from .sizes import fmt_bytes
 from .future import SaveFuture, SaveStats
 from .load import load
 from .read import LoadResult, _load_into, tensor_placer
@@ -91,13 +92,6 @@ def _name_pattern(name: str) -> re.Pattern:
     return re.compile("^" + "".join(out) + "$")
 
 StateSource = Any  # a (nested) state dict, or a callable returning one (called only when a save is due)
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 _SAVE_OPTIONS = ("hf_model", "hf_config", "extra_files")
@@ -362,7 +356,7 @@ class CheckpointManager:
                 return
             st = p.future.result()
             log.info("checkpoint step %d committed: %s, %s, stall %.3f s, durable after %.3f s, %.3g GB/s", p.step,
-                     p.path, _fmt_bytes(st.bytes), st.stall_s or 0.0, st.total_s or 0.0, st.gbps or 0.0)
+                     p.path, fmt_bytes(st.bytes), st.stall_s or 0.0, st.total_s or 0.0, st.gbps or 0.0)
             self._retain(p.step)
             if self.on_commit is not None:
                 self.on_commit(p.step, p.path)

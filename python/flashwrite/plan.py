@@ -91,6 +91,9 @@ def plan_files(tensors: list[FlatTensor] | None, stripes: int, prefix: str = "mo
         codes[dt] = (dtypes.safetensors_code(dt), dt.itemsize)
     n = max(1, min(stripes, len(nbytes) - nbytes.count(0)))
     names = [stripe_name(prefix, i, n) for i in range(n)]
+    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        # safetensors' own rule for __metadata__, which every header reader here enforces
+        raise TypeError(f"metadata must map strings to strings, got {metadata!r}"[:200])
     meta = json.dumps({"format": "pt", "writer": "flashwrite", **(metadata or {})}, separators=(",", ":"))
     layout = _core.layout_stripes(columns.keys, dts, columns.shapes, nbytes, codes, names, meta, json.dumps)
     return [PlannedFile(name, header, size, columns, members, offsets)

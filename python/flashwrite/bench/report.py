@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any, TextIO
 
-from .state import fmt_bytes
+from ..sizes import fmt_bytes
 
 GiB = 1 << 30
 

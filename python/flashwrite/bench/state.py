@@ -10,31 +10,8 @@ about one memcpy instead of seconds of random number generation.
 from __future__ import annotations
 
 import math
-import re
 
 import torch
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """'64MiB' -> 67108864, '1.5GiB', '2G' (decimal), '4096' (bytes)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (try 64MiB, 1GiB, 2G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.2f} {unit}"
-    return f"{int(n)} B"
-
 
 def _layer_shapes(d: int) -> list[tuple[str, tuple[int, ...]]]:
     return [("attn_norm.weight", (d,)), ("attn.qkv.weight", (3 * d, d)), ("attn.qkv.bias", (3 * d,)),

@@ -12,7 +12,8 @@ import sys
 import time
 from typing import Any
 
-from .common import OK, PROBLEM, Problem, fmt_bytes, guarded, print_json, print_table
+from ..sizes import fmt_bytes
+from .common import OK, PROBLEM, Problem, guarded, print_json, print_table
 
 
 def _when(t: float | None) -> str:

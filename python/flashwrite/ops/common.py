@@ -1,4 +1,4 @@
-"""Shared by the operator commands: exit codes, error reporting, tables, sizes."""
+"""Shared by the operator commands: exit codes, error reporting, tables."""
 
 from __future__ import annotations
 
@@ -15,15 +15,6 @@ class UsageError(Exception):
 
 class Problem(Exception):
     """The command ran but found something wrong (exit code 1)."""
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def guarded(fn: Callable[[Any], int]) -> Callable[[Any], int]:

@@ -108,7 +108,7 @@ def describe(path: str, name: str | None = None) -> Entry | None:
     m = _STEP_RE.match(name)
     step = int(m.group(1)) if m else None
     if commit.is_temp_name(name):
-        alive = commit.TMP_MARK in name and commit.owner_alive(name, path)
+        alive = commit.TMP_MARK in name and commit.temp_owner_alive(name, path)
         return Entry(path, name, "in-progress" if alive else "temporary", step,
                      problem=None if alive else "left by a crashed save or deletion; CheckpointManager removes it")
     try:

@@ -15,7 +15,6 @@ import math
 import os
 import pickle
 import stat
-import struct
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -24,13 +23,11 @@ import torch
 
 from .. import _core, dtypes
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
-from ..format import MANIFEST_NAME, piece_ranges, read_manifest
-from ..plan import MAX_HEADER_BYTES
+from ..format import MANIFEST_NAME, check_member_name, piece_ranges, read_manifest, safetensors_header
 
 PIECE = 16 << 20
 SIDECAR = "flashwrite-tree.json"  # the flashwrite tree kept beside foreign formats, for round trips
 META_KEY = "flashwrite.tree"      # ... and in a safetensors header's __metadata__
-_BY_CODE = {dtypes.safetensors_code(dt): dt for dt in dtypes.supported_dtypes() if dtypes.safetensors_code(dt)}
 
 
 @dataclass
@@ -102,43 +99,11 @@ def _side_tree(raw: Any, keys: set[str], where: str) -> tuple[Any, dict, dict, d
 # ------------------------------------------------------------------ safetensors
 
 def read_safetensors_header(path: str, fd: int) -> tuple[dict[str, tuple[Item, int]], dict, int]:
-    """({key: (item, absolute offset)}, __metadata__, data start) with every bound checked."""
-    size = os.fstat(fd).st_size
-    if size < 8:
-        raise CorruptCheckpointError(f"{path}: too short for a safetensors file")
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    if n > MAX_HEADER_BYTES or 8 + n > size:
-        raise CorruptCheckpointError(f"{path}: safetensors header length {n} is impossible for a {size}-byte file")
-    try:
-        header = json.loads(os.pread(fd, n, 8))
-    except (ValueError, RecursionError):
-        raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: safetensors header is not an object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise CorruptCheckpointError(f"{path}: __metadata__ must map strings to strings")
-    out, spans = {}, []
-    for k, h in header.items():
-        if not isinstance(h, dict) or h.get("dtype") not in _BY_CODE:
-            raise CorruptCheckpointError(f"{path}: tensor {k[:80]!r}: unknown or missing dtype", tensor=k)
-        shape, offs = h.get("shape"), h.get("data_offsets")
-        if not (isinstance(shape, list) and len(shape) <= 64 and all(type(s) is int and s >= 0 for s in shape)):
-            raise CorruptCheckpointError(f"{path}: tensor {k[:80]!r}: bad shape", tensor=k)
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
-                and 0 <= offs[0] <= offs[1] and 8 + n + offs[1] <= size):
-            raise CorruptCheckpointError(f"{path}: tensor {k[:80]!r}: data offsets outside the file", tensor=k)
-        item = Item(k, _BY_CODE[h["dtype"]], tuple(shape))
-        if item.nbytes != offs[1] - offs[0]:
-            raise CorruptCheckpointError(f"{path}: tensor {k[:80]!r}: {h['dtype']} {shape} needs {item.nbytes} "
-                                         f"bytes, its offsets span {offs[1] - offs[0]}", tensor=k)
-        out[k] = (item, 8 + n + offs[0])
-        spans.append((offs[0], offs[1], k))
-    spans.sort()
-    for (s1, e1, k1), (s2, _, k2) in zip(spans, spans[1:]):
-        if e1 > s2:
-            raise CorruptCheckpointError(f"{path}: tensors {k1!r} and {k2!r} overlap", tensor=k2)
-    return out, meta, 8 + n
+    """({key: (item, absolute offset)}, __metadata__, data start), every bound checked
+    by ``format.safetensors_header``."""
+    h = safetensors_header.read(fd, path)
+    out = {k: (Item(k, e.dtype, e.shape), h.header_bytes + e.start) for k, e in h.tensors.items()}
+    return out, h.metadata, h.header_bytes
 
 
 class SafetensorsSource(Source):
@@ -209,7 +174,6 @@ class SafetensorsSource(Source):
 
 def hf_shards(path: str) -> list[str]:
     """The shards of a Hugging Face directory: those its index names, else every *.safetensors."""
-    from ..format import check_member_name
     idx = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(idx):
         from .ls import read_json_small
