@@ -33,7 +33,7 @@ def test_stub_names_every_export_and_nothing_else():
     public = {n for n in dir(_core) if not n.startswith("_")} | {"__version__"}
     missing = public - top
     assert not missing, f"_core.pyi lacks {sorted(missing)}"
-    for cls in ("Engine", "SaveJob", "LoadJob", "Buffer"):
+    for cls in ("Engine", "SaveJob", "LoadJob", "Buffer", "WalkResult", "SnapshotMapping"):
         native = {n for n in dir(getattr(_core, cls)) if not n.startswith("_")}
         assert native <= classes[cls], f"_core.pyi {cls} lacks {sorted(native - classes[cls])}"
         stubbed = {n for n in classes[cls] if not n.startswith("_")}
