@@ -66,6 +66,7 @@ def test_binding_default_arguments_use_the_header():
     assert re.search(rf"queue_depth: [^=]+= {d['read_queue_depth']},", load_sig), load_sig
     assert re.search(rf"chunk_bytes: [^=]+= {d['read_chunk_bytes']},", load_sig), load_sig
     assert re.search(rf"copy_threads: [^=]+= {d['copy_threads']},", save_sig), save_sig
+    assert re.search(rf"verify_threads: [^=]+= {d['verify_threads']},", load_sig), load_sig
 
 
 def test_csrc_layers_include_only_downwards():

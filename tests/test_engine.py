@@ -334,7 +334,8 @@ print("RESULT", st.direct, st.files_buffered)
 
 
 def test_default_writer_options_at_default_values_share_one_pool():
-    from flashwrite.save import DEFAULT_STRIPES, default_writer
+    from flashwrite.defaults import STRIPES as DEFAULT_STRIPES
+    from flashwrite.save import default_writer
 
     assert default_writer() is default_writer(backend="auto", direct=True)
     # An explicit stripes=4 is not "no setting": it overrides a saved tuning, so it is its own writer.

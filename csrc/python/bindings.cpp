@@ -17,6 +17,7 @@
 namespace fw {
 namespace {
 
+// The thread counts that follow the CPU count are counted once, here, at import.
 py::dict defaults_dict() {
   py::dict d;
   d["stripes"] = defaults::kStripes;
@@ -24,8 +25,8 @@ py::dict defaults_dict() {
   d["write_queue_depth"] = defaults::kWriteQueueDepth;
   d["read_queue_depth"] = defaults::kReadQueueDepth;
   d["read_chunk_bytes"] = defaults::kReadChunkBytes;
-  d["copy_threads"] = defaults::kCopyThreads;
-  d["verify_threads"] = defaults::kVerifyThreads;
+  d["copy_threads"] = defaults::copy_threads();
+  d["verify_threads"] = defaults::verify_threads();
   d["d2h_batches_in_flight"] = defaults::kD2hBatchesInFlight;
   d["bounce_min_slots"] = defaults::kBounceMinSlots;
   d["bounce_extra_slots"] = defaults::kBounceExtraSlots;

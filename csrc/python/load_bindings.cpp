@@ -95,7 +95,7 @@ void register_load(py::module_& m) {
   register_load_job(m);
   m.def("start_load", &start_load_py, py::arg("files"), py::arg("pieces"), py::arg("backend") = "auto",
         py::arg("queue_depth") = defaults::kReadQueueDepth, py::arg("chunk_bytes") = defaults::kReadChunkBytes,
-        py::arg("verify_threads") = defaults::kVerifyThreads, py::arg("direct") = true,
+        py::arg("verify_threads") = defaults::verify_threads(), py::arg("direct") = true,
         py::arg("placements") = std::vector<PyPlacement>{},
         py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
         "Read files [(path, size)], verifying [(file, offset, len, xxh3)] pieces. placements: [(file, offset, "

@@ -202,7 +202,7 @@ void register_engine(py::module_& m) {
       .def(py::init<uint64_t, uint64_t>(), py::arg("chunk_bytes"), py::arg("max_staging_bytes") = 0)
       .def("start_save", &start_save, py::arg("files"), py::arg("segments"), py::arg("keepalive"),
            py::arg("backend") = "auto", py::arg("queue_depth") = defaults::kWriteQueueDepth,
-           py::arg("copy_threads") = defaults::kCopyThreads,
+           py::arg("copy_threads") = defaults::copy_threads(),
            py::arg("direct") = true, py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
            py::arg("hold_slots") = false, py::arg("host_files") = py::list(),
            "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "

@@ -182,7 +182,7 @@ bool StagingPool::reserve(size_t slots, bool hold) {
   if (slab->file_offset < 0) slab->dont_fork = slab->mem.dont_fork();
   {
     const size_t bytes = slab->mem.capacity();
-    const unsigned n = static_cast<unsigned>(std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), defaults::kPrefaultMaxThreads));
+    const unsigned n = defaults::cpu_threads(defaults::kPrefaultMaxThreads);
     const size_t part = round_up((bytes + n - 1) / n, kAlign);
     std::vector<std::thread> faulters;
     unsigned i = 0;

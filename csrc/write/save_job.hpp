@@ -44,7 +44,7 @@ struct FileSpec {
 struct SaveOptions {
   BackendKind backend = BackendKind::Auto;
   unsigned queue_depth = defaults::kWriteQueueDepth;
-  unsigned copy_threads = defaults::kCopyThreads;
+  unsigned copy_threads = defaults::copy_threads();
   bool direct = true;
   // Needed when a segment is on a GPU: the engine's copy streams, and the
   // callers' current streams (one per device) the copies are ordered after.

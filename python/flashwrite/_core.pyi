@@ -29,8 +29,8 @@ class _Defaults(TypedDict):
     write_queue_depth: int
     read_queue_depth: int
     read_chunk_bytes: int
-    copy_threads: int
-    verify_threads: int
+    copy_threads: int  # follows the CPU count (defaults::copy_threads()), counted at import
+    verify_threads: int  # follows the CPU count (defaults::verify_threads()), counted at import
     d2h_batches_in_flight: int
     bounce_min_slots: int
     bounce_extra_slots: int
