@@ -164,7 +164,11 @@ void register_save(py::module_& m) {
            py::arg("timeout") = py::none(), "Wait until written and fsync'd (or failed).")
       .def("release_sources", [](PySaveJob& s) { s.keepalive = py::none(); },
            "Drop the references that kept the source tensors alive; call once staged.")
-      .def("cancel", [](PySaveJob& s) { s.job->cancel(); })
+      .def("cancel",
+           [](PySaveJob& s) {
+             py::gil_scoped_release nogil;  // it wakes the pool's waiters under the pool's lock
+             s.job->cancel();
+           })
       .def_property_readonly("staged", [](const PySaveJob& s) { return s.job->staged(); })
       .def_property_readonly("done", [](const PySaveJob& s) { return s.job->done(); })
       .def_property_readonly("failed", [](const PySaveJob& s) { return s.job->failed(); })
