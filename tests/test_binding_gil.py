@@ -37,6 +37,7 @@ def test_pool_getters_wait_for_a_reserve_without_the_gil():
     t0, t1 = waits[0]
     assert t1 - t0 > 0.05, "pool_bytes did not wait for the reserve: nothing shown"
     inside = [x for x in ticks if t0 <= x <= t1]
-    # With the GIL held while it waits, the ticker would get no tick in the window.
-    assert len(inside) >= max(3, 0.2 * (t1 - t0) / 0.001), (len(inside), t1 - t0)
+    # With the GIL held while it waits, the ticker gets no tick in the window (0 in
+    # 4.9 s before the fix); the bound leaves room for a loaded machine's scheduling.
+    assert len(inside) >= max(3, 0.05 * (t1 - t0) / 0.001), (len(inside), t1 - t0)
     assert got[0] >= 512 << 20  # it saw the pool the reserve grew
