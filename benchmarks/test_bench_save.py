@@ -16,7 +16,7 @@ import pytest
 from _params import BACKENDS, ROUNDS, SIZES, SWEEP_SIZE, size_id
 
 import flashwrite as fw
-from flashwrite.save import DEFAULT_CHUNK_BYTES, DEFAULT_STRIPES
+from flashwrite.defaults import CHUNK_BYTES, STRIPES
 from flashwrite.bench.state import state_bytes
 
 MiB = 1 << 20
@@ -86,4 +86,4 @@ def test_sweep_copy_threads(benchmark, state_of, paths, cold, device_limit, copy
 
 def test_defaults_are_what_the_sweeps_vary_around():
     # The sweeps hold every other setting at the defaults; say which ones ran.
-    assert DEFAULT_CHUNK_BYTES % 4096 == 0 and DEFAULT_STRIPES >= 1
+    assert CHUNK_BYTES % 4096 == 0 and STRIPES >= 1

@@ -33,7 +33,7 @@ def test_stub_names_every_export_and_nothing_else():
     public = {n for n in dir(_core) if not n.startswith("_")} | {"__version__"}
     missing = public - top
     assert not missing, f"_core.pyi lacks {sorted(missing)}"
-    for cls in ("Engine", "SaveJob", "LoadJob", "Buffer"):
+    for cls in ("Engine", "SaveJob", "LoadJob", "Buffer", "WalkResult", "SnapshotMapping"):
         native = {n for n in dir(getattr(_core, cls)) if not n.startswith("_")}
         assert native <= classes[cls], f"_core.pyi {cls} lacks {sorted(native - classes[cls])}"
         stubbed = {n for n in classes[cls] if not n.startswith("_")}
@@ -66,6 +66,7 @@ def test_binding_default_arguments_use_the_header():
     assert re.search(rf"queue_depth: [^=]+= {d['read_queue_depth']},", load_sig), load_sig
     assert re.search(rf"chunk_bytes: [^=]+= {d['read_chunk_bytes']},", load_sig), load_sig
     assert re.search(rf"copy_threads: [^=]+= {d['copy_threads']},", save_sig), save_sig
+    assert re.search(rf"verify_threads: [^=]+= {d['verify_threads']},", load_sig), load_sig
 
 
 def test_csrc_layers_include_only_downwards():

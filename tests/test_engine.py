@@ -334,12 +334,13 @@ print("RESULT", st.direct, st.files_buffered)
 
 
 def test_default_writer_options_at_default_values_share_one_pool():
-    from flashwrite.save import DEFAULT_STRIPES, default_writer
+    from flashwrite.defaults import STRIPES
+    from flashwrite.save import default_writer
 
     assert default_writer() is default_writer(backend="auto", direct=True)
     # An explicit stripes=4 is not "no setting": it overrides a saved tuning, so it is its own writer.
-    assert default_writer(stripes=DEFAULT_STRIPES) is default_writer(stripes=DEFAULT_STRIPES, backend="auto")
-    assert default_writer() is not default_writer(stripes=DEFAULT_STRIPES + 1)
+    assert default_writer(stripes=STRIPES) is default_writer(stripes=STRIPES, backend="auto")
+    assert default_writer() is not default_writer(stripes=STRIPES + 1)
 
 
 def test_every_writer_option_reaches_the_shared_writer(tmp_path, shmdir):

@@ -1,12 +1,28 @@
 // The engine's tuned defaults, in one place. The bindings export the public
 // ones to Python as _core.DEFAULTS, which python/flashwrite/defaults.py reads:
-// nothing else restates these numbers. Chosen by the sweeps in
-// benchmarks/README.md unless a comment says otherwise.
+// nothing else restates these numbers, or the rule for the ones that follow the
+// CPU count (cpu_threads below). Chosen by the sweeps in benchmarks/README.md
+// unless a comment says otherwise.
 #pragma once
+#include <sched.h>
+
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <thread>
 
 namespace fw::defaults {
+
+// Thread counts that follow the machine: one thread per CPU this process may run
+// on (its affinity mask, as len(os.sched_getaffinity(0)) counts them), at least
+// one and at most `most`.
+inline unsigned cpu_threads(unsigned most) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  unsigned cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? static_cast<unsigned>(CPU_COUNT(&set))
+                                                               : std::thread::hardware_concurrency();
+  return std::max(1u, std::min(most, cpus));
+}
 
 // -- exported to Python (_core.DEFAULTS) --
 constexpr unsigned kStripes = 4;
@@ -14,8 +30,14 @@ constexpr uint64_t kChunkBytes = 16ull << 20;      // 16 MiB beat 1-8 and 32 MiB
 constexpr unsigned kWriteQueueDepth = 32;          // 32-64 beat 2-16; 32 keeps in-flight memory at half of 64's
 constexpr unsigned kReadQueueDepth = 32;           // matched or beat 16 in both load sweeps
 constexpr uint64_t kReadChunkBytes = 8ull << 20;
-constexpr unsigned kCopyThreads = 2;               // host memcpy + checksum threads per save
-constexpr unsigned kVerifyThreads = 2;             // checksum threads per load
+// Host memcpy + checksum threads per save (and per local snapshot restore):
+// cpu_threads(kCopyThreadsMost). _core.DEFAULTS["copy_threads"] holds it as
+// counted when _core was imported.
+constexpr unsigned kCopyThreadsMost = 8;
+inline unsigned copy_threads() { return cpu_threads(kCopyThreadsMost); }
+// Checksum threads per load: cpu_threads(kVerifyThreadsMost); DEFAULTS["verify_threads"].
+constexpr unsigned kVerifyThreadsMost = 4;
+inline unsigned verify_threads() { return cpu_threads(kVerifyThreadsMost); }
 constexpr size_t kD2hBatchesInFlight = 64;         // device chunks copying while older ones are written
 constexpr size_t kBounceMinSlots = 8;              // bounce slots of a load with placements: at least this many,
 constexpr size_t kBounceExtraSlots = 4;            // and the read queue depth plus this many
@@ -36,7 +58,7 @@ constexpr uint64_t kGatherRunBytes = 64ull << 20;  // one gather buffer at most 
 // settled on the shared 2-core VM (benchmarks/README.md, owned against views).
 constexpr uint64_t kHostBounceBytes = 128ull << 20;
 constexpr unsigned kThreadBackendMaxThreads = 32;  // pread/pwrite threads at most
-constexpr unsigned kPrefaultMaxThreads = 8;        // threads faulting in a new slab
+constexpr unsigned kPrefaultMaxThreads = 8;        // threads faulting in a new slab: cpu_threads() of it
 constexpr int kPoolPollMs = 20;                    // acquire() re-checks its cancel flag this often
 constexpr double kWaitSliceS = 0.05;               // binding waits wake this often for Ctrl-C
 

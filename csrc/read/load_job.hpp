@@ -51,7 +51,7 @@ struct LoadOptions {
   BackendKind backend = BackendKind::Auto;
   unsigned queue_depth = defaults::kReadQueueDepth;
   uint64_t chunk_bytes = defaults::kReadChunkBytes;  // multiple of every piece-aligning block
-  unsigned verify_threads = defaults::kVerifyThreads;
+  unsigned verify_threads = defaults::verify_threads();
   bool direct = true;
   std::shared_ptr<ChunkPlacer> placer;  // set when some bytes are placed
 };

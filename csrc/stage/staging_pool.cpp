@@ -171,7 +171,7 @@ double StagingPool::fill_slab(Slab& s, const PinHooks& hooks, int node, std::str
   // later saves neither pay for page faults nor grow the process (slots are
   // reused last-in-first-out, and a save may touch only some of them).
   const size_t bytes = s.mem.capacity();
-  const unsigned n = static_cast<unsigned>(std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), defaults::kPrefaultMaxThreads));
+  const unsigned n = defaults::cpu_threads(defaults::kPrefaultMaxThreads);
   const size_t part = round_up((bytes + n - 1) / n, kAlign);
   std::vector<std::thread> faulters;
   unsigned i = 0;

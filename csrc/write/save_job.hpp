@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,7 +45,7 @@ struct FileSpec {
 struct SaveOptions {
   BackendKind backend = BackendKind::Auto;
   unsigned queue_depth = defaults::kWriteQueueDepth;
-  unsigned copy_threads = defaults::kCopyThreads;
+  unsigned copy_threads = defaults::copy_threads();
   bool direct = true;
   // Needed when a segment is on a GPU: the engine's copy streams, and the
   // callers' current streams (one per device) the copies are ordered after.
@@ -120,22 +121,27 @@ class SaveJob {
     int direct_fd = -1;  // kept open until the end after a fallback, closed then
   };
 
+  // The life cycle, the writes and the slots (save_job.cpp).
   void run();
-  void copy_worker();
-  void copy_host_chunk(size_t ci, char* slot, bool hash);
-  void hash_host_chunk(size_t ci);
   void return_slot(char* buf, bool written);
   void slot_done(size_t ci);
-  void stage_device_chunks();  // D2H issuer thread
-  void landed(size_t ci, bool ok);
   void write_chunk(size_t ci);
-  void chunk_staged();
-  void mark_staged();
   void on_io(IoRequest* req, int64_t res);
   void fail(std::exception_ptr e);
   bool has_landed() const;
   void finish_files();
   double since_start() const;
+  // Staging (save_staging.cpp).
+  void copy_worker();
+  bool write_landed_chunk();
+  void stage_host_chunk(size_t& claimed, const std::function<bool()>& interrupt, std::vector<size_t>& unhashed);
+  bool hash_own_chunks(std::vector<size_t>& unhashed);
+  void copy_host_chunk(size_t ci, char* slot, bool hash);
+  void hash_host_chunk(size_t ci);
+  void stage_device_chunks();  // D2H issuer thread
+  void landed(size_t ci, bool ok);
+  void chunk_staged();
+  void mark_staged();
 
   std::shared_ptr<StagingPool> pool_;
   std::vector<FileSpec> specs_;

@@ -1,4 +1,4 @@
-"""Type stubs for flashwrite's native engine (csrc/python/bindings.cpp).
+"""Type stubs for flashwrite's native engine (csrc/python/*_bindings.cpp, one file per area).
 
 Every tuple that crosses the boundary is named below. Blocking calls release the
 GIL; waits wake every 50 ms so Ctrl-C interrupts them. Native errors arrive as
@@ -29,8 +29,8 @@ class _Defaults(TypedDict):
     write_queue_depth: int
     read_queue_depth: int
     read_chunk_bytes: int
-    copy_threads: int
-    verify_threads: int
+    copy_threads: int  # follows the CPU count (defaults::copy_threads()), counted at import
+    verify_threads: int  # follows the CPU count (defaults::verify_threads()), counted at import
     d2h_batches_in_flight: int
     bounce_min_slots: int
     bounce_extra_slots: int
@@ -241,10 +241,39 @@ def plan_chunks(sizes: Sequence[int], segments: Sequence[tuple[int, int, int]],
     """The chunk arithmetic of a save, for tests. segments: (nbytes, file, offset).
     Returns (chunks, segment_hash_start)."""
 
-# walk_state's result: (tree, tensors, keys, nodes, dtypes, shapes as text, ptrs,
-# bases, nbytes, flags, used keys), one column entry per tensor met in walk order.
-WalkResult = tuple[dict, list[Any], list[str], list[dict], list[Any], list[str], list[int], list[int], list[int],
-                   list[int], set[str]]
+class WalkResult:
+    """What walk_state met: the tree, and one entry per tensor met in each column, in
+    walk order (aliases included: flatten.py resolves them). The columns are plain
+    lists the caller may change."""
+    @property
+    def tree(self) -> Any:
+        """The state with every tensor replaced by its node."""
+    @property
+    def tensors(self) -> list[Any]: ...
+    @property
+    def keys(self) -> list[str]: ...
+    @property
+    def nodes(self) -> list[dict]: ...
+    @property
+    def dtypes(self) -> list[Any]: ...
+    @property
+    def shapes(self) -> list[str]:
+        """As text: "4096,1024", "" for a scalar."""
+    @property
+    def ptrs(self) -> list[int]:
+        """data_ptr(), 0 for an empty tensor."""
+    @property
+    def bases(self) -> list[int]:
+        """Address of storage element 0 in the tensor's dtype, 0 if empty."""
+    @property
+    def nbytes(self) -> list[int]:
+        """Bytes each tensor shows."""
+    @property
+    def flags(self) -> list[int]:
+        """WALK_* bits."""
+    @property
+    def used(self) -> set[str]:
+        """Every key handed out, for keys made later."""
 
 def walk_state(state: Any, tensor: type, parameter: type, odict: type, other: Any, leaf: Any, check: Any,
                check_all: bool, max_depth: int) -> WalkResult:

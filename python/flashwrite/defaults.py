@@ -2,7 +2,9 @@
 
 The numbers live in the native core (csrc/core/defaults.hpp), which uses them as
 its own defaults and exports them as ``_core.DEFAULTS``; this module only names
-them for Python. Nothing restates them.
+them for Python. Nothing restates them (tests/test_defaults_single_source.py).
+The thread counts follow the CPU count by the one rule there (one per CPU this
+process may run on, up to a cap), counted when ``_core`` is imported.
 """
 from __future__ import annotations
 

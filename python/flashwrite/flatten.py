@@ -208,9 +208,10 @@ def _flatten(state: Any, allow_pickle: bool, share_storage: bool,
             return {"t": "size", "v": list(v)}
         return leaf(v, prefix or "<root>")
 
-    (tree, objs, keys, nodes, dts, shapes, ptrs, bases, nbytes, flags,
-     used) = _core.walk_state(state, torch.Tensor, torch.nn.Parameter, collections.OrderedDict, other, leaf,
-                              _check_storable, check_storable, MAX_DEPTH)
+    walk = _core.walk_state(state, torch.Tensor, torch.nn.Parameter, collections.OrderedDict, other, leaf,
+                            _check_storable, check_storable, MAX_DEPTH)
+    tree, objs, keys, nodes, dts, shapes = walk.tree, walk.tensors, walk.keys, walk.nodes, walk.dtypes, walk.shapes
+    ptrs, bases, nbytes, flags, used = walk.ptrs, walk.bases, walk.nbytes, walk.flags, walk.used
     stored = len(nbytes) - nbytes.count(0)
     distinct_ptrs, distinct_bases = set(ptrs), set(bases) if share_storage else None
     distinct_ptrs.discard(0)

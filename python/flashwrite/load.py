@@ -24,12 +24,10 @@ from .target import check_path, url_scheme
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult", "LoadFuture", "LoadStats"]
 
-DEFAULT_READ_QUEUE_DEPTH = defaults.READ_QUEUE_DEPTH
-
 
 def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, verify: bool = True, *,
          allow_pickle: bool = False, strict: bool = True, backend: str = "auto", direct: bool = True,
-         queue_depth: int = DEFAULT_READ_QUEUE_DEPTH, process_group: Any = None, zero_copy: bool = False) -> Any:
+         queue_depth: int = defaults.READ_QUEUE_DEPTH, process_group: Any = None, zero_copy: bool = False) -> Any:
     """Load a checkpoint and return the nested structure that was saved.
 
     ``path`` may also be plain safetensors that flashwrite did not write: a

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from . import _core, dtypes
+from . import _core, defaults, dtypes
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 from .format import Manifest, parse_manifest, piece_ranges
 from .owner import owner_alive, start_ticks, this_owner
@@ -470,7 +470,7 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
                 owners.append((key, pos, expected))
             tensors[key] = dst if dst is not None else raw.view(dt).view(e.shape)
         t2 = time.perf_counter()
-        workers = threads or max(1, min(8, len(os.sched_getaffinity(0))))
+        workers = threads or defaults.COPY_THREADS
         # `pool` (and `mm` under it) and every destination stay alive for the call.
         bad = _core.copy_verify(pieces, verify, workers)
         t3 = time.perf_counter()

@@ -229,7 +229,7 @@ class CheckpointDir:
             # `targets`, `hosted`, `owned`, `headers` and `stripes` keep the destinations alive until the job
             # is done.
             job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
-                                   max(1, min(4, len(os.sched_getaffinity(0)))), direct, placements=placements,
+                                   defaults.VERIFY_THREADS, direct, placements=placements,
                                    streams=streams)
         job.wait()
         with gcpause.paused():

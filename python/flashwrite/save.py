@@ -32,14 +32,6 @@ __all__ = ["Writer", "SaveFuture", "SaveStats", "StripeWrite", "default_writer",
 
 log = logging.getLogger("flashwrite")
 
-DEFAULT_STRIPES = defaults.STRIPES
-DEFAULT_CHUNK_BYTES = defaults.CHUNK_BYTES
-DEFAULT_QUEUE_DEPTH = defaults.WRITE_QUEUE_DEPTH
-
-
-def _default_copy_threads() -> int:
-    return max(1, min(8, len(os.sched_getaffinity(0))))
-
 
 class Writer:
     """Writes checkpoints with a reusable staging pool.
@@ -49,7 +41,8 @@ class Writer:
     and staging slot (multiple of 4096). backend: "auto", "io_uring" or "threads".
     direct: use O_DIRECT (falls back per file where the file system refuses it).
     max_staging_bytes: bound the pool; staging then overlaps writing and the
-    caller waits for part of the write. copy_threads: parallel memcpy threads.
+    caller waits for part of the write. copy_threads: parallel memcpy threads
+    (default ``defaults.COPY_THREADS``: one per CPU, up to a cap).
     local_snapshots: back the pool with a file in ``local_dir`` (default /dev/shm)
     and leave a checkable snapshot of each staged save there, which outlives the
     process (``flashwrite.local``; ``CheckpointManager.restore`` uses it). A save
@@ -71,9 +64,9 @@ class Writer:
         # file system (`flashwrite tune --save`), else from defaults.py.
         self._explicit = {k for k, v in (("stripes", stripes), ("queue_depth", queue_depth),
                                          ("chunk_bytes", chunk_bytes)) if v is not None}
-        stripes = DEFAULT_STRIPES if stripes is None else stripes
-        queue_depth = DEFAULT_QUEUE_DEPTH if queue_depth is None else queue_depth
-        chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        stripes = defaults.STRIPES if stripes is None else stripes
+        queue_depth = defaults.WRITE_QUEUE_DEPTH if queue_depth is None else queue_depth
+        chunk_bytes = defaults.CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if stripes < 1:
             raise ValueError("stripes must be >= 1")
         if queue_depth < 1:
@@ -90,7 +83,7 @@ class Writer:
         self.chunk_bytes = chunk_bytes
         self.backend = backend
         self.direct = direct
-        self.copy_threads = copy_threads or _default_copy_threads()
+        self.copy_threads = copy_threads or defaults.COPY_THREADS
         if neighbour_copies and not local_snapshots:
             raise ValueError("neighbour_copies=True needs local_snapshots=True")
         self._local = local.LocalPool(local_dir) if local_snapshots else None

@@ -1,0 +1,123 @@
+// The load side of the boundary: start_load, the LoadJob it returns, the aligned
+// Buffers a load fills, and the pinned bounce pool kept for loads to GPUs.
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "core/aligned_buffer.hpp"
+#include "engine/engine.hpp"
+#include "io/backend.hpp"
+#include "python/bindings.hpp"
+
+namespace fw {
+namespace {
+
+struct PyLoadJob {
+  std::unique_ptr<LoadJob> job;
+  ~PyLoadJob() {
+    py::gil_scoped_release nogil;
+    job.reset();
+  }
+};
+
+using PyPlacement = std::tuple<uint32_t, uint64_t, uint64_t, int, uintptr_t>;  // (file, offset, nbytes, device, address)
+
+// The arguments are parsed with the GIL held; the files are opened and the job
+// started without it.
+std::unique_ptr<PyLoadJob> start_load_py(const std::vector<std::pair<std::string, uint64_t>>& files,
+                                         const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>>& pieces,
+                                         const std::string& backend, unsigned queue_depth, uint64_t chunk_bytes,
+                                         unsigned verify_threads, bool direct,
+                                         const std::vector<PyPlacement>& placements,
+                                         const std::vector<std::pair<int, uintptr_t>>& streams) {
+  std::vector<ReadFileSpec> fs;
+  for (auto& [p, n] : files) fs.push_back(ReadFileSpec{p, n});
+  std::vector<VerifyPiece> ps;
+  ps.reserve(pieces.size());
+  for (auto& [f, off, len, h] : pieces) ps.push_back(VerifyPiece{f, off, len, h});
+  LoadOptions opt;
+  opt.backend = parse_backend(backend);
+  opt.queue_depth = queue_depth;
+  opt.chunk_bytes = chunk_bytes;
+  opt.verify_threads = verify_threads;
+  opt.direct = direct;
+  std::vector<Placement> pl;
+  for (auto& [f, off, len, dev, ptr] : placements) {
+    if (f >= fs.size() || dev < -1 || (len && !ptr))
+      throw py::value_error("a placement is (file, offset, nbytes, device >= -1, address)");
+    pl.push_back(Placement{f, off, len, dev, reinterpret_cast<char*>(ptr)});
+  }
+  auto out = std::make_unique<PyLoadJob>();
+  py::gil_scoped_release nogil;
+  out->job = fw::start_load(std::move(fs), std::move(ps), std::move(opt), std::move(pl), streams);
+  return out;
+}
+
+void register_buffer(py::module_& m) {
+  py::class_<AlignedBuffer, std::shared_ptr<AlignedBuffer>>(m, "Buffer", py::buffer_protocol(),
+                                                            "Page-aligned host memory filled by a load")
+      .def_buffer([](AlignedBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1, {b.size()}, {1}, false);
+      })
+      .def("__len__", &AlignedBuffer::size)
+      .def_property_readonly("address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); });
+}
+
+void register_load_job(py::module_& m) {
+  py::class_<PyLoadJob>(m, "LoadJob")
+      .def("wait",
+           [](PyLoadJob& l, std::optional<double> timeout) {
+             return wait_interruptible([&](double t) { return l.job->wait(t); }, timeout);
+           },
+           py::arg("timeout") = py::none())
+      .def("cancel", [](PyLoadJob& l) { l.job->cancel(); })
+      .def("rethrow", [](const PyLoadJob& l) { l.job->rethrow(); })
+      .def("buffers", [](const PyLoadJob& l) { return l.job->buffers(); })
+      .def("mismatches",
+           [](const PyLoadJob& l) {
+             std::vector<std::pair<size_t, uint64_t>> out;
+             for (auto& mm : l.job->mismatches()) out.emplace_back(mm.piece, mm.actual);
+             return out;
+           })
+      .def_property_readonly("elapsed_s", [](const PyLoadJob& l) { return l.job->elapsed_s(); })
+      .def_property_readonly("backend", [](const PyLoadJob& l) { return l.job->backend(); })
+      .def_property_readonly("files_direct", [](const PyLoadJob& l) { return l.job->files_direct(); });
+}
+
+}  // namespace
+
+void register_load(py::module_& m) {
+  register_buffer(m);
+  register_load_job(m);
+  m.def("start_load", &start_load_py, py::arg("files"), py::arg("pieces"), py::arg("backend") = "auto",
+        py::arg("queue_depth") = defaults::kReadQueueDepth, py::arg("chunk_bytes") = defaults::kReadChunkBytes,
+        py::arg("verify_threads") = defaults::verify_threads(), py::arg("direct") = true,
+        py::arg("placements") = std::vector<PyPlacement>{},
+        py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
+        "Read files [(path, size)], verifying [(file, offset, len, xxh3)] pieces. placements: [(file, offset, "
+        "nbytes, device, address)] byte ranges copied to GPU memory (device >= 0) or host memory (device -1) "
+        "instead, through bounce buffers, each chunk verified before it is copied; the destinations must stay "
+        "valid until the job is done. A file wholly covered by placements gets no buffer (None in buffers()), "
+        "the others are read whole into aligned buffers. streams: [(device, cudaStream_t)] the GPU copies are "
+        "ordered after.");
+  m.def(
+      "bounce_pool_bytes",
+      [] {
+        py::gil_scoped_release nogil;  // a load may hold the pool's lock while it makes the pool
+        return bounce_pool_bytes();
+      },
+      "Bytes of the pinned bounce pool kept for loads to GPUs.");
+  m.def(
+      "release_bounce_pool",
+      [] {
+        py::gil_scoped_release nogil;  // unpinning takes time
+        return release_bounce_pool();
+      },
+      "Drop the pinned bounce pool kept for loads to GPUs; returns its bytes.");
+}
+
+}  // namespace fw
