@@ -466,7 +466,8 @@ def test_fake_runtime_d2h_save_matches_the_cpu_path(fake_cudart, tmp_path):
 def test_fake_runtime_d2h_is_ordered_after_the_callers_stream(fake_cudart, tmp_path):
     out = _fake(fake_cudart, "order", tmp_path)
     # start_save returned once the fence was in place, well before the queued work ran...
-    assert out["returned_s"] < 0.25 and out["staged_at_return"] is False
+    # (staged_at_return is the proof; the time, from the fence, is what a wait would cost)
+    assert out["staged_at_return"] is False and out["returned_s"] < 0.3, out
     # ...staging waited for it, and what the caller queued after staging is not in the file.
     assert out["staged_s"] >= 0.3
     assert out["all_sevens"] is True
