@@ -40,25 +40,23 @@ Policies, stated once:
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
-import signal
 import string
 import threading
 import time
 from typing import Any, Callable
 
-from . import commit, local, neighbour
-from .errors import CorruptCheckpointError
-from .flatten import flatten, unflatten
+import torch.distributed as dist
+
+from . import commit, local
 from .format import MANIFEST_NAME
 from .future import SaveFuture, SaveStats
-from .load import load
-from .read import LoadResult, _load_into, tensor_placer
-from .save import Writer
 from .locate import resolve
+from .preempt import Preemption
+from .restore import TierRestore
+from .save import Writer
 from .target import LOCAL, UnsupportedTargetError
 
 log = logging.getLogger("flashwrite")
@@ -198,32 +196,31 @@ class CheckpointManager:
         self.keep_every_n_steps = keep_every_n_steps
         self.if_busy = if_busy
         self.allow_pickle = allow_pickle
-        self.preempted = False
         self._owns_writer = writer is None
         if writer is not None and local_snapshots and not writer.local_snapshots:
             raise ValueError("local_snapshots=True needs a writer made with local_snapshots=True")
-        if writer is not None and neighbour_copies and writer._neighbours is None:
+        if writer is not None and neighbour_copies and (writer.local_tier is None or
+                                                        writer.local_tier.neighbours is None):
             raise ValueError("neighbour_copies=True needs a writer made with neighbour_copies=True")
         self._writer = writer if writer is not None else Writer(local_snapshots=local_snapshots, local_dir=local_dir,
                                                                 neighbour_copies=neighbour_copies)
+        self._tier = self._writer.local_tier
         self.keep_local = keep_local
-        self.local_dir = self._writer._local.dir if self._writer.local_snapshots else None
+        self.local_dir = self._tier.dir if self._tier is not None else None
         self.process_group = process_group
         self._rank: tuple[int, int] | None = None  # (rank, size) in a multi-rank run
         if process_group is not None:
-            import torch.distributed as dist
             self._rank = (dist.get_rank(process_group), dist.get_world_size(process_group))
         self._lock = threading.Lock()
         self._inflight: _Pending | None = None
-        self._restoring: dict[int, int] = {}
         self._last_start = time.monotonic()
         self._closed = False
-        self._in_call = 0
-        self._sigterm_installed = False
-        self._sigterm_prev: Any = None
-        self._sigterm_pending = False
-        self._preempting = False
+        self._sigterm = Preemption(self._drain)
         self._final_state = final_state
+        self._restorer = TierRestore(tier=self._tier, rank=self._rank, process_group=process_group,
+                                     allow_pickle=allow_pickle, steps=self.all_steps, path_for=self.path_for,
+                                     candidates=lambda replicas: self.local_snapshots(replicas=replicas),
+                                     write_back=self._write_back)
         self._target.make_dirs(self._dir)
         if cleanup:
             self.cleanup_stale()
@@ -291,7 +288,7 @@ class CheckpointManager:
             if not callable(state_dict):
                 self._prepare_pool(state_dict)
             return None
-        with self._call():
+        with self._sigterm.call():
             p = self._inflight
             if (p is not None and p.step == step and not p.done.is_set()) or self._target.exists(self._where(step)):
                 log.warning("checkpoint for step %d already exists in %s; not saving it again", step, self.root)
@@ -303,7 +300,7 @@ class CheckpointManager:
         save_options: as for ``maybe_save``."""
         self._check_step(step)
         _check_save_options(save_options)
-        with self._call():
+        with self._sigterm.call():
             fut = self._start(step, state_dict, overwrite=overwrite, policy="wait", save_options=save_options)
             assert fut is not None
             return fut
@@ -367,7 +364,7 @@ class CheckpointManager:
         """Block until the save in flight is durable and committed (and retention
         has run). Returns its stats; if it failed, raises its error (the first
         wait after the failure does; later ones return None)."""
-        with self._call():
+        with self._sigterm.call():
             p = self._inflight
             if p is None:
                 return None
@@ -391,8 +388,7 @@ class CheckpointManager:
         if self.keep_every_n_steps is not None:
             keep.update(s for s in steps if s % self.keep_every_n_steps == 0)
         keep.update((steps[-1], committed))
-        with self._lock:
-            keep.update(self._restoring)
+        keep.update(self._restorer.restoring())
         for s in steps:
             if s not in keep:
                 self._delete(s)
@@ -422,27 +418,16 @@ class CheckpointManager:
             latest = self.latest_step()
             if latest is not None:
                 touched += self._clean_local(lambda s: s < latest)
-            local.remove_orphan_pools(self.local_dir)
+            self._tier.remove_orphan_pools()
         return touched
 
     def local_snapshots(self, replicas: bool = False) -> dict[int, list[local.Snapshot]]:
         """Local snapshots of this root's steps (any owner), newest first per step.
         replicas: the copies this rank holds of rank r-1's snapshots instead
         (``neighbour_copies``)."""
-        out: dict[int, list[local.Snapshot]] = {}
-        if self.local_dir is None:
-            return out
-        whose = self._rank or (None, None)
-        if replicas:
-            if self._rank is None:
-                return out
-            whose = ((self._rank[0] - 1) % self._rank[1], self._rank[1])
-        for snap in local.scan(self.local_dir):
-            step = self._step_of(snap.path)
-            mine = (snap.body.get("rank"), snap.body.get("world_size")) == whose
-            if step is not None and mine and bool(snap.body.get("replica")) == replicas:
-                out.setdefault(step, []).append(snap)
-        return out
+        if self._tier is None:
+            return {}
+        return self._tier.candidates(self._step_of, self._rank, replicas)
 
     def _step_of(self, path: str) -> int | None:
         if os.path.dirname(path) != self.root:
@@ -458,7 +443,7 @@ class CheckpointManager:
         for step, snaps in [*self.local_snapshots().items(), *self.local_snapshots(replicas=True).items()]:
             for snap in snaps:
                 if doomed(step) and not snap.alive:
-                    local.remove(snap)
+                    self._tier.remove(snap)
                     log.info("removed local snapshot of step %d (%s): its process is gone", step, snap.header)
                     removed.append(os.path.basename(snap.header))
         return removed
@@ -488,188 +473,15 @@ class CheckpointManager:
         The state restored is the first one the manager sees: unless ``reserve=`` was
         given, the writer's staging pool is prepared from it in the background.
         """
-        got = self._restore(step, into, fallback, load_options)
+        if step is not None and self.process_group is None:
+            self._check_step(step)
+        with self._sigterm.call():
+            got = self._restorer.restore(step, into, fallback, load_options)
         if got is not None:
             self._prepare_pool(got[1])
         return got
 
-    def _restore(self, step: int | None, into: Any, fallback: bool, load_options: dict) -> tuple[int, Any] | None:
-        with self._call():
-            if self.process_group is not None:
-                if step is not None:
-                    return step, load(self.path_for(step), into=into, allow_pickle=self.allow_pickle,
-                                      process_group=self.process_group, **load_options)
-                return self._restore_agreed(into, load_options)
-            committed = self.all_steps()
-            snaps = self.local_snapshots()
-            if step is not None:
-                self._check_step(step)
-                candidates = [step]
-            else:
-                candidates = sorted(set(committed) | set(snaps), reverse=True)
-            first_error: BaseException | None = None
-            for s in candidates:
-                for snap in snaps.get(s, []):
-                    got = self._restore_local(s, snap, into, load_options, on_storage=s in committed)
-                    if got is not None:
-                        if s not in committed:
-                            self._write_back(s, got[1])
-                        return s, got[0]
-                if s not in committed and step is None:
-                    continue
-                with self._lock:
-                    self._restoring[s] = self._restoring.get(s, 0) + 1
-                try:
-                    state = load(self.path_for(s), into=into, allow_pickle=self.allow_pickle, **load_options)
-                    return s, state
-                except (CorruptCheckpointError, OSError) as e:
-                    unreadable = not isinstance(e, OSError) or isinstance(e, FileNotFoundError) or e.errno == errno.EIO
-                    if step is not None or not fallback or not unreadable:
-                        raise
-                    log.error("checkpoint step %d cannot be restored (%s); trying an older one", s, e)
-                    first_error = first_error or e
-                finally:
-                    with self._lock:
-                        self._restoring[s] -= 1
-                        if not self._restoring[s]:
-                            del self._restoring[s]
-            if first_error is not None:
-                raise first_error
-            return None
-
-    def _read_local(self, step: int, snap: local.Snapshot, options: dict, into: Any = None,
-                    on_storage: bool = False) -> LoadResult | None:
-        """What a local snapshot holds, verified; None (logged) when it does not verify.
-        into: its CPU tensors are filled in place where they fit (no second copy).
-        on_storage: storage holds the step too, so the snapshot may be taken (see restore)."""
-        t0 = time.perf_counter()
-        targets = None
-        if into is not None:
-            wrapped = into if self._rank is None else {self._rank[0]: into}
-            targets = {ft.key: ft.tensor for ft in flatten(wrapped, allow_pickle=True)[1]}
-        phases: dict = {}
-        try:
-            zero_copy = options.get("zero_copy")
-            m, tensors = local.read_snapshot(snap, verify=options.get("verify", True), targets=targets,
-                                             adopt=bool(zero_copy) and into is None,
-                                             take=on_storage and zero_copy is not False and into is None,
-                                             timings=phases)
-        except (CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
-            log.error("local snapshot of step %d (%s) cannot be restored (%s); trying other copies", step,
-                      snap.header, e)
-            return None
-        log.info("restored step %d from local memory (%s) in %.3f s (%s)", step, snap.header,
-                 time.perf_counter() - t0, ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
-        return LoadResult(m, tensors, time.perf_counter() - t0, "local", False)
-
-    def _state_of(self, res: LoadResult, into: Any, options: dict) -> Any:
-        # A rank's snapshot holds {rank: state}, like its part of a multi-rank checkpoint.
-        wrap: Callable[[Any], Any] = (lambda x: x) if self._rank is None else (lambda x: {self._rank[0]: x})
-        if into is not None:
-            return _load_into(res, into, flatten(wrap(into), allow_pickle=True), wrap, options.get("strict", True),
-                              self.allow_pickle)
-        state = unflatten(res.manifest.tree, tensor_placer(res, options.get("map_location", "cpu")),
-                          allow_pickle=self.allow_pickle)
-        return state if self._rank is None else state[self._rank[0]]
-
-    def _restore_local(self, step: int, snap: local.Snapshot, into: Any, options: dict,
-                       on_storage: bool) -> tuple[Any, LoadResult] | None:
-        """(state, what was read) from a local snapshot, or None when it does not verify."""
-        res = self._read_local(step, snap, options, into, on_storage)
-        return None if res is None else (self._state_of(res, into, options), res)
-
-    def _restore_agreed(self, into: Any, options: dict) -> tuple[int, Any] | None:
-        """restore() on every rank of process_group: each rank offers the committed steps,
-        the steps its own snapshots verify, and those whose copy it keeps for rank r-1
-        (neighbour copies); all take the newest step that every rank can get from some
-        tier. A rank without its own snapshot of it fetches the copy from rank r+1."""
-        import torch.distributed as dist
-        from .coord import collective, coordinator
-
-        coord = coordinator(self.process_group)
-        rank, world = coord.rank, coord.size
-        committed = self.all_steps()
-        newest = committed[-1] if committed else -1
-        verified: dict[int, LoadResult] = {}
-        for s, snaps in sorted(self.local_snapshots().items(), reverse=True):
-            if s < newest:
-                break  # storage has a newer step for every rank
-            for snap in snaps:
-                res = self._read_local(s, snap, options, on_storage=s in committed)
-                if res is not None:
-                    verified[s] = res
-                    break
-        held = {s: snaps[0] for s, snaps in self.local_snapshots(replicas=True).items() if s >= newest}
-        offer = {"steps": sorted(set(committed) | set(verified)), "own": sorted(verified), "held": sorted(held),
-                 "fetch": self.local_dir is not None}
-        offers: list = [None] * world
-        coord.run(collective, dist.all_gather_object, offers, offer, group=coord.group).result()
-        avail = [set(o["steps"]) | (set(offers[(i + 1) % world]["held"]) if o["fetch"] else set())
-                 for i, o in enumerate(offers)]
-        common = set.intersection(*avail)
-        log.info("rank %d offers steps %s; the ranks agree on %s", rank, offer["steps"][-3:], max(common, default=None))
-        # The newest common step first; an older one when some rank cannot get its part of
-        # it after all (a neighbour's copy that fails its checksums, say): every rank decides
-        # alike, from one vote, so all restore the same step.
-        for s in sorted(common, reverse=True):
-            fetched = self._fetch_agreed(coord, s, offers, held, committed, verified, options)
-            if fetched is None:
-                continue
-            res, got = fetched
-            res = res if res is not None else verified.get(s)
-            try:
-                if res is not None:
-                    state = self._state_of(res, into, options)
-                    if s not in committed:
-                        self._write_back(s, res)  # every rank: none has it on storage
-                    return s, state
-                return s, load(self.path_for(s), into=into, allow_pickle=self.allow_pickle,
-                               process_group=self.process_group, **options)
-            finally:
-                if got is not None and os.path.exists(got.header):
-                    local.remove(got)  # read (not taken): the write-back has its own snapshot once staged
-        return None
-
-    def _fetch_agreed(self, coord: Any, s: int, offers: list, held: dict, committed: list, verified: dict,
-                      options: dict) -> tuple[LoadResult | None, local.Snapshot | None] | None:
-        """Fetch this rank's part of step s from rank r+1's memory where it needs it, and
-        vote on whether every rank now has its part. Returns (what the fetched copy holds,
-        verified; the copy) or (None, None) when nothing was fetched; None when some rank
-        cannot restore s (every rank gets None alike)."""
-        import torch
-        import torch.distributed as dist
-        from .coord import collective
-
-        rank, world = coord.rank, coord.size
-        needs = [s not in o["own"] and s in offers[(i + 1) % world]["held"] and o["fetch"]
-                 for i, o in enumerate(offers)]
-        res, snap, ok = None, None, True
-        if world > 1 and any(needs):
-            prv, nxt = (rank - 1) % world, (rank + 1) % world
-            store = self._writer._neighbours or (neighbour.Store(self._writer._local) if self.local_dir else None)
-            snap = coord.run(neighbour.swap, coord, prv if needs[prv] else None, held.get(s) if needs[prv] else None,
-                             nxt if needs[rank] else None, store, False).result()
-            if needs[rank]:
-                if snap is not None:
-                    log.info("rank %d fetched its snapshot of step %d from rank %d's memory", rank, s, nxt)
-                    res = self._read_local(s, snap, options, on_storage=s in committed)
-                    if res is None:
-                        local.remove(snap)  # refused: it must not be offered again
-                        snap = None
-                if res is None and s not in committed:
-                    log.error("rank %d: step %d is only in memory, and the copy rank %d keeps of it did not arrive "
-                              "whole or does not verify (see above); the ranks fall back to an older step",
-                              rank, s, nxt)
-                    ok = False
-        vote = torch.tensor([int(ok)], dtype=torch.int64)
-        coord.run(collective, dist.all_reduce, vote, op=dist.ReduceOp.MIN, group=coord.group).result()
-        if int(vote[0]):
-            return res, snap
-        if snap is not None:
-            local.remove(snap)
-        return None
-
-    def _write_back(self, step: int, res: LoadResult) -> None:
+    def _write_back(self, step: int, make_state: Callable[[], Any]) -> None:
         """Save a step that only a local snapshot holds to root; returns once staged
         (the caller may then change what it was given), commits in the background."""
         p = self._inflight
@@ -677,9 +489,8 @@ class CheckpointManager:
             return  # this manager's own save of it is being committed
         if step in self.all_steps():
             return  # committed since restore() looked (this manager's own save, just finished)
-        state = self._state_of(res, None, {})
         log.warning("step %d was never committed to %s: writing it from its local snapshot", step, self.root)
-        self._start(step, state, overwrite=False, policy="wait")
+        self._start(step, make_state, overwrite=False, policy="wait")
 
     def restore_latest(self, into: Any = None, **load_options: Any) -> tuple[int, Any] | None:
         return self.restore(None, into, **load_options)
@@ -700,75 +511,37 @@ class CheckpointManager:
         """
         if final_state is not None:
             self._final_state = final_state
-        if self._sigterm_installed:
-            return
-        self._sigterm_prev = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._sigterm_installed = True
+        self._sigterm.install(self._on_sigterm)
 
     def uninstall_sigterm_handler(self) -> None:
-        if not self._sigterm_installed:
-            return
-        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-            prev = self._sigterm_prev
-            signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
-        self._sigterm_installed = False
+        self._sigterm.uninstall(self._on_sigterm)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a SIGTERM reached this manager."""
+        return self._sigterm.preempted
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._in_call:
-            self._sigterm_pending = True
-            return
-        self._preempt(signum, frame)
+        self._sigterm.on_signal(signum, frame)
 
-    def _preempt(self, signum: int, frame: Any) -> None:
-        if self._preempting:
-            return
-        self._preempting = True
-        self.preempted = True
+    def _drain(self) -> None:
+        """On SIGTERM: complete the save in flight, then save the final state, if any."""
+        log.warning("SIGTERM: completing the checkpoint in flight%s", " and saving a final one"
+                    if self._final_state else "")
         try:
-            log.warning("SIGTERM: completing the checkpoint in flight%s", " and saving a final one"
-                        if self._final_state else "")
+            self.wait()
+        except Exception as e:
+            log.error("the checkpoint in flight failed: %s", e)
+        if self._final_state is not None and not self._closed:
             try:
-                self.wait()
-            except Exception as e:
-                log.error("the checkpoint in flight failed: %s", e)
-            if self._final_state is not None and not self._closed:
-                try:
-                    step, state = self._final_state()
-                    if step in self.all_steps():
-                        log.info("final checkpoint: step %d is already saved", step)
-                    else:
-                        self.save(step, state)
-                        self.wait()
-                except Exception:
-                    log.exception("final checkpoint on SIGTERM failed")
-        finally:
-            self._preempting = False
-        prev = self._sigterm_prev
-        if callable(prev):
-            prev(signum, frame)
-        elif prev != signal.SIG_IGN:
-            # The default action: terminate, with the status a plain SIGTERM gives.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    class _CallGuard:
-        def __init__(self, mgr: CheckpointManager):
-            self.mgr = mgr
-
-        def __enter__(self) -> None:
-            self.mgr._in_call += 1
-
-        def __exit__(self, *exc: Any) -> None:
-            mgr = self.mgr
-            mgr._in_call -= 1
-            if not mgr._in_call and mgr._sigterm_pending:
-                mgr._sigterm_pending = False
-                mgr._preempt(signal.SIGTERM, None)
-
-    def _call(self) -> CheckpointManager._CallGuard:
-        # Only the main thread counts: signal handlers run there.
-        return self._CallGuard(self) if threading.current_thread() is threading.main_thread() else _NULL_GUARD
+                step, state = self._final_state()
+                if step in self.all_steps():
+                    log.info("final checkpoint: step %d is already saved", step)
+                else:
+                    self.save(step, state)
+                    self.wait()
+            except Exception:
+                log.exception("final checkpoint on SIGTERM failed")
 
     # --------------------------------------------------------------- shutdown
 
@@ -803,13 +576,3 @@ class CheckpointManager:
                 f"every_n_seconds={self.every_n_seconds}, keep_last={self.keep_last}, "
                 f"keep_every_n_steps={self.keep_every_n_steps}, if_busy={self.if_busy!r})")
 
-
-class _NullGuard:
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-_NULL_GUARD = _NullGuard()
