@@ -8,9 +8,18 @@ import os
 import sys
 from typing import Sequence
 
+from ._core import __version__
+from .bench import overhead, peers, report, runner
+from .bench.state import fmt_bytes, parse_size
+from .errors import FlashwriteError
+from .info import backend_info
+from .ops.cli import register
+from .ops.ls import record_verified
+from .ops.progress import Progress, step_logger
+from .ops.verify import verify
+
 
 def _size(text: str) -> int:
-    from .bench.state import parse_size
     try:
         return parse_size(text)
     except ValueError as e:
@@ -22,8 +31,6 @@ def _log(quiet: bool):
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from .bench import report, runner
-    from .bench.state import fmt_bytes
     print(f"flashwrite demo: saving and loading a {fmt_bytes(a.size)} synthetic training state "
           f"(GPT-like parameters + Adam moments + optimizer fields) in {os.path.abspath(a.dir)}", flush=True)
     res = runner.compare(a.size, ["torch_save", "flashwrite"], a.dir, rounds=1, isolation="inprocess",
@@ -49,7 +56,6 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .bench import peers, report, runner
     if a.contenders in ("all", "default"):
         contenders = peers.default_contenders()
     else:
@@ -60,7 +66,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     fw_opts = json.loads(a.flashwrite_options) if a.flashwrite_options else None
-    from .ops.progress import Progress, step_logger
     bar = Progress(quiet=a.quiet, force_plain=a.plain)
     log = step_logger(bar, a.rounds * (2 + len(contenders)), a.size, "bench") if not a.quiet else _log(True)
     try:
@@ -75,7 +80,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.markdown:
         print("\n" + report.markdown(res))
     if a.overhead:
-        from .bench import overhead
         ov = overhead.run(steps=a.steps, every=a.every, rounds=a.overhead_rounds, directory=a.dir,
                           log=_log(a.quiet))
         out["overhead"] = ov
@@ -93,7 +97,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_overhead(a: argparse.Namespace) -> int:
-    from .bench import overhead, report
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     res = overhead.run(steps=a.steps, every=a.every, rounds=a.rounds, directory=a.dir, modes=modes,
                        width=a.width, depth=a.depth, threads=a.threads, log=_log(a.quiet))
@@ -106,10 +109,6 @@ def cmd_overhead(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from .errors import FlashwriteError
-    from .ops.ls import record_verified
-    from .ops.progress import Progress
-    from .ops.verify import verify
     try:
         summary = verify(a.path, Progress(quiet=a.json or a.quiet))
     except (FlashwriteError, OSError, ValueError) as e:
@@ -125,7 +124,6 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from .info import backend_info
     info = backend_info(a.dir)
     if a.json:
         print(json.dumps(info, indent=1, default=str))
@@ -139,7 +137,6 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ._core import __version__
     p = argparse.ArgumentParser(prog="flashwrite", description="Nearly free PyTorch checkpoints.")
     p.add_argument("--version", action="version", version=f"flashwrite {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -208,7 +205,6 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
 
-    from .ops.cli import register
     register(sub, _size)
     return p
 

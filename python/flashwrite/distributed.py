@@ -156,7 +156,7 @@ class AgreedCommit(Commit):
                 gate: Callable[[], None] | None) -> dict | None:
         """1. status rounds until someone failed or nobody is still writing; on a failure,
         every rank stops and raises, and rank 0 removes the directory."""
-        coord, group, manifest = self.coord, self.coord.group, None
+        group, manifest = self.coord.group, None
         try:
             while True:
                 if error is None and sw is not None and manifest is None:

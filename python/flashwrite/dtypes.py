@@ -60,6 +60,14 @@ def safetensors_code(dt: torch.dtype) -> str | None:
     return _ST_CODES.get(dt)
 
 
+_BY_CODE: dict[str, torch.dtype] = {code: dt for dt, code in _ST_CODES.items()}
+
+
+def dtype_from_code(code: str) -> torch.dtype | None:
+    """The dtype of a safetensors header code (``"F32"``), or None for one flashwrite does not know."""
+    return _BY_CODE.get(code) if isinstance(code, str) else None
+
+
 def itemsize(dt: torch.dtype) -> int:
     return dt.itemsize
 

@@ -28,7 +28,6 @@ from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .format import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, check_member_name
 from .plan import MAX_HEADER_BYTES
 
-_CODES = {code: dt for dt, code in dtypes._ST_CODES.items()}
 MAX_INDEX_BYTES = 64 << 20
 
 
@@ -166,7 +165,7 @@ def _read_header(full: str, name: str,
     for key, h in header.items():
         if not isinstance(h, dict):
             raise _bad(name, "header entry is not an object", key)
-        dt = _CODES.get(h.get("dtype"))
+        dt = dtypes.dtype_from_code(h.get("dtype"))
         if dt is None:
             raise _bad(name, f"unknown dtype {str(h.get('dtype'))[:20]!r}", key)
         shape, offs = h.get("shape"), h.get("data_offsets")

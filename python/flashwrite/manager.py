@@ -42,50 +42,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import string
 import threading
 import time
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from . import commit, local
-from .format import MANIFEST_NAME
+from . import local
 from .future import SaveFuture, SaveStats
-from .locate import resolve
 from .preempt import Preemption
 from .restore import TierRestore
 from .save import Writer
-from .target import LOCAL, UnsupportedTargetError
+from .steps import DEFAULT_NAME, StepDirs
+from .target import UnsupportedTargetError
 
 log = logging.getLogger("flashwrite")
-
-DEFAULT_NAME = "step-{step:08d}"
-
-
-def _name_pattern(name: str) -> re.Pattern:
-    """The regex that finds the step in directory names made by ``name.format(step=...)``:
-    ``name`` must hold exactly one replacement field, ``{step}`` (with an optional integer
-    format such as ``:08d``), and no path separator."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a format string such as 'checkpoint-{{step}}', not {type(name).__qualname__}")
-    parts = list(string.Formatter().parse(name))
-    fields = [(f, spec, conv) for _, f, spec, conv in parts if f is not None]
-    if len(fields) != 1 or fields[0][0] != "step" or fields[0][2] is not None:
-        raise ValueError(f"name {name!r} must hold one replacement field, {{step}} (e.g. 'checkpoint-{{step}}')")
-    try:
-        probe = name.format(step=12)
-    except ValueError as e:
-        raise ValueError(f"name {name!r}: {e}") from None
-    if "/" in probe or probe.startswith("."):  # hidden names are those of temporary directories
-        raise ValueError(f"name {name!r} must make plain, not hidden, directory names")
-    out = []
-    for literal, f, _, _ in parts:
-        out.append(re.escape(literal))
-        if f is not None:
-            out.append(r"(\d+)")
-    return re.compile("^" + "".join(out) + "$")
 
 StateSource = Any  # a (nested) state dict, or a callable returning one (called only when a save is due)
 
@@ -175,21 +146,14 @@ class CheckpointManager:
             raise ValueError(f"every_n_seconds must be positive or None, not {every_n_seconds!r}")
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
-        self._name_re = _name_pattern(name)
         self.on_commit = on_commit
         self.name = name
-        # Where the steps live: a local directory, or a directory in an nfs:// export
-        # (then root is the URL without its query, which path_for puts back).
-        self._target, self._dir = resolve(root, "CheckpointManager root")
-        self._query = ""
-        if self._target is LOCAL:
-            self.root = self._dir
-        else:
-            url, _, query = os.fspath(root).partition("?")
-            self.root, self._query = url.rstrip("/"), f"?{query}" if query else ""
-            if local_snapshots or neighbour_copies or (writer is not None and writer.local_snapshots):
-                raise UnsupportedTargetError(f"CheckpointManager root {self.root!r}: local snapshots with nfs:// "
-                                             "are not supported yet", url=self.root, scheme="nfs")
+        self._steps = StepDirs(root, name)
+        self.root = self._steps.root
+        if not self._steps.local and (local_snapshots or neighbour_copies or
+                                      (writer is not None and writer.local_snapshots)):
+            raise UnsupportedTargetError(f"CheckpointManager root {self.root!r}: local snapshots with nfs:// "
+                                         "are not supported yet", url=self.root, scheme="nfs")
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.keep_last = keep_last
@@ -221,7 +185,7 @@ class CheckpointManager:
                                      allow_pickle=allow_pickle, steps=self.all_steps, path_for=self.path_for,
                                      candidates=lambda replicas: self.local_snapshots(replicas=replicas),
                                      write_back=self._write_back)
-        self._target.make_dirs(self._dir)
+        self._steps.target.make_dirs(self._steps.dir)
         if cleanup:
             self.cleanup_stale()
         self._pool_prepared = reserve is not None
@@ -234,30 +198,12 @@ class CheckpointManager:
 
     def path_for(self, step: int) -> str:
         """The checkpoint of ``step``, as save and load take it (a URL for nfs://)."""
-        if self._target is LOCAL:
-            return os.path.join(self.root, self.name.format(step=step))
-        return f"{self.root}/{self.name.format(step=step)}{self._query}"
-
-    def _where(self, step: int) -> str:
-        """The checkpoint of ``step`` as its Target names it."""
-        return os.path.join(self._dir, self.name.format(step=step))
+        return self._steps.path_for(step)
 
     def all_steps(self) -> list[int]:
         """Steps of the committed checkpoints under root, ascending. A directory
         counts only under its exact name and with its manifest in place."""
-        steps = []
-        try:
-            names = self._target.list(self._dir)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            m = self._name_re.match(name)
-            if not m or self.name.format(step=int(m.group(1))) != name:
-                continue
-            path = os.path.join(self._dir, name)
-            if self._target.is_dir(path) and self._target.is_file(os.path.join(path, MANIFEST_NAME)):
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        return self._steps.all_steps()
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -290,7 +236,7 @@ class CheckpointManager:
             return None
         with self._sigterm.call():
             p = self._inflight
-            if (p is not None and p.step == step and not p.done.is_set()) or self._target.exists(self._where(step)):
+            if (p is not None and p.step == step and not p.done.is_set()) or self._steps.exists(step):
                 log.warning("checkpoint for step %d already exists in %s; not saving it again", step, self.root)
                 return None
             return self._start(step, state_dict, overwrite=False, policy=self.if_busy, save_options=save_options)
@@ -391,18 +337,7 @@ class CheckpointManager:
         keep.update(self._restorer.restoring())
         for s in steps:
             if s not in keep:
-                self._delete(s)
-
-    def _delete(self, step: int) -> None:
-        path = self._where(step)
-        doomed = commit.old_dir_for(path)
-        self._target.rename(path, doomed)
-        self._target.fsync_dir(self._dir)
-        # Without its manifest the moved directory can never be taken for (or
-        # restored as) a checkpoint, whatever state a crash leaves it in.
-        self._target.remove_file(os.path.join(doomed, MANIFEST_NAME))
-        self._target.remove_tree(doomed)
-        log.info("removed checkpoint step %d (retention)", step)
+                self._steps.delete(s)
 
     def cleanup_stale(self) -> list[str]:
         """Remove temporary directories left in root by crashed saves and deletions
@@ -410,10 +345,7 @@ class CheckpointManager:
         snapshots of this root whose owner died that are older than its newest
         committed step. Returns the names it removed or restored. Called by the
         constructor."""
-        # On nfs:// the owner of a temporary directory cannot be told alive from dead
-        # (another host's pid): they are left alone there.
-        mine = self._target is LOCAL and (self._rank is None or self._rank[0] == 0)
-        touched = commit.clean_stale(self.root) if mine else []
+        touched = self._steps.clean_stale() if self._rank is None or self._rank[0] == 0 else []
         if self.local_dir is not None:
             latest = self.latest_step()
             if latest is not None:
@@ -427,26 +359,12 @@ class CheckpointManager:
         (``neighbour_copies``)."""
         if self._tier is None:
             return {}
-        return self._tier.candidates(self._step_of, self._rank, replicas)
-
-    def _step_of(self, path: str) -> int | None:
-        if os.path.dirname(path) != self.root:
-            return None
-        m = self._name_re.match(os.path.basename(path))
-        return int(m.group(1)) if m and self.path_for(int(m.group(1))) == path else None
+        return self._tier.candidates(self._steps.step_of, self._rank, replicas)
 
     def _clean_local(self, doomed: Callable[[int], bool]) -> list[str]:
-        """Remove dead owners' snapshots of the steps ``doomed`` picks (never the only
-        copy of the newest step: callers pick only steps older than, or equal to, a
-        committed one)."""
-        removed = []
-        for step, snaps in [*self.local_snapshots().items(), *self.local_snapshots(replicas=True).items()]:
-            for snap in snaps:
-                if doomed(step) and not snap.alive:
-                    self._tier.remove(snap)
-                    log.info("removed local snapshot of step %d (%s): its process is gone", step, snap.header)
-                    removed.append(os.path.basename(snap.header))
-        return removed
+        """Dead owners' snapshots of the steps ``doomed`` picks go (callers pick only steps
+        older than, or equal to, a committed one)."""
+        return self._tier.remove_dead(self._steps.step_of, self._rank, doomed) if self._tier is not None else []
 
     # ---------------------------------------------------------------- restore
 

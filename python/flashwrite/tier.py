@@ -225,6 +225,20 @@ class LocalTier:
                 out.setdefault(step, []).append(snap)
         return out
 
+    def remove_dead(self, step_of: Callable[[str], int | None], rank: tuple[int, int] | None,
+                    doomed: Callable[[int], bool]) -> list[str]:
+        """Remove dead owners' snapshots (own and replicas) of the steps ``doomed`` picks (never
+        the only copy of the newest step: callers pick only steps a committed one covers).
+        Returns the header names removed."""
+        removed = []
+        for step, snaps in [*self.candidates(step_of, rank).items(), *self.candidates(step_of, rank, True).items()]:
+            for snap in snaps:
+                if doomed(step) and not snap.alive:
+                    local.remove(snap)
+                    log.info("removed local snapshot of step %d (%s): its process is gone", step, snap.header)
+                    removed.append(os.path.basename(snap.header))
+        return removed
+
     def read(self, snap: local.Snapshot, **options: Any) -> tuple[Manifest, dict]:
         """``local.read_snapshot``: (manifest, tensors), every piece verified."""
         return local.read_snapshot(snap, **options)

@@ -177,6 +177,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         self._current: _Staged | None = None
         self._copy_cache: Any = None
         self._tmp: str | None = None
+        self._use_collectives = True  # set_up_storage_writer says
 
     # ------------------------------------------------------------ AsyncStager
 
@@ -276,7 +277,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         self._use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        if not getattr(self, "_use_collectives", True):
+        if not self._use_collectives:
             raise NotImplementedError("FlashwriteStorageWriter needs use_collectives=True (one committed checkpoint)")
         if self.path is None:
             raise ValueError("no checkpoint path: pass it to FlashwriteStorageWriter or as checkpoint_id")
