@@ -355,7 +355,7 @@ def test_every_writer_option_reaches_the_shared_writer(tmp_path, shmdir):
     st = fw.save_async(sd, tmp_path / "ck", local_snapshots=True, local_dir=shmdir, neighbour_copies=True).result()
     assert st.bytes > 0 and torch.equal(fw.load(tmp_path / "ck")["a"], sd["a"])
     w = default_writer(tmp_path, local_snapshots=True, local_dir=shmdir, neighbour_copies=True)
-    assert w._neighbours is not None
+    assert w.local_tier is not None and w.local_tier.neighbours is not None
     w.close()
     with pytest.raises(ValueError, match="neighbour_copies=True needs local_snapshots=True"):
         fw.save(sd, tmp_path / "ck2", neighbour_copies=True)

@@ -151,6 +151,117 @@ def test_bench_never_runs_a_peers_file_from_the_current_directory(tmp_path, monk
     assert not marker.exists()
 
 
+# --------------------------------------------------------------------------- private names
+
+def _package_of(name: str, path: str) -> str:
+    return name if path.endswith("__init__.py") else name.rpartition(".")[0]
+
+
+def _absolute(name: str, path: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = _package_of(name, path).split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def private_reads(pkg_dir: str = PKG_DIR) -> list[str]:
+    """Where a module reads another package module's underscore-prefixed name: ``mod._x``
+    (mod an imported package module), ``from .mod import _x``, or ``getattr(obj, "_x")``
+    (a private field reached by name, whoever owns it). A name that is itself a module
+    (``_core``, the native engine) is a module, not a private name."""
+    mods = _modules(pkg_dir)
+    root = os.path.basename(pkg_dir)
+    native = {f"{root}._core"}
+    out = []
+    for name, path in sorted(mods.items()):
+        with open(path) as fh:
+            tree = ast.parse(fh.read(), path)
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                mod = _absolute(name, path, node)
+                if mod.split(".")[0] != root:
+                    continue
+                for a in node.names:
+                    full = f"{mod}.{a.name}"
+                    if full in mods or full in native:
+                        aliases[a.asname or a.name] = full
+                    elif _is_private(a.name) and mod != name:
+                        out.append(f"{name}:{node.lineno}: from {mod} import {a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _is_private(node.attr)
+                    and aliases.get(node.value.id, name) != name):
+                out.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                  and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                  and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")
+                  and isinstance(node.args[1].value, str) and _is_private(node.args[1].value)):
+                out.append(f"{name}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    return sorted(out)
+
+
+def imports_in_functions(pkg_dir: str = PKG_DIR) -> list[tuple[str, int, bool]]:
+    """(module, line, has a reason comment) of every package import inside a function."""
+    mods = _modules(pkg_dir)
+    root = os.path.basename(pkg_dir)
+    out = []
+    for name, path in sorted(mods.items()):
+        with open(path) as fh:
+            src = fh.read()
+        lines = src.splitlines()
+        seen = set()
+        for fn in ast.walk(ast.parse(src, path)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)) or node.lineno in seen:
+                    continue
+                if isinstance(node, ast.ImportFrom):
+                    ours = _absolute(name, path, node).split(".")[0] == root
+                elif isinstance(node, ast.Import):
+                    ours = any(a.name.split(".")[0] == root for a in node.names)
+                else:
+                    continue
+                if ours:
+                    seen.add(node.lineno)
+                    here, above = lines[node.lineno - 1], lines[node.lineno - 2].strip()
+                    out.append((name, node.lineno, "#" in here or above.startswith("#")))
+    return out
+
+
+def test_no_module_reads_another_modules_private_names():
+    assert private_reads() == []
+
+
+def test_few_package_imports_hide_in_functions_and_each_says_why():
+    found = imports_in_functions()
+    assert len(found) <= 5, found
+    assert [f for f in found if not f[2]] == []
+
+
+def test_the_private_walker_sees_each_kind_of_reach_through(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("_hidden = 1\nshown = 2\n\ndef _f():\n    return _hidden\n")
+    (pkg / "b.py").write_text("from . import a\nfrom .a import _f, shown\n\n\ndef g(w):\n"
+                              "    return a._hidden + a.shown + getattr(w, '_local') + _f()\n")
+    (pkg / "c.py").write_text("def h():\n    from . import a\n    return a.shown\n\n\n"
+                              "def k():\n    # the reason, said\n    from .a import shown\n    return shown\n")
+    assert private_reads(str(pkg)) == ["pkg.b:2: from pkg.a import _f", "pkg.b:6: a._hidden",
+                                       "pkg.b:6: getattr(..., '_local')"]
+    assert imports_in_functions(str(pkg)) == [("pkg.c", 2, False), ("pkg.c", 8, True)]
+
+
 if __name__ == "__main__":  # print the graph (of the package dir given, or this one), one module a line
     import sys
 

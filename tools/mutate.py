@@ -58,8 +58,8 @@ MUTATIONS = [
     Mutation("commit once staged, before the writes are durable",
              [("python/flashwrite/write.py", "        job.wait()\n        job.rethrow()\n        native = job.stats()",
                "        job.wait_staged(None)\n        job.rethrow()\n        native = job.stats()"),
-              ("python/flashwrite/save.py", "            sw.job.wait()\n            commit_gate()",
-               "            sw.job.wait_staged(None)\n            commit_gate()")],
+              ("python/flashwrite/session.py", "        sw.job.wait()\n        gate()",
+               "        sw.job.wait_staged(None)\n        gate()")],
              ["tests/test_durability_order.py"]),
     Mutation("a short write treated as complete (both backends)",
              [("csrc/io/thread_backend.cpp", "      r->done += static_cast<uint64_t>(n);",
@@ -103,7 +103,7 @@ MUTATIONS = [
              ["tests/test_manifest_integrity.py"]),
     # Issue 28, section 3: bugs that survived the suite before its tests were added.
     Mutation("a neighbour's copy restored without checking its checksums",
-             [("python/flashwrite/manager.py",
+             [("python/flashwrite/restore.py",
                "                    res = self._read_local(s, snap, options, on_storage=s in committed)",
                "                    res = self._read_local(s, snap, {**options, \"verify\": False}, "
                "on_storage=s in committed)")],
@@ -121,9 +121,9 @@ MUTATIONS = [
              ["tests/test_gc_restored.py"]),
     Mutation("the committing rank ignores another rank's failure vote",
              [("python/flashwrite/distributed.py",
-               "            collective(dist.all_reduce, status, group=group)\n",
-               "            collective(dist.all_reduce, status, group=group)\n"
-               "            if coord.rank == 0:\n                status[0] = int(failed)\n")],
+               "                collective(dist.all_reduce, status, group=group)\n",
+               "                collective(dist.all_reduce, status, group=group)\n"
+               "                if self.coord.rank == 0:\n                    status[0] = int(failed)\n")],
              ["tests/test_distributed.py", "-k", "failure_vote"]),
 ]
 

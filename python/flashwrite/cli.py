@@ -8,9 +8,18 @@ import os
 import sys
 from typing import Sequence
 
+from ._core import __version__
+from .bench import overhead, peers, report, runner
+from .errors import FlashwriteError
+from .info import backend_info
+from .ops.cli import register
+from .ops.ls import record_verified
+from .ops.progress import Progress, step_logger
+from .load import verify
+from .sizes import fmt_bytes, parse_size
+
 
 def _size(text: str) -> int:
-    from .sizes import parse_size
     try:
         return parse_size(text)
     except ValueError as e:
@@ -22,8 +31,6 @@ def _log(quiet: bool):
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from .bench import report, runner
-    from .sizes import fmt_bytes
     print(f"flashwrite demo: saving and loading a {fmt_bytes(a.size)} synthetic training state "
           f"(GPT-like parameters + Adam moments + optimizer fields) in {os.path.abspath(a.dir)}", flush=True)
     res = runner.compare(a.size, ["torch_save", "flashwrite"], a.dir, rounds=1, isolation="inprocess",
@@ -49,7 +56,6 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .bench import peers, report, runner
     if a.peers:
         peers.use_peers_file(a.peers)
     if a.contenders in ("all", "default"):
@@ -62,7 +68,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     fw_opts = json.loads(a.flashwrite_options) if a.flashwrite_options else None
-    from .ops.progress import Progress, step_logger
     bar = Progress(quiet=a.quiet, force_plain=a.plain)
     log = step_logger(bar, a.rounds * (2 + len(contenders)), a.size, "bench") if not a.quiet else _log(True)
     try:
@@ -77,7 +82,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.markdown:
         print("\n" + report.markdown(res))
     if a.overhead:
-        from .bench import overhead
         ov = overhead.run(steps=a.steps, every=a.every, rounds=a.overhead_rounds, directory=a.dir,
                           log=_log(a.quiet))
         out["overhead"] = ov
@@ -95,7 +99,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_overhead(a: argparse.Namespace) -> int:
-    from .bench import overhead, peers, report
     if a.peers:
         peers.use_peers_file(a.peers)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -110,10 +113,6 @@ def cmd_overhead(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from .errors import FlashwriteError
-    from .ops.ls import record_verified
-    from .ops.progress import Progress
-    from .load import verify
     try:
         summary = verify(a.path, Progress(quiet=a.json or a.quiet))
     except (FlashwriteError, OSError, ValueError) as e:
@@ -129,7 +128,6 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from .info import backend_info
     info = backend_info(a.dir)
     if a.json:
         print(json.dumps(info, indent=1, default=str))
@@ -143,7 +141,6 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ._core import __version__
     p = argparse.ArgumentParser(prog="flashwrite", description="Nearly free PyTorch checkpoints.")
     p.add_argument("--version", action="version", version=f"flashwrite {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -216,7 +213,6 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
 
-    from .ops.cli import register
     register(sub, _size)
     return p
 

@@ -52,15 +52,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import commit, defaults, local, neighbour
+from . import commit, defaults, neighbour
 from .coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
 from .errors import DistributedSaveError, FlashwriteError
 from .format import build_index, merge_manifests, parse_manifest
 from .future import SaveFuture, SaveStats
+from .locate import resolve
 from .plan import rank_prefix
 from .read import load_state
-from .locate import resolve
-from .target import LOCAL, Target
+from .session import Commit, SaveSession
+from .target import Target
+from .tier import LocalSave, LocalTier
 from .write import StripeWrite, StripeWriter
 
 log = logging.getLogger("flashwrite")
@@ -75,85 +77,167 @@ __all__ = ["DistributedSaveError", "DEFAULT_TIMEOUT_S", "coordinator", "save_asy
 
 def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                coordination_group: Any = None, timeout: float | None = None, overwrite: bool = False,
-               block: bool = True, allow_pickle: bool = False, metadata: dict[str, str] | None = None) -> SaveFuture:
+               block: bool = True, allow_pickle: bool = False, metadata: dict[str, str] | None = None,
+               tier: LocalTier | None = None) -> SaveFuture:
     """``Writer.save_async`` for one rank of a multi-rank save (see the module doc).
 
     Every rank of ``process_group`` must call it with the same path, in the same
-    order relative to its other flashwrite saves on that group.
+    order relative to its other flashwrite saves on that group. tier: the writer's
+    local tier (each rank keeps its own part as a local snapshot, whose manifest's
+    tree is {rank: state}; with neighbour copies, rank r-1's too).
     """
     coord = coordinator(process_group, timeout, coordination_group)
     seq = coord.next_seq()
     t0 = time.perf_counter()
     target, final = resolve(path, "save")
-    tmp = commit.shared_temp_dir_for(final, coord.nonce, seq)
-    staging = tmp  # where this rank's engine writes its stripes (a local copy for nfs://)
-    rank = coord.rank
+    strategy = AgreedCommit(coord, final, commit.shared_temp_dir_for(final, coord.nonce, seq), overwrite, target,
+                            tier, t0)
+    session = SaveSession(writer, strategy, tier, t0)
+    session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
+                  allow_pickle=allow_pickle, metadata=metadata)
+    return session.launch(block)
 
-    pool = getattr(writer, "_local", None)  # this rank's local tier (Writer(local_snapshots=True))
-    store = getattr(writer, "_neighbours", None)  # and its neighbour's copies (neighbour_copies=True)
 
-    def tell_peers(e: BaseException) -> None:
+class AgreedCommit(Commit):
+    """The commit strategy of a multi-rank save: status rounds until every rank is durable
+    (or one failed), then rank 0 merges the manifests and commits; everyone learns the outcome."""
+
+    def __init__(self, coord: Coordinator, final: str, tmp: str, overwrite: bool, target: Target,
+                 tier: LocalTier | None, t0: float):
+        super().__init__(final, target)
+        self.coord, self.tmp, self.overwrite, self.tier, self.t0 = coord, tmp, overwrite, tier, t0
+        self.staging = tmp  # where this rank's engine writes its stripes (a local copy for nfs://)
+        self.lost: PeerLost | None = None  # the neighbour exchange lost a peer: the rounds fail on it
+
+    def prepare(self) -> str:
+        commit.check_target(self.final, self.overwrite, self.target)
+        self.target.make_dirs(self.tmp)  # every rank: the name is agreed, so whoever comes first creates it
+        self.staging = self.target.staging_dir(self.tmp)
+        return self.staging
+
+    def abandon(self, error: BaseException) -> None:
         # Tell the peers now instead of letting them wait for the timeout.
-        coord.run(_report_failure, coord, final, tmp, e, overwrite, t0, store, target)
+        self.target.drop_staging(self.staging)
+        self.coord.run(self._report_failure, error)
 
-    try:
-        commit.check_target(final, overwrite, target)
-        target.make_dirs(tmp)  # every rank: the name is agreed, so whoever comes first creates it
-        staging = target.staging_dir(tmp)
-        if pool is not None:
-            pool.before_save()
-        sw = writer.write_stripes({rank: state_dict}, staging, t0, prefix=rank_prefix(rank),
-                                  allow_pickle=allow_pickle, metadata=metadata,
-                                  **({"hold_slots": True} if pool is not None else {}))
-    except BaseException as e:
-        target.drop_staging(staging)
-        tell_peers(e)
-        raise
-    sw.stats.path = target.show(final)
-    sw.stats.extra.update(rank=rank, world_size=coord.size)
-    fut = SaveFuture(sw.stats.path, sw.job, sw.stats, t0)
-    # Each rank keeps its own part as a local snapshot (its manifest's tree is {rank: state}).
-    ls = local.LocalSave(pool, sw, final, (rank, coord.size)) if pool is not None else None
+    def discard(self) -> None:
+        pass  # rank 0 removes the directory, once every rank has stopped (see durable)
 
-    def finish(commit_gate: Callable[[], None]) -> SaveStats:
+    def submit(self, run: Callable[[], None]) -> Any:
+        return self.coord.run(run)
+
+    def while_writing(self, sw: StripeWrite, snapshot: LocalSave | None) -> None:
+        if self.tier is not None and self.tier.neighbours is not None and snapshot is not None:
+            try:
+                self.tier.exchange(self.coord, snapshot)
+            except PeerLost as e:
+                self.lost = e
+
+    def end(self) -> None:
+        self.target.drop_staging(self.staging)
+
+    def _report_failure(self, error: BaseException) -> None:
+        """This rank failed before its save was launched: take part in the save's rounds as
+        failed (and in its exchange of neighbour copies, with nothing to send)."""
         try:
-            if ls is not None:
-                ls.seal()
-            lost = None
-            if store is not None:  # while the stripes are being written
+            if self.tier is not None and self.tier.neighbours is not None:
+                neighbour.exchange(self.coord, None, self.tier.neighbours)
+            self._rounds(None, error, None)
+        except BaseException as e:  # noqa: BLE001 - the caller already has its own error
+            if e is not error:
+                log.warning("flashwrite: coordination of %s failed: %s", self.final, e)
+
+    def durable(self, sw: StripeWrite, gate: Callable[[], None]) -> dict:
+        manifest = self._rounds(sw, self.lost, gate)
+        assert manifest is not None  # a rank without its manifest failed in the rounds
+        return manifest
+
+    def _rounds(self, sw: StripeWrite | None, error: BaseException | None,
+                gate: Callable[[], None] | None) -> dict | None:
+        """1. status rounds until someone failed or nobody is still writing; on a failure,
+        every rank stops and raises, and rank 0 removes the directory."""
+        group, manifest = self.coord.group, None
+        try:
+            while True:
+                if error is None and sw is not None and manifest is None:
+                    done = sw.job.done or sw.job.wait(POLL_S)
+                    if self.future is not None:
+                        self.future._release_sources()
+                    if done:
+                        try:
+                            manifest = sw.wait_durable()
+                            self.target.upload(self.staging)  # nfs://: this rank's stripes, committed on the server
+                            if gate is not None:
+                                gate()  # a cancel that won makes this rank fail the round
+                        except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                            error = e
+                failed = error is not None
+                status = torch.tensor([int(failed), int(not failed and manifest is None)], dtype=torch.int64)
+                collective(dist.all_reduce, status, group=group)
+                if status[0] > 0 or status[1] == 0:
+                    break
+            if status[0] > 0:
+                self._fail(sw, error)
+        except PeerLost as e:
+            raise self._peer_lost(e, sw, error) from (error or e.__cause__)
+        return manifest
+
+    def _fail(self, sw: StripeWrite | None, error: BaseException | None) -> None:
+        """2a. someone failed: stop our own writes, learn who failed and why; rank 0 removes
+        the directory once the gather shows that every rank has stopped."""
+        _stop(sw)
+        mine = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+        texts: list = [None] * self.coord.size
+        collective(dist.all_gather_object, texts, mine, group=self.coord.group)
+        if self.coord.rank == 0:
+            commit.discard(self.tmp, self.target)
+        failures = {r: t for r, t in enumerate(texts) if t is not None}
+        summary = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
+        if error is not None:
+            if hasattr(error, "add_note"):
+                error.add_note(f"flashwrite: multi-rank save to {self.final} failed ({summary}); nothing was committed")
+            raise error
+        raise DistributedSaveError(f"multi-rank save to {self.final} failed on {summary}; nothing was committed",
+                                   failures)
+
+    def commit(self, sw: StripeWrite, manifest: dict) -> SaveStats:
+        """2b. everyone is durable: gather manifests, rank 0 commits, everyone learns the outcome."""
+        coord, error = self.coord, None
+        try:
+            manifests = [None] * coord.size if coord.rank == 0 else None
+            collective(dist.gather_object, manifest, manifests, dst=coord.global_rank(0), group=coord.group)
+            outcome: list = [None]
+            if coord.rank == 0:
                 try:
-                    neighbour.exchange(coord, ls.snapshot() if ls is not None else None, store)
-                except PeerLost as e:
-                    lost = e  # the rounds below fail on it, as for any lost peer
-            stats = _agree_and_commit(coord, final, tmp, sw, lost, overwrite, t0, fut, commit_gate, target, staging)
-            if ls is not None:
-                ls.committed()
-            if store is not None:
-                store.committed(final)
-            return stats
-        finally:
-            target.drop_staging(staging)
-            if ls is not None:
-                ls.end()
+                    merged = merge_manifests(manifests)
+                    _check_visible(merged, self.tmp, self.target)
+                    parse_manifest(json.dumps(merged).encode())  # what a reader will check, before it is visible
+                    commit.finalize(self.tmp, self.final, merged, build_index(merged), self.overwrite,
+                                    target=self.target)
+                    outcome[0] = ("ok", sum(f["size"] for f in merged["files"]))
+                except BaseException as e:  # noqa: BLE001 - broadcast, then raised on every rank
+                    commit.discard(self.tmp, self.target)
+                    outcome[0] = ("error", f"{type(e).__name__}: {e}"[:2000])
+                    error = e
+            collective(dist.broadcast_object_list, outcome, src=coord.global_rank(0), group=coord.group)
+        except PeerLost as e:
+            raise self._peer_lost(e, sw, error) from (error or e.__cause__)
+        kind, value = outcome[0]
+        if kind != "ok":
+            if error is not None:
+                raise error
+            raise DistributedSaveError(f"multi-rank save to {self.final}: the commit on rank 0 failed: {value}",
+                                       {0: value})
+        sw.stats.extra["global_bytes"] = value
+        return sw.stats
 
-    # Rank 0 removes the directory on failure, once every rank has stopped (see _agree_and_commit).
-    fut._launch(finish, coord.run, block=block, cleanup=lambda: None, abandon=tell_peers)
-    if ls is not None and block:
-        ls.seal()
-    return fut
-
-
-def _report_failure(coord: Coordinator, final: str, tmp: str, error: BaseException, overwrite: bool,
-                    t0: float, store: Any = None, target: Target = LOCAL) -> None:
-    """This rank failed before its save was launched: take part in the save's rounds as failed
-    (and in its exchange of neighbour copies, with nothing to send)."""
-    try:
-        if store is not None:
-            neighbour.exchange(coord, None, store)
-        _agree_and_commit(coord, final, tmp, None, error, overwrite, t0, None, None, target, tmp)
-    except BaseException as e:  # noqa: BLE001 - the caller already has its own error
-        if e is not error:
-            log.warning("flashwrite: coordination of %s failed: %s", final, e)
+    def _peer_lost(self, e: PeerLost, sw: StripeWrite | None, error: BaseException | None) -> DistributedSaveError:
+        _stop(sw)
+        self.coord.lost(e)
+        commit.discard(self.tmp, self.target)
+        return DistributedSaveError(
+            f"multi-rank save to {self.final}: lost contact with a peer (it died, or was silent for longer than the "
+            f"timeout of {self.coord.timeout_s} s); nothing was committed. {e}")
 
 
 def _stop(sw: StripeWrite | None) -> None:
@@ -161,87 +245,7 @@ def _stop(sw: StripeWrite | None) -> None:
         sw.stop()
 
 
-def _agree_and_commit(coord: Coordinator, final: str, tmp: str, sw: StripeWrite | None,
-                      error: BaseException | None, overwrite: bool, t0: float, fut: SaveFuture | None,
-                      commit_gate: Callable[[], None] | None, target: Target = LOCAL,
-                      staging: str | None = None) -> SaveStats:
-    group = coord.group
-    manifest = None
-    try:
-        # 1. status rounds until someone failed or nobody is still writing.
-        while True:
-            if error is None and sw is not None and manifest is None:
-                done = sw.job.done or sw.job.wait(POLL_S)
-                if fut is not None:
-                    fut._release_sources()
-                if done:
-                    try:
-                        manifest = sw.wait_durable()
-                        target.upload(staging or tmp)  # nfs://: this rank's stripes, committed on the server
-                        if commit_gate is not None:
-                            commit_gate()  # a cancel that won makes this rank fail the round
-                    except BaseException as e:  # noqa: BLE001 - reported to every rank below
-                        error = e
-            failed = error is not None
-            status = torch.tensor([int(failed), int(not failed and manifest is None)], dtype=torch.int64)
-            collective(dist.all_reduce, status, group=group)
-            if status[0] > 0 or status[1] == 0:
-                break
-
-        if status[0] > 0:
-            # 2a. someone failed: stop our own writes, learn who failed and why; rank 0
-            # removes the directory once the gather shows that every rank has stopped.
-            _stop(sw)
-            mine = None if error is None else f"{type(error).__name__}: {error}"[:2000]
-            texts: list = [None] * coord.size
-            collective(dist.all_gather_object, texts, mine, group=group)
-            if coord.rank == 0:
-                commit.discard(tmp, target)
-            failures = {r: t for r, t in enumerate(texts) if t is not None}
-            summary = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
-            if error is not None:
-                if hasattr(error, "add_note"):
-                    error.add_note(f"flashwrite: multi-rank save to {final} failed ({summary}); nothing was committed")
-                raise error
-            raise DistributedSaveError(f"multi-rank save to {final} failed on {summary}; nothing was committed",
-                                       failures)
-
-        # 2b. everyone is durable: gather manifests, rank 0 commits, everyone learns the outcome.
-        manifests = [None] * coord.size if coord.rank == 0 else None
-        collective(dist.gather_object, manifest, manifests, dst=coord.global_rank(0), group=group)
-        outcome: list = [None]
-        if coord.rank == 0:
-            try:
-                merged = merge_manifests(manifests)
-                _check_visible(merged, tmp, target)
-                parse_manifest(json.dumps(merged).encode())  # what a reader will check, before it is visible
-                commit.finalize(tmp, final, merged, build_index(merged), overwrite, target=target)
-                outcome[0] = ("ok", sum(f["size"] for f in merged["files"]))
-            except BaseException as e:  # noqa: BLE001 - broadcast, then raised on every rank
-                commit.discard(tmp, target)
-                outcome[0] = ("error", f"{type(e).__name__}: {e}"[:2000])
-                error = e
-        collective(dist.broadcast_object_list, outcome, src=coord.global_rank(0), group=group)
-    except PeerLost as e:
-        _stop(sw)
-        coord.lost(e)
-        commit.discard(tmp, target)
-        raise DistributedSaveError(
-            f"multi-rank save to {final}: lost contact with a peer (it died, or was silent for longer than the "
-            f"timeout of {coord.timeout_s} s); nothing was committed. {e}") from (error or e.__cause__)
-    kind, value = outcome[0]
-    if kind != "ok":
-        if error is not None:
-            raise error
-        raise DistributedSaveError(f"multi-rank save to {final}: the commit on rank 0 failed: {value}", {0: value})
-    assert sw is not None  # a rank without a write failed above
-    stats = sw.stats
-    stats.total_s = time.perf_counter() - t0
-    stats.extra["global_bytes"] = value
-    return stats
-
-
-def _check_visible(merged: dict, tmp: str, target: Target = LOCAL) -> None:
+def _check_visible(merged: dict, tmp: str, target: Target) -> None:
     for f in merged["files"]:
         if not target.exists(os.path.join(tmp, f["name"])):
             raise FlashwriteError(f"stripe {f['name']} is not visible in {tmp} from rank 0: every rank must write to "

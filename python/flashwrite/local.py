@@ -39,10 +39,9 @@ import logging
 import mmap
 import os
 import secrets
-import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,7 +49,7 @@ import torch
 from . import _core, defaults, dtypes
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 from .format import Manifest, parse_manifest, piece_ranges
-from .owner import owner_alive, start_ticks, this_owner
+from .owner import owner_alive, start_ticks
 
 log = logging.getLogger("flashwrite")
 
@@ -67,17 +66,23 @@ def default_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    # tmpfs: no fsync needed; the rename is what makes the header appear whole.
+def write_header(path: str, body: dict) -> None:
+    """Write a snapshot header whole or not at all: encoded with a checksum of itself,
+    to a temporary name, renamed into place (tmpfs: no fsync needed; the rename is what
+    makes the header appear whole)."""
+    data = json.dumps(body, separators=(",", ":")).encode()
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
     with open(tmp, "wb") as fh:
-        fh.write(data)
+        fh.write(b"%016x\n" % _core.checksum(data) + data)
     os.replace(tmp, path)
 
 
-def _encode(body: dict) -> bytes:
-    data = json.dumps(body, separators=(",", ":")).encode()
-    return b"%016x\n" % _core.checksum(data) + data
+def unlink_quietly(path: str) -> None:
+    """Remove a file of the tier; one already gone is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _decode(raw: bytes, shown: str) -> dict:
@@ -186,147 +191,6 @@ def remove_orphan_pools(local_dir: str) -> None:
             pass
 
 
-class _Held:
-    """A snapshot this process wrote: its header and the job whose slots hold its bytes."""
-
-    def __init__(self, header: str, body: dict, job: Any):
-        self.header, self.body, self.job = header, body, job
-        self.released = False
-
-
-class LocalPool:
-    """The local tier of one Writer: names its pool file, writes and retires its headers."""
-
-    def __init__(self, local_dir: str | os.PathLike | None):
-        self.dir = os.path.abspath(os.fspath(local_dir) if local_dir is not None else default_dir())
-        os.makedirs(self.dir, exist_ok=True)
-        self.owner = this_owner()
-        self.token = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self.pool_path = os.path.join(self.dir, f"{PREFIX}{self.token}{POOL_SUFFIX}")
-        self._seq = 0
-        self._held: list[_Held] = []
-        self._lock = threading.Lock()
-        self._said: set[str] = set()
-
-    def say_once(self, what: str, msg: str, *args: Any) -> None:
-        if what not in self._said:
-            self._said.add(what)
-            log.warning(msg, *args)
-
-    def before_save(self) -> None:
-        """The next save may reuse the slots of every finished save: their headers go first."""
-        with self._lock:
-            for h in [h for h in self._held if h.released]:
-                _unlink(h.header)
-                self._held.remove(h)
-
-    def seal(self, engine: Any, sw: Any, path: str, rank: tuple[int, int] | None = None) -> _Held | None:
-        """Once ``sw`` (a StripeWrite started with hold_slots) is staged and checksummed,
-        write its header. None when there is no whole image to point at."""
-        job = sw.job
-        if not job.holds_slots:
-            self.say_once("bounded", "flashwrite: a save is larger than max_staging_bytes, so it has no local "
-                          "snapshot (the pool reuses its slots within the save)")
-            return None
-        job.wait_checksummed()
-        if not job.checksummed:
-            return None  # failed or cancelled: the future says why
-        slots = job.chunk_slots()
-        if any(off < 0 for *_, off in slots):
-            self.say_once("private", "flashwrite: %s is too small for the staging pool (%s); local snapshots are "
-                          "off and the pool uses private memory", self.dir, engine.backing_error or "no room")
-            return None
-        with self._lock:
-            self._seq += 1
-            header = os.path.join(self.dir, f"{PREFIX}{self.token}-{self._seq:06d}{HEADER_SUFFIX}")
-        body = {"format": FORMAT, "version": VERSION, "owner": self.owner, "pool": os.path.basename(self.pool_path),
-                "path": path, "state": "staged", "created": time.time(), "chunk_bytes": engine.chunk_bytes,
-                "chunks": [list(c) for c in slots], "manifest": sw.manifest()}
-        if rank is not None:
-            body["rank"], body["world_size"] = rank
-        _write_atomic(header, _encode(body))
-        held = _Held(header, body, job)
-        with self._lock:
-            self._held.append(held)
-        return held
-
-    def mark(self, held: _Held, state: str) -> None:
-        held.body["state"] = state
-        _write_atomic(held.header, _encode(held.body))
-
-    def release(self, held: _Held | None, job: Any) -> None:
-        """The save has ended: its slots go back to the pool (the header stays until
-        the next save starts)."""
-        job.release_slots()
-        if held is not None:
-            with self._lock:
-                held.released = True
-
-    def close(self, keep_newest: bool) -> bool:
-        """Remove this pool's headers (keep_newest: all but the newest), except those of
-        saves that never committed (the only copy). True when the pool file must stay."""
-        with self._lock:
-            held, self._held = self._held, []
-        keep = held[-1:] if keep_newest else []
-        for h in held:
-            if h in keep:
-                continue
-            if h.body["state"] != "committed":
-                log.warning("flashwrite: keeping local snapshot %s of %s: it never reached storage", h.header,
-                            h.body["path"])
-                keep.append(h)
-                continue
-            _unlink(h.header)
-        return bool(keep)
-
-
-class LocalSave:
-    """The local snapshot of one save, on both save paths: ``seal()`` once staged (from
-    the caller and from the commit thread, whichever comes first), ``committed()``
-    after the commit, ``end()`` when the save is over either way."""
-
-    def __init__(self, pool: LocalPool, sw: Any, path: str, rank: tuple[int, int] | None = None):
-        self.pool, self.sw, self.path, self.rank = pool, sw, path, rank
-        self._lock = threading.Lock()
-        self._sealed = False
-        self.held: _Held | None = None
-
-    def seal(self) -> None:
-        with self._lock:
-            if self._sealed:
-                return
-            self._sealed = True
-            try:
-                self.held = self.pool.seal(self.sw.engine, self.sw, self.path, self.rank)
-            except Exception as e:  # the snapshot is a bonus: never fail the save for it
-                log.warning("flashwrite: no local snapshot of %s: %s", self.path, e)
-
-    def snapshot(self) -> Snapshot | None:
-        """The snapshot sealed for this save (after seal()), or None."""
-        h = self.held
-        return None if h is None else Snapshot.of(h.header, self.pool.pool_path, h.body)
-
-    def committed(self) -> None:
-        if self.held is not None:
-            try:
-                self.pool.mark(self.held, "committed")
-            except OSError as e:
-                log.warning("flashwrite: local snapshot of %s not marked committed: %s", self.path, e)
-
-    def end(self) -> None:
-        self.sw.job.wait()  # the slots go back only once no write uses them
-        with self._lock:
-            self._sealed = True  # too late for a header now
-        self.pool.release(self.held, self.sw.job)
-
-
-def _unlink(p: str) -> None:
-    try:
-        os.unlink(p)
-    except FileNotFoundError:
-        pass
-
-
 # ---------------------------------------------------------------------- restore
 
 
@@ -405,101 +269,144 @@ def read_snapshot(snap: Snapshot, *, verify: bool = True, threads: int | None = 
 
     timings: filled with seconds per phase (map, allocate, copy_verify)."""
     t0 = time.perf_counter()
-    body = snap.body
-    m = parse_manifest(json.dumps(body["manifest"]).encode())
-    block = m.block_bytes
-    if body.get("chunk_bytes") != block or block % PAGE:
-        raise CorruptCheckpointError(f"snapshot {snap.header}: chunk size is not the checksum block", file=snap.header)
+    m = _manifest_of(snap)
     fd, take = _open_pool(snap, take)
     try:
         size = os.fstat(fd).st_size
-        where: dict[tuple[int, int], tuple[int, int]] = {}
-        for c in body["chunks"]:
-            f, off, n, pool_off = (int(x) for x in c)
-            if pool_off < 0 or pool_off % PAGE or pool_off + n > size or off % block or n > block:
-                raise CorruptCheckpointError(f"snapshot {snap.header}: chunk at {off} of stripe {f} lies outside "
-                                             f"{snap.pool}", file=snap.header)
-            where[(f, off)] = (pool_off, n)
-        if take and (_shares_pool(snap) or not _try_lock(fd, fcntl.LOCK_EX)):
-            log.info("flashwrite: %s is in use or holds other snapshots; not taking it", snap.pool)
-            take = False
-        if not take and adopt and not _try_lock(fd, fcntl.LOCK_SH):
-            log.info("flashwrite: %s is in use by a live writer; copying the snapshot instead of adopting it",
-                     snap.pool)
-            adopt = False
-        if not (take or adopt):
-            _try_lock(fd, fcntl.LOCK_SH)  # while copying, keeps a restore in another process from taking it
+        where = _chunk_table(snap, m.block_bytes, size)
+        take, adopt = _lock_policy(snap, fd, take, adopt)
         # Not populated here: the copy threads fault in the pages of their own pieces.
         mm, pool = map_fd(fd, size)
-        pool_addr = pool.data_ptr()
         t1 = time.perf_counter()
-        tensors: dict[str, torch.Tensor] = {}
-        pieces: list[tuple[int, int, int, int]] = []
-        owners: list[tuple[str, int, str]] = []
-        kept: list[tuple[int, int]] = []  # the pool's pages that taken tensors map
-        segments_left = ADOPT_MAX_SEGMENTS
-        for key, e in m.tensors.items():
-            dt = dtypes.dtype_from_name(e.dtype)
-            dst = (targets or {}).get(key)
-            in_place = False
-            if (dst is not None and dst.device.type == "cpu" and dst.dtype == dt and tuple(dst.shape) == e.shape
-                    and dst.is_contiguous() and e.nbytes):
-                raw = dst.detach().reshape(-1).view(torch.uint8)
-            else:
-                dst, raw = None, None
-                if (take or adopt) and e.nbytes >= ADOPT_MIN_BYTES:
-                    segs = _segments(snap, where, block, size, key, e.file, e.offset, e.nbytes)
-                    if len(segs) <= segments_left:
-                        segments_left -= len(segs)
-                        mapping = _core.SnapshotMapping(fd, segs, e.offset % PAGE, e.nbytes, shared=take)
-                        raw, in_place = torch.frombuffer(mapping, dtype=torch.uint8), True
-                        if take:
-                            kept += segs
-                if raw is None:
-                    raw = torch.empty(e.nbytes, dtype=torch.uint8)
-            base_addr = raw.data_ptr() if e.nbytes else 0
-            for (pos, n), expected in zip(piece_ranges(e.offset, e.nbytes, block), e.checksums):
-                base = pos - pos % block
-                loc = where.get((e.file, base))
-                if loc is None or pos - base + n > loc[1]:
-                    raise CorruptCheckpointError(f"snapshot {snap.header}: no chunk holds {key!r} at {pos}",
-                                                 file=snap.header, tensor=key)
-                src = pool_addr + loc[0] + pos - base
-                pieces.append((0, base_addr + pos - e.offset, n, int(expected, 16)) if in_place
-                              else (base_addr + pos - e.offset, src, n, int(expected, 16)))
-                owners.append((key, pos, expected))
-            tensors[key] = dst if dst is not None else raw.view(dt).view(e.shape)
+        plan = _plan_pieces(snap, m, where, size, fd, pool.data_ptr(), targets or {}, take, adopt)
         t2 = time.perf_counter()
         workers = threads or defaults.COPY_THREADS
         # `pool` (and `mm` under it) and every destination stay alive for the call.
-        bad = _core.copy_verify(pieces, verify, workers)
+        bad = _core.copy_verify(plan.pieces, verify, workers)
         t3 = time.perf_counter()
         del pool
         if mm is not None:
             mm.close()
         if take:
-            # Ours alone now; a damaged one goes too (storage holds the step).
-            _unlink(snap.header)
-            _unlink(snap.pool)
-            try:
-                _core.punch_holes(fd, [] if bad else kept, size)
-            except OSError as e:
-                log.warning("flashwrite: the unused pages of %s stay allocated while its tensors live: %s",
-                            snap.pool, e)
+            _give_up_taken(snap, fd, [] if bad else plan.kept, size)
     finally:
         # The lock stays while any mapping lives: each holds the open file it was made from.
         os.close(fd)
     if timings is not None:
         timings.update(map=t1 - t0, allocate=t2 - t1, copy_verify=t3 - t2)
     if bad:
-        i, actual = bad[0]
-        key, pos, expected = owners[i]
-        e = m.tensors[key]
-        raise ChecksumMismatchError(f"local snapshot {snap.header}: tensor {key!r} at offset {pos} of "
-                                    f"{m.files[e.file].name} does not match its checksum",
-                                    file=snap.header, tensor=key, offset=pos, expected=expected,
-                                    actual=f"{actual:016x}")
-    return m, tensors
+        raise _mismatch(snap, m, plan.owners, bad)
+    return m, plan.tensors
+
+
+def _manifest_of(snap: Snapshot) -> Manifest:
+    """The snapshot's manifest, checked as hostile input; its chunk size must be the checksum block."""
+    m = parse_manifest(json.dumps(snap.body["manifest"]).encode())
+    if snap.body.get("chunk_bytes") != m.block_bytes or m.block_bytes % PAGE:
+        raise CorruptCheckpointError(f"snapshot {snap.header}: chunk size is not the checksum block", file=snap.header)
+    return m
+
+
+def _chunk_table(snap: Snapshot, block: int, size: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """{(stripe, offset in it): (offset in the pool file, length)}, every chunk inside the pool file."""
+    where: dict[tuple[int, int], tuple[int, int]] = {}
+    for c in snap.body["chunks"]:
+        f, off, n, pool_off = (int(x) for x in c)
+        if pool_off < 0 or pool_off % PAGE or pool_off + n > size or off % block or n > block:
+            raise CorruptCheckpointError(f"snapshot {snap.header}: chunk at {off} of stripe {f} lies outside "
+                                         f"{snap.pool}", file=snap.header)
+        where[(f, off)] = (pool_off, n)
+    return where
+
+
+def _lock_policy(snap: Snapshot, fd: int, take: bool, adopt: bool) -> tuple[bool, bool]:
+    """(take, adopt) as the locks allow: a pool in use, or holding other snapshots, is not
+    taken; one a live writer holds is copied, not adopted."""
+    if take and (_shares_pool(snap) or not _try_lock(fd, fcntl.LOCK_EX)):
+        log.info("flashwrite: %s is in use or holds other snapshots; not taking it", snap.pool)
+        take = False
+    if not take and adopt and not _try_lock(fd, fcntl.LOCK_SH):
+        log.info("flashwrite: %s is in use by a live writer; copying the snapshot instead of adopting it", snap.pool)
+        adopt = False
+    if not (take or adopt):
+        _try_lock(fd, fcntl.LOCK_SH)  # while copying, keeps a restore in another process from taking it
+    return take, adopt
+
+
+@dataclass
+class _Pieces:
+    """What one native copy_verify pass does, and for whom."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)  # (dst, src or 0 in place, n, checksum)
+    owners: list[tuple[str, int, str]] = field(default_factory=list)       # (key, offset, expected) per piece
+    kept: list[tuple[int, int]] = field(default_factory=list)              # the pool's pages taken tensors map
+
+
+def _plan_pieces(snap: Snapshot, m: Manifest, where: dict, size: int, fd: int, pool_addr: int,
+                 targets: dict[str, torch.Tensor], take: bool, adopt: bool) -> _Pieces:
+    """Each tensor's destination (a target, the pool's own pages, or fresh memory) and the
+    pieces to copy (or, in place, only to check) against the manifest's checksums."""
+    block = m.block_bytes
+    plan = _Pieces()
+    segments_left = ADOPT_MAX_SEGMENTS
+    for key, e in m.tensors.items():
+        dt = dtypes.dtype_from_name(e.dtype)
+        dst, raw, in_place = _target_bytes(targets.get(key), dt, e), None, False
+        if dst is not None:
+            raw = dst.detach().reshape(-1).view(torch.uint8)
+        elif (take or adopt) and e.nbytes >= ADOPT_MIN_BYTES:
+            segs = _segments(snap, where, block, size, key, e.file, e.offset, e.nbytes)
+            if len(segs) <= segments_left:
+                segments_left -= len(segs)
+                mapping = _core.SnapshotMapping(fd, segs, e.offset % PAGE, e.nbytes, shared=take)
+                raw, in_place = torch.frombuffer(mapping, dtype=torch.uint8), True
+                if take:
+                    plan.kept += segs
+        if raw is None:
+            raw = torch.empty(e.nbytes, dtype=torch.uint8)
+        base_addr = raw.data_ptr() if e.nbytes else 0
+        for (pos, n), expected in zip(piece_ranges(e.offset, e.nbytes, block), e.checksums):
+            base = pos - pos % block
+            loc = where.get((e.file, base))
+            if loc is None or pos - base + n > loc[1]:
+                raise CorruptCheckpointError(f"snapshot {snap.header}: no chunk holds {key!r} at {pos}",
+                                             file=snap.header, tensor=key)
+            src = pool_addr + loc[0] + pos - base
+            plan.pieces.append((0, base_addr + pos - e.offset, n, int(expected, 16)) if in_place
+                               else (base_addr + pos - e.offset, src, n, int(expected, 16)))
+            plan.owners.append((key, pos, expected))
+        plan.tensors[key] = dst if dst is not None else raw.view(dt).view(e.shape)
+    return plan
+
+
+def _target_bytes(dst: torch.Tensor | None, dt: torch.dtype, e: Any) -> torch.Tensor | None:
+    """The caller's tensor for an entry, where it can take the bytes as they are stored."""
+    if (dst is not None and dst.device.type == "cpu" and dst.dtype == dt and tuple(dst.shape) == e.shape
+            and dst.is_contiguous() and e.nbytes):
+        return dst
+    return None
+
+
+def _give_up_taken(snap: Snapshot, fd: int, kept: list[tuple[int, int]], size: int) -> None:
+    """A taken pool is ours alone now: its files go (a damaged one too: storage holds the
+    step), and the pages no taken tensor maps are freed."""
+    unlink_quietly(snap.header)
+    unlink_quietly(snap.pool)
+    try:
+        _core.punch_holes(fd, kept, size)
+    except OSError as e:
+        log.warning("flashwrite: the unused pages of %s stay allocated while its tensors live: %s", snap.pool, e)
+
+
+def _mismatch(snap: Snapshot, m: Manifest, owners: list, bad: list) -> ChecksumMismatchError:
+    i, actual = bad[0]
+    key, pos, expected = owners[i]
+    e = m.tensors[key]
+    return ChecksumMismatchError(f"local snapshot {snap.header}: tensor {key!r} at offset {pos} of "
+                                 f"{m.files[e.file].name} does not match its checksum",
+                                 file=snap.header, tensor=key, offset=pos, expected=expected,
+                                 actual=f"{actual:016x}")
 
 
 def _segments(snap: Snapshot, where: dict, block: int, size: int, key: str, file: int, offset: int,

@@ -40,56 +40,25 @@ Policies, stated once:
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import re
-import signal
-import string
 import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from . import commit, local, neighbour
-from .errors import CorruptCheckpointError
-from .flatten import flatten, unflatten
-from .format import MANIFEST_NAME
-from .sizes import fmt_bytes
+import torch.distributed as dist
+
+from . import local
 from .future import SaveFuture, SaveStats
-from .load import load
-from .read import LoadResult, _load_into, tensor_placer
+from .preempt import Preemption
+from .restore import TierRestore
 from .save import Writer
-from .locate import resolve
-from .target import LOCAL, UnsupportedTargetError
+from .sizes import fmt_bytes
+from .steps import DEFAULT_NAME, StepDirs
+from .target import UnsupportedTargetError
 
 log = logging.getLogger("flashwrite")
-
-DEFAULT_NAME = "step-{step:08d}"
-
-
-def _name_pattern(name: str) -> re.Pattern:
-    """The regex that finds the step in directory names made by ``name.format(step=...)``:
-    ``name`` must hold exactly one replacement field, ``{step}`` (with an optional integer
-    format such as ``:08d``), and no path separator."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a format string such as 'checkpoint-{{step}}', not {type(name).__qualname__}")
-    parts = list(string.Formatter().parse(name))
-    fields = [(f, spec, conv) for _, f, spec, conv in parts if f is not None]
-    if len(fields) != 1 or fields[0][0] != "step" or fields[0][2] is not None:
-        raise ValueError(f"name {name!r} must hold one replacement field, {{step}} (e.g. 'checkpoint-{{step}}')")
-    try:
-        probe = name.format(step=12)
-    except ValueError as e:
-        raise ValueError(f"name {name!r}: {e}") from None
-    if "/" in probe or probe.startswith("."):  # hidden names are those of temporary directories
-        raise ValueError(f"name {name!r} must make plain, not hidden, directory names")
-    out = []
-    for literal, f, _, _ in parts:
-        out.append(re.escape(literal))
-        if f is not None:
-            out.append(r"(\d+)")
-    return re.compile("^" + "".join(out) + "$")
 
 StateSource = Any  # a (nested) state dict, or a callable returning one (called only when a save is due)
 
@@ -172,54 +141,46 @@ class CheckpointManager:
             raise ValueError(f"every_n_seconds must be positive or None, not {every_n_seconds!r}")
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
-        self._name_re = _name_pattern(name)
         self.on_commit = on_commit
         self.name = name
-        # Where the steps live: a local directory, or a directory in an nfs:// export
-        # (then root is the URL without its query, which path_for puts back).
-        self._target, self._dir = resolve(root, "CheckpointManager root")
-        self._query = ""
-        if self._target is LOCAL:
-            self.root = self._dir
-        else:
-            url, _, query = os.fspath(root).partition("?")
-            self.root, self._query = url.rstrip("/"), f"?{query}" if query else ""
-            if local_snapshots or neighbour_copies or (writer is not None and writer.local_snapshots):
-                raise UnsupportedTargetError(f"CheckpointManager root {self.root!r}: local snapshots with nfs:// "
-                                             "are not supported yet", url=self.root, scheme="nfs")
+        self._steps = StepDirs(root, name)
+        self.root = self._steps.root
+        if not self._steps.local and (local_snapshots or neighbour_copies or
+                                      (writer is not None and writer.local_snapshots)):
+            raise UnsupportedTargetError(f"CheckpointManager root {self.root!r}: local snapshots with nfs:// "
+                                         "are not supported yet", url=self.root, scheme="nfs")
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.keep_last = keep_last
         self.keep_every_n_steps = keep_every_n_steps
         self.if_busy = if_busy
         self.allow_pickle = allow_pickle
-        self.preempted = False
         self._owns_writer = writer is None
         if writer is not None and local_snapshots and not writer.local_snapshots:
             raise ValueError("local_snapshots=True needs a writer made with local_snapshots=True")
-        if writer is not None and neighbour_copies and writer._neighbours is None:
+        if writer is not None and neighbour_copies and (writer.local_tier is None or
+                                                        writer.local_tier.neighbours is None):
             raise ValueError("neighbour_copies=True needs a writer made with neighbour_copies=True")
         self._writer = writer if writer is not None else Writer(local_snapshots=local_snapshots, local_dir=local_dir,
                                                                 neighbour_copies=neighbour_copies)
+        self._tier = self._writer.local_tier
         self.keep_local = keep_local
-        self.local_dir = self._writer._local.dir if self._writer.local_snapshots else None
+        self.local_dir = self._tier.dir if self._tier is not None else None
         self.process_group = process_group
         self._rank: tuple[int, int] | None = None  # (rank, size) in a multi-rank run
         if process_group is not None:
-            import torch.distributed as dist
             self._rank = (dist.get_rank(process_group), dist.get_world_size(process_group))
         self._lock = threading.Lock()
         self._inflight: _Pending | None = None
-        self._restoring: dict[int, int] = {}
         self._last_start = time.monotonic()
         self._closed = False
-        self._in_call = 0
-        self._sigterm_installed = False
-        self._sigterm_prev: Any = None
-        self._sigterm_pending = False
-        self._preempting = False
+        self._sigterm = Preemption(self._drain)
         self._final_state = final_state
-        self._target.make_dirs(self._dir)
+        self._restorer = TierRestore(tier=self._tier, rank=self._rank, process_group=process_group,
+                                     allow_pickle=allow_pickle, steps=self.all_steps, path_for=self.path_for,
+                                     candidates=lambda replicas: self.find_local_snapshots(replicas=replicas),
+                                     write_back=self._write_back)
+        self._steps.target.make_dirs(self._steps.dir)
         if cleanup:
             self.cleanup_stale()
         self._pool_prepared = reserve is not None
@@ -232,30 +193,12 @@ class CheckpointManager:
 
     def path_for(self, step: int) -> str:
         """The checkpoint of ``step``, as save and load take it (a URL for nfs://)."""
-        if self._target is LOCAL:
-            return os.path.join(self.root, self.name.format(step=step))
-        return f"{self.root}/{self.name.format(step=step)}{self._query}"
-
-    def _where(self, step: int) -> str:
-        """The checkpoint of ``step`` as its Target names it."""
-        return os.path.join(self._dir, self.name.format(step=step))
+        return self._steps.path_for(step)
 
     def all_steps(self) -> list[int]:
         """Steps of the committed checkpoints under root, ascending. A directory
         counts only under its exact name and with its manifest in place."""
-        steps = []
-        try:
-            names = self._target.list(self._dir)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            m = self._name_re.match(name)
-            if not m or self.name.format(step=int(m.group(1))) != name:
-                continue
-            path = os.path.join(self._dir, name)
-            if self._target.is_dir(path) and self._target.is_file(os.path.join(path, MANIFEST_NAME)):
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        return self._steps.all_steps()
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -286,9 +229,9 @@ class CheckpointManager:
             if not callable(state_dict):
                 self._prepare_pool(state_dict)
             return None
-        with self._call():
+        with self._sigterm.call():
             p = self._inflight
-            if (p is not None and p.step == step and not p.done.is_set()) or self._target.exists(self._where(step)):
+            if (p is not None and p.step == step and not p.done.is_set()) or self._steps.exists(step):
                 log.warning("checkpoint for step %d already exists in %s; not saving it again", step, self.root)
                 return None
             return self._start(step, state_dict, overwrite=False, policy=self.if_busy, save_options=save_options)
@@ -307,7 +250,7 @@ class CheckpointManager:
         ``maybe_save``."""
         self._check_step(step)
         _check_save_options(save_options)
-        with self._call():
+        with self._sigterm.call():
             fut = self._start(step, state_dict, overwrite=overwrite, policy="wait", save_options=save_options)
             assert fut is not None
             return fut
@@ -371,7 +314,7 @@ class CheckpointManager:
         """Block until the save in flight is durable and committed (and retention
         has run). Returns its stats; if it failed, raises its error (the first
         wait after the failure does; later ones return None)."""
-        with self._call():
+        with self._sigterm.call():
             p = self._inflight
             if p is None:
                 return None
@@ -395,22 +338,10 @@ class CheckpointManager:
         if self.keep_every_n_steps is not None:
             keep.update(s for s in steps if s % self.keep_every_n_steps == 0)
         keep.update((steps[-1], committed))
-        with self._lock:
-            keep.update(self._restoring)
+        keep.update(self._restorer.restoring())
         for s in steps:
             if s not in keep:
-                self._delete(s)
-
-    def _delete(self, step: int) -> None:
-        path = self._where(step)
-        doomed = commit.old_dir_for(path)
-        self._target.rename(path, doomed)
-        self._target.fsync_dir(self._dir)
-        # Without its manifest the moved directory can never be taken for (or
-        # restored as) a checkpoint, whatever state a crash leaves it in.
-        self._target.remove_file(os.path.join(doomed, MANIFEST_NAME))
-        self._target.remove_tree(doomed)
-        log.info("removed checkpoint step %d (retention)", step)
+                self._steps.delete(s)
 
     def cleanup_stale(self) -> list[str]:
         """Remove temporary directories left in root by crashed saves and deletions
@@ -418,15 +349,12 @@ class CheckpointManager:
         snapshots of this root whose owner died that are older than its newest
         committed step. Returns the names it removed or restored. Called by the
         constructor."""
-        # On nfs:// the owner of a temporary directory cannot be told alive from dead
-        # (another host's pid): they are left alone there.
-        mine = self._target is LOCAL and (self._rank is None or self._rank[0] == 0)
-        touched = commit.clean_stale(self.root) if mine else []
+        touched = self._steps.clean_stale() if self._rank is None or self._rank[0] == 0 else []
         if self.local_dir is not None:
             latest = self.latest_step()
             if latest is not None:
                 touched += self._clean_local(lambda s: s < latest)
-            local.remove_orphan_pools(self.local_dir)
+            self._tier.remove_orphan_pools()
         return touched
 
     def local_snapshots(self, replicas: bool = False) -> dict[int, list[local.Snapshot]]:
@@ -440,39 +368,14 @@ class CheckpointManager:
         """Local snapshots of this root's steps (any owner), newest first per step.
         replicas: the copies this rank holds of rank r-1's snapshots instead
         (``neighbour_copies``)."""
-        out: dict[int, list[local.Snapshot]] = {}
-        if self.local_dir is None:
-            return out
-        whose = self._rank or (None, None)
-        if replicas:
-            if self._rank is None:
-                return out
-            whose = ((self._rank[0] - 1) % self._rank[1], self._rank[1])
-        for snap in local.scan(self.local_dir):
-            step = self._step_of(snap.path)
-            mine = (snap.body.get("rank"), snap.body.get("world_size")) == whose
-            if step is not None and mine and bool(snap.body.get("replica")) == replicas:
-                out.setdefault(step, []).append(snap)
-        return out
-
-    def _step_of(self, path: str) -> int | None:
-        if os.path.dirname(path) != self.root:
-            return None
-        m = self._name_re.match(os.path.basename(path))
-        return int(m.group(1)) if m and self.path_for(int(m.group(1))) == path else None
+        if self._tier is None:
+            return {}
+        return self._tier.candidates(self._steps.step_of, self._rank, replicas)
 
     def _clean_local(self, doomed: Callable[[int], bool]) -> list[str]:
-        """Remove dead owners' snapshots of the steps ``doomed`` picks (never the only
-        copy of the newest step: callers pick only steps older than, or equal to, a
-        committed one)."""
-        removed = []
-        for step, snaps in [*self.find_local_snapshots().items(), *self.find_local_snapshots(replicas=True).items()]:
-            for snap in snaps:
-                if doomed(step) and not snap.alive:
-                    local.remove(snap)
-                    log.info("removed local snapshot of step %d (%s): its process is gone", step, snap.header)
-                    removed.append(os.path.basename(snap.header))
-        return removed
+        """Dead owners' snapshots of the steps ``doomed`` picks go (callers pick only steps
+        older than, or equal to, a committed one)."""
+        return self._tier.remove_dead(self._steps.step_of, self._rank, doomed) if self._tier is not None else []
 
     # ---------------------------------------------------------------- restore
 
@@ -499,188 +402,15 @@ class CheckpointManager:
         The state restored is the first one the manager sees: unless ``reserve=`` was
         given, the writer's staging pool is prepared from it in the background.
         """
-        got = self._restore(step, into, fallback, load_options)
+        if step is not None and self.process_group is None:
+            self._check_step(step)
+        with self._sigterm.call():
+            got = self._restorer.restore(step, into, fallback, load_options)
         if got is not None:
             self._prepare_pool(got[1])
         return got
 
-    def _restore(self, step: int | None, into: Any, fallback: bool, load_options: dict) -> tuple[int, Any] | None:
-        with self._call():
-            if self.process_group is not None:
-                if step is not None:
-                    return step, load(self.path_for(step), into=into, allow_pickle=self.allow_pickle,
-                                      process_group=self.process_group, **load_options)
-                return self._restore_agreed(into, load_options)
-            committed = self.all_steps()
-            snaps = self.find_local_snapshots()
-            if step is not None:
-                self._check_step(step)
-                candidates = [step]
-            else:
-                candidates = sorted(set(committed) | set(snaps), reverse=True)
-            first_error: BaseException | None = None
-            for s in candidates:
-                for snap in snaps.get(s, []):
-                    got = self._restore_local(s, snap, into, load_options, on_storage=s in committed)
-                    if got is not None:
-                        if s not in committed:
-                            self._write_back(s, got[1])
-                        return s, got[0]
-                if s not in committed and step is None:
-                    continue
-                with self._lock:
-                    self._restoring[s] = self._restoring.get(s, 0) + 1
-                try:
-                    state = load(self.path_for(s), into=into, allow_pickle=self.allow_pickle, **load_options)
-                    return s, state
-                except (CorruptCheckpointError, OSError) as e:
-                    unreadable = not isinstance(e, OSError) or isinstance(e, FileNotFoundError) or e.errno == errno.EIO
-                    if step is not None or not fallback or not unreadable:
-                        raise
-                    log.error("checkpoint step %d cannot be restored (%s); trying an older one", s, e)
-                    first_error = first_error or e
-                finally:
-                    with self._lock:
-                        self._restoring[s] -= 1
-                        if not self._restoring[s]:
-                            del self._restoring[s]
-            if first_error is not None:
-                raise first_error
-            return None
-
-    def _read_local(self, step: int, snap: local.Snapshot, options: dict, into: Any = None,
-                    on_storage: bool = False) -> LoadResult | None:
-        """What a local snapshot holds, verified; None (logged) when it does not verify.
-        into: its CPU tensors are filled in place where they fit (no second copy).
-        on_storage: storage holds the step too, so the snapshot may be taken (see restore)."""
-        t0 = time.perf_counter()
-        targets = None
-        if into is not None:
-            wrapped = into if self._rank is None else {self._rank[0]: into}
-            targets = {ft.key: ft.tensor for ft in flatten(wrapped, allow_pickle=True)[1]}
-        phases: dict = {}
-        try:
-            zero_copy = options.get("zero_copy")
-            m, tensors = local.read_snapshot(snap, verify=options.get("verify", True), targets=targets,
-                                             adopt=bool(zero_copy) and into is None,
-                                             take=on_storage and zero_copy is not False and into is None,
-                                             timings=phases)
-        except (CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
-            log.error("local snapshot of step %d (%s) cannot be restored (%s); trying other copies", step,
-                      snap.header, e)
-            return None
-        log.info("restored step %d from local memory (%s) in %.3f s (%s)", step, snap.header,
-                 time.perf_counter() - t0, ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
-        return LoadResult(m, tensors, time.perf_counter() - t0, "local", False)
-
-    def _state_of(self, res: LoadResult, into: Any, options: dict) -> Any:
-        # A rank's snapshot holds {rank: state}, like its part of a multi-rank checkpoint.
-        wrap: Callable[[Any], Any] = (lambda x: x) if self._rank is None else (lambda x: {self._rank[0]: x})
-        if into is not None:
-            return _load_into(res, into, flatten(wrap(into), allow_pickle=True), wrap, options.get("strict", True),
-                              self.allow_pickle)
-        state = unflatten(res.manifest.tree, tensor_placer(res, options.get("map_location", "cpu")),
-                          allow_pickle=self.allow_pickle)
-        return state if self._rank is None else state[self._rank[0]]
-
-    def _restore_local(self, step: int, snap: local.Snapshot, into: Any, options: dict,
-                       on_storage: bool) -> tuple[Any, LoadResult] | None:
-        """(state, what was read) from a local snapshot, or None when it does not verify."""
-        res = self._read_local(step, snap, options, into, on_storage)
-        return None if res is None else (self._state_of(res, into, options), res)
-
-    def _restore_agreed(self, into: Any, options: dict) -> tuple[int, Any] | None:
-        """restore() on every rank of process_group: each rank offers the committed steps,
-        the steps its own snapshots verify, and those whose copy it keeps for rank r-1
-        (neighbour copies); all take the newest step that every rank can get from some
-        tier. A rank without its own snapshot of it fetches the copy from rank r+1."""
-        import torch.distributed as dist
-        from .coord import collective, coordinator
-
-        coord = coordinator(self.process_group)
-        rank, world = coord.rank, coord.size
-        committed = self.all_steps()
-        newest = committed[-1] if committed else -1
-        verified: dict[int, LoadResult] = {}
-        for s, snaps in sorted(self.find_local_snapshots().items(), reverse=True):
-            if s < newest:
-                break  # storage has a newer step for every rank
-            for snap in snaps:
-                res = self._read_local(s, snap, options, on_storage=s in committed)
-                if res is not None:
-                    verified[s] = res
-                    break
-        held = {s: snaps[0] for s, snaps in self.find_local_snapshots(replicas=True).items() if s >= newest}
-        offer = {"steps": sorted(set(committed) | set(verified)), "own": sorted(verified), "held": sorted(held),
-                 "fetch": self.local_dir is not None}
-        offers: list = [None] * world
-        coord.run(collective, dist.all_gather_object, offers, offer, group=coord.group).result()
-        avail = [set(o["steps"]) | (set(offers[(i + 1) % world]["held"]) if o["fetch"] else set())
-                 for i, o in enumerate(offers)]
-        common = set.intersection(*avail)
-        log.info("rank %d offers steps %s; the ranks agree on %s", rank, offer["steps"][-3:], max(common, default=None))
-        # The newest common step first; an older one when some rank cannot get its part of
-        # it after all (a neighbour's copy that fails its checksums, say): every rank decides
-        # alike, from one vote, so all restore the same step.
-        for s in sorted(common, reverse=True):
-            fetched = self._fetch_agreed(coord, s, offers, held, committed, verified, options)
-            if fetched is None:
-                continue
-            res, got = fetched
-            res = res if res is not None else verified.get(s)
-            try:
-                if res is not None:
-                    state = self._state_of(res, into, options)
-                    if s not in committed:
-                        self._write_back(s, res)  # every rank: none has it on storage
-                    return s, state
-                return s, load(self.path_for(s), into=into, allow_pickle=self.allow_pickle,
-                               process_group=self.process_group, **options)
-            finally:
-                if got is not None and os.path.exists(got.header):
-                    local.remove(got)  # read (not taken): the write-back has its own snapshot once staged
-        return None
-
-    def _fetch_agreed(self, coord: Any, s: int, offers: list, held: dict, committed: list, verified: dict,
-                      options: dict) -> tuple[LoadResult | None, local.Snapshot | None] | None:
-        """Fetch this rank's part of step s from rank r+1's memory where it needs it, and
-        vote on whether every rank now has its part. Returns (what the fetched copy holds,
-        verified; the copy) or (None, None) when nothing was fetched; None when some rank
-        cannot restore s (every rank gets None alike)."""
-        import torch
-        import torch.distributed as dist
-        from .coord import collective
-
-        rank, world = coord.rank, coord.size
-        needs = [s not in o["own"] and s in offers[(i + 1) % world]["held"] and o["fetch"]
-                 for i, o in enumerate(offers)]
-        res, snap, ok = None, None, True
-        if world > 1 and any(needs):
-            prv, nxt = (rank - 1) % world, (rank + 1) % world
-            store = self._writer._neighbours or (neighbour.Store(self._writer._local) if self.local_dir else None)
-            snap = coord.run(neighbour.swap, coord, prv if needs[prv] else None, held.get(s) if needs[prv] else None,
-                             nxt if needs[rank] else None, store, False).result()
-            if needs[rank]:
-                if snap is not None:
-                    log.info("rank %d fetched its snapshot of step %d from rank %d's memory", rank, s, nxt)
-                    res = self._read_local(s, snap, options, on_storage=s in committed)
-                    if res is None:
-                        local.remove(snap)  # refused: it must not be offered again
-                        snap = None
-                if res is None and s not in committed:
-                    log.error("rank %d: step %d is only in memory, and the copy rank %d keeps of it did not arrive "
-                              "whole or does not verify (see above); the ranks fall back to an older step",
-                              rank, s, nxt)
-                    ok = False
-        vote = torch.tensor([int(ok)], dtype=torch.int64)
-        coord.run(collective, dist.all_reduce, vote, op=dist.ReduceOp.MIN, group=coord.group).result()
-        if int(vote[0]):
-            return res, snap
-        if snap is not None:
-            local.remove(snap)
-        return None
-
-    def _write_back(self, step: int, res: LoadResult) -> None:
+    def _write_back(self, step: int, make_state: Callable[[], Any]) -> None:
         """Save a step that only a local snapshot holds to root; returns once staged
         (the caller may then change what it was given), commits in the background."""
         p = self._inflight
@@ -688,9 +418,8 @@ class CheckpointManager:
             return  # this manager's own save of it is being committed
         if step in self.all_steps():
             return  # committed since restore() looked (this manager's own save, just finished)
-        state = self._state_of(res, None, {})
         log.warning("step %d was never committed to %s: writing it from its local snapshot", step, self.root)
-        self._start(step, state, overwrite=False, policy="wait")
+        self._start(step, make_state, overwrite=False, policy="wait")
 
     def restore_latest(self, into: Any = None, **load_options: Any) -> tuple[int, Any] | None:
         return self.restore(None, into, **load_options)
@@ -711,75 +440,37 @@ class CheckpointManager:
         """
         if final_state is not None:
             self._final_state = final_state
-        if self._sigterm_installed:
-            return
-        self._sigterm_prev = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._sigterm_installed = True
+        self._sigterm.install(self._on_sigterm)
 
     def uninstall_sigterm_handler(self) -> None:
-        if not self._sigterm_installed:
-            return
-        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-            prev = self._sigterm_prev
-            signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
-        self._sigterm_installed = False
+        self._sigterm.uninstall(self._on_sigterm)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a SIGTERM reached this manager."""
+        return self._sigterm.preempted
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._in_call:
-            self._sigterm_pending = True
-            return
-        self._preempt(signum, frame)
+        self._sigterm.on_signal(signum, frame)
 
-    def _preempt(self, signum: int, frame: Any) -> None:
-        if self._preempting:
-            return
-        self._preempting = True
-        self.preempted = True
+    def _drain(self) -> None:
+        """On SIGTERM: complete the save in flight, then save the final state, if any."""
+        log.warning("SIGTERM: completing the checkpoint in flight%s", " and saving a final one"
+                    if self._final_state else "")
         try:
-            log.warning("SIGTERM: completing the checkpoint in flight%s", " and saving a final one"
-                        if self._final_state else "")
+            self.wait()
+        except Exception as e:
+            log.error("the checkpoint in flight failed: %s", e)
+        if self._final_state is not None and not self._closed:
             try:
-                self.wait()
-            except Exception as e:
-                log.error("the checkpoint in flight failed: %s", e)
-            if self._final_state is not None and not self._closed:
-                try:
-                    step, state = self._final_state()
-                    if step in self.all_steps():
-                        log.info("final checkpoint: step %d is already saved", step)
-                    else:
-                        self.save(step, state)
-                        self.wait()
-                except Exception:
-                    log.exception("final checkpoint on SIGTERM failed")
-        finally:
-            self._preempting = False
-        prev = self._sigterm_prev
-        if callable(prev):
-            prev(signum, frame)
-        elif prev != signal.SIG_IGN:
-            # The default action: terminate, with the status a plain SIGTERM gives.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    class _CallGuard:
-        def __init__(self, mgr: CheckpointManager):
-            self.mgr = mgr
-
-        def __enter__(self) -> None:
-            self.mgr._in_call += 1
-
-        def __exit__(self, *exc: Any) -> None:
-            mgr = self.mgr
-            mgr._in_call -= 1
-            if not mgr._in_call and mgr._sigterm_pending:
-                mgr._sigterm_pending = False
-                mgr._preempt(signal.SIGTERM, None)
-
-    def _call(self) -> CheckpointManager._CallGuard:
-        # Only the main thread counts: signal handlers run there.
-        return self._CallGuard(self) if threading.current_thread() is threading.main_thread() else _NULL_GUARD
+                step, state = self._final_state()
+                if step in self.all_steps():
+                    log.info("final checkpoint: step %d is already saved", step)
+                else:
+                    self.save(step, state)
+                    self.wait()
+            except Exception:
+                log.exception("final checkpoint on SIGTERM failed")
 
     # --------------------------------------------------------------- shutdown
 
@@ -814,13 +505,3 @@ class CheckpointManager:
                 f"every_n_seconds={self.every_n_seconds}, keep_last={self.keep_last}, "
                 f"keep_every_n_steps={self.keep_every_n_steps}, if_busy={self.if_busy!r})")
 
-
-class _NullGuard:
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-_NULL_GUARD = _NullGuard()

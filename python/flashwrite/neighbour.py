@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ def _allocate(path: str, nbytes: int) -> None:
             os.posix_fallocate(fd, 0, nbytes)
     except OSError:
         os.close(fd)
-        local._unlink(path)
+        local.unlink_quietly(path)
         raise
     os.close(fd)
 
@@ -82,8 +83,8 @@ class Store:
     place. replica=False: a snapshot of this rank's own state fetched back from its
     holder at restore, stored as this process's own."""
 
-    def __init__(self, pool: local.LocalPool):
-        self.pool = pool
+    def __init__(self, pool: Any):
+        self.pool = pool  # the tier's LocalPool: its dir, token (file names) and owner
         self._fetched = 0
         self.newest: local.Snapshot | None = None  # the copy this process holds
 
@@ -100,7 +101,7 @@ class Store:
         """Make room for a snapshot: (pool path, header path, chunks as they will lie in
         the new pool). None (logged) when local_dir has no room."""
         pool_path, header = self._names(replica)
-        local._unlink(header)  # the copy this file held goes first (its step is committed, or failed)
+        local.unlink_quietly(header)  # the copy this file held goes first (its step is committed, or failed)
         chunks, at = [], 0
         for f, off, n, _ in body["chunks"]:
             chunks.append([int(f), int(off), int(n), at])
@@ -119,7 +120,7 @@ class Store:
         body.pop("replica", None)
         if replica:
             body["replica"] = True
-        local._write_atomic(header, local._encode(body))
+        local.write_header(header, body)
         snap = local.Snapshot.of(header, pool_path, body)
         if replica:
             self.newest = snap
@@ -130,13 +131,13 @@ class Store:
         snap = self.newest
         if snap is not None and snap.path == path and snap.state != "committed" and os.path.exists(snap.header):
             snap.state = snap.body["state"] = "committed"
-            local._write_atomic(snap.header, local._encode(snap.body))
+            local.write_header(snap.header, snap.body)
 
     def close(self, keep_newest: bool) -> None:
         """Remove this process's copy (keep_newest: keep it)."""
         if not keep_newest:
             for p in self._names(replica=True):
-                local._unlink(p)
+                local.unlink_quietly(p)
 
 
 def swap(coord: Coordinator, send_to: int | None, snap: local.Snapshot | None, recv_from: int | None,

@@ -312,12 +312,12 @@ def load_state(path: str | os.PathLike, *, rank: tuple[int, int] | None = None, 
         else:
             targets = _map_targets([m.tensors[k] for k in (m.tensors if keys is None else sorted(keys))], map_location)
         # into=: the destinations that can take the bytes are filled by the native job;
-        # the rest (other dtypes, strided) come as owned tensors that _load_into copies,
+        # the rest (other dtypes, strided) come as owned tensors that fill_into copies,
         # so no stripe is held whole.
         res = ck.read(manifest=m, keys=keys, verify=verify, backend=backend, direct=direct, queue_depth=queue_depth,
                       device_targets=targets, zero_copy=zero_copy, host_targets=hosted)
     if into_flat is not None:
-        return _load_into(res, into, into_flat, wrap, strict, allow_pickle)
+        return fill_into(res, into, into_flat, wrap, strict, allow_pickle)
     with gcpause.paused():
         return unflatten(m.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
 
@@ -396,7 +396,7 @@ def _map_targets(entries: list[TensorEntry], map_location: Any) -> dict[str, tor
 def _into_targets(dst_flat: list[FlatTensor], m: Manifest, keys: set[str] | None) -> dict[str, torch.Tensor]:
     """The CUDA tensors of ``into`` that the native engine fills in place: the destination
     itself where it is contiguous with the stored dtype, else a new tensor of the stored
-    dtype on its device that ``_load_into`` copies (and converts) from on the GPU."""
+    dtype on its device that ``fill_into`` copies (and converts) from on the GPU."""
     out = {}
     for ft in dst_flat:
         e, d = m.tensors.get(ft.key), ft.tensor
@@ -416,7 +416,7 @@ def _into_targets(dst_flat: list[FlatTensor], m: Manifest, keys: set[str] | None
 def _into_host_targets(dst_flat: list[FlatTensor], m: Manifest, keys: set[str] | None) -> dict[str, torch.Tensor]:
     """The CPU tensors of ``into`` that the native job fills in place: contiguous, of the
     stored dtype and shape, and sharing no bytes with another destination (those, like
-    the rest, are filled by ``_load_into``'s copies, in order)."""
+    the rest, are filled by ``fill_into``'s copies, in order)."""
     out, spans = {}, []
     for ft in dst_flat:
         e, d = m.tensors.get(ft.key), ft.tensor
@@ -442,8 +442,8 @@ def _into_host_targets(dst_flat: list[FlatTensor], m: Manifest, keys: set[str] |
     return out
 
 
-def _load_into(res: LoadResult, into: Any, into_flat: tuple, wrap: Callable[[Any], Any], strict: bool,
-               allow_pickle: bool) -> Any:
+def fill_into(res: LoadResult, into: Any, into_flat: tuple, wrap: Callable[[Any], Any], strict: bool,
+              allow_pickle: bool) -> Any:
     """Copy what was read into ``into`` (whose flattening, of ``wrap(into)``, is ``into_flat``)."""
     m = res.manifest
     # As read (CPU views, or GPU destinations filled in place): the copies below place them.

@@ -14,18 +14,19 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from . import _core, commit, defaults, distributed, hf, local, neighbour, tuning
+from . import _core, commit, defaults, distributed, hf, tuning
 from . import write as _write
 from .flatten import flatten_columns
-from .plan import plan_files
-from .format import build_index
 from .future import SaveFuture, SaveStats
 from .locate import resolve
+from .plan import plan_files
+from .session import RenameCommit, SaveSession
 from .target import UnsupportedTargetError, check_path, url_scheme
+from .tier import LocalTier
 from .write import StripeWrite
 
 __all__ = ["Writer", "SaveFuture", "SaveStats", "StripeWrite", "default_writer", "save_async", "save"]
@@ -86,8 +87,7 @@ class Writer:
         self.copy_threads = copy_threads or defaults.COPY_THREADS
         if neighbour_copies and not local_snapshots:
             raise ValueError("neighbour_copies=True needs local_snapshots=True")
-        self._local = local.LocalPool(local_dir) if local_snapshots else None
-        self._neighbours = neighbour.Store(self._local) if self._local is not None and neighbour_copies else None
+        self._tier = LocalTier(local_dir, neighbour_copies) if local_snapshots else None
         self._engine = self._new_engine(chunk_bytes, max_staging_bytes or 0)
         self._engine_used = False
         self._reserving: concurrent.futures.Future | None = None
@@ -100,13 +100,18 @@ class Writer:
 
     def _new_engine(self, chunk_bytes: int, max_staging_bytes: int) -> Any:
         engine = _core.Engine(chunk_bytes, max_staging_bytes)
-        if self._local is not None:
-            engine.set_backing_file(self._local.pool_path)
+        if self._tier is not None:
+            engine.set_backing_file(self._tier.pool_path)
         return engine
 
     @property
     def local_snapshots(self) -> bool:
-        return self._local is not None
+        return self._tier is not None
+
+    @property
+    def local_tier(self) -> LocalTier | None:
+        """The node-local tier this writer keeps its snapshots in (``local_snapshots=True``), or None."""
+        return self._tier
 
     def reserve(self, nbytes: int | Any, *, device: int | str | torch.device | None = None,
                 block: bool = False) -> concurrent.futures.Future:
@@ -244,7 +249,7 @@ class Writer:
         fsync'd before the manifest, so the directory never appears without them.
         """
         check_path(path, "save")  # a URL other than nfs:// is refused before anything else
-        if url_scheme(path) is not None and self._local is not None:
+        if url_scheme(path) is not None and self._tier is not None:
             raise UnsupportedTargetError(f"save: {os.fspath(path)!r}: local snapshots with nfs:// are not "
                                          "supported yet; save to a mounted path", url=os.fspath(path), scheme="nfs")
         single = ("hf_model", hf_model), ("hf_config", hf_config), ("extra_files", extra_files)
@@ -260,57 +265,17 @@ class Writer:
             return distributed.save_async(self, state_dict, path, process_group=process_group,
                                           coordination_group=coordination_group, timeout=timeout,
                                           overwrite=overwrite, block=block, allow_pickle=allow_pickle,
-                                          metadata=metadata)
+                                          metadata=metadata, tier=self._tier)
         if timeout is not None:
             raise ValueError("timeout= applies to multi-rank saves (process_group=)")
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("Writer is closed")
         target, path = resolve(path, "save")
-        tmp = commit.prepare(path, overwrite, target)
-        snap = self._local
-        if snap is not None:
-            snap.before_save()
-        try:
-            sw = self.write_stripes(state_dict, tmp, t0, allow_pickle=allow_pickle, metadata=metadata,
-                                    hf_model=hf_model, hold_slots=snap is not None)
-        except BaseException:
-            commit.discard(tmp, target)
-            raise
-        sw.stats.path = target.show(path)
-        fut = SaveFuture(sw.stats.path, sw.job, sw.stats, t0)
-        ls = local.LocalSave(snap, sw, path) if snap is not None else None
-
-        def finish(commit_gate: Callable[[], None]) -> SaveStats:
-            try:
-                if ls is not None:
-                    ls.seal()
-                # Manifest, index and their encoding need only the checksums: made while
-                # the stripes are still being written and fsync'd.
-                early = sw.early_manifest()
-                files = commit.encode_files(early, build_index(early)) if early is not None else None
-                sw.job.wait()
-                commit_gate()
-                manifest = sw.wait_durable()
-                commit.finalize(tmp, path, manifest, build_index(manifest) if files is None else None, overwrite,
-                                extra=extra, encoded=files, target=target)
-                if ls is not None:
-                    ls.committed()
-            finally:
-                if ls is not None:
-                    ls.end()
-            sw.stats.total_s = time.perf_counter() - t0
-            log.debug("saved %s: %.3f GB in %.3f s (stall %.3f s, %s, direct=%s)", path, sw.stats.bytes / 1e9,
-                      sw.stats.total_s, sw.stats.stall_s or 0, sw.stats.backend, sw.stats.direct)
-            return sw.stats
-
-        fut._launch(finish, lambda run: self._committer().submit(run), block=block,
-                    cleanup=lambda: commit.discard(tmp, target))
-        if ls is not None and block:
-            # Returning "staged" means the snapshot outlives this process from here on.
-            ls.seal()
-            fut._stats.stall_s = time.perf_counter() - t0
-        return fut
+        strategy = RenameCommit(path, target, overwrite, extra, lambda run: self._committer().submit(run))
+        session = SaveSession(self, strategy, self._tier, t0)
+        session.stage(state_dict, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model)
+        return session.launch(block)
 
     def save(self, state_dict: Any, path: str | os.PathLike, **kwargs: Any) -> SaveStats:
         """Blocking save: returns once the checkpoint is durable and committed."""
@@ -327,16 +292,11 @@ class Writer:
             ex.shutdown(wait=True)
         if self._reserving is not None:
             self._reserving.exception()  # a reservation in flight ends before the pool goes
-        if self._neighbours is not None:
-            self._neighbours.close(keep_newest=keep_local)
-        if self._local is not None and self._local.close(keep_newest=keep_local):
+        if self._tier is not None and self._tier.close(keep_newest=keep_local):
             return  # the pool file holds a snapshot: its pages stay (unmapped at exit)
         self._engine.trim()
-        if self._local is not None:
-            try:
-                os.unlink(self._local.pool_path)
-            except FileNotFoundError:
-                pass
+        if self._tier is not None:
+            self._tier.remove_pool_file()
 
     def __enter__(self) -> Writer:
         return self
@@ -378,7 +338,6 @@ def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Wri
     if path is not None and options.get("chunk_bytes") is None and url_scheme(check_path(path, "save")) is None:
         # A tuned chunk size sizes the pool: one shared writer per chunk size, so a save to
         # another file system is not bound to the first one's tuning.
-        from . import tuning
         effective["tuned_chunk"] = tuning.resolve(os.fspath(path), {})["chunk_bytes"]
     key = tuple(sorted(effective.items()))
     with _default_lock:

@@ -31,7 +31,8 @@ class StripeWriter(Protocol):
     """What the save paths need of a ``flashwrite.Writer``."""
 
     def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
-                      allow_pickle: bool = False, metadata: dict[str, str] | None = None) -> StripeWrite: ...
+                      allow_pickle: bool = False, metadata: dict[str, str] | None = None,
+                      hf_model: str | None = None, hold_slots: bool = False) -> StripeWrite: ...
 
 
 def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: int, backend: str, queue_depth: int,

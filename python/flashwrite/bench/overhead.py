@@ -75,7 +75,7 @@ class _Saver:
                 self.pending = dcp.async_save(state, storage_writer=FileSystemWriter(
                     path, thread_count=self.dcp_threads, sync_files=True))
         elif self.mode == "flashwrite":
-            import flashwrite as fw
+            import flashwrite as fw  # like the DCP mode's imports above: only the mode measured is loaded
             self.pending = fw.save_async(state, path)
         else:
             raise ValueError(f"unknown mode {self.mode!r}")

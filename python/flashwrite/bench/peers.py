@@ -230,7 +230,7 @@ class Flashwrite(Contender):
             self.label = "flashwrite.save_async(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")"
 
     def save(self, state, path):
-        import flashwrite as fw
+        import flashwrite as fw  # like every contender's library: imported in its own subprocess, at first use
         t0 = time.perf_counter()
         fut = fw.save_async(state, path, **self.options)
         stall = time.perf_counter() - t0
@@ -240,7 +240,7 @@ class Flashwrite(Contender):
                 "stripes": st.stripes, "engine_durable_s": st.durable_s, "pool_bytes": st.pool_bytes}
 
     def load(self, path, template):
-        import flashwrite as fw
+        import flashwrite as fw  # like every contender's library: imported in its own subprocess, at first use
         return fw.load(path)
 
 

@@ -159,7 +159,7 @@ def compare(size: int, contenders: list[str], directory: str | None = None, roun
             "cold_cache": "page cache dropped before every save and load" if can_drop is None else can_drop,
             "dcp_threads": dcp_threads, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
-        import flashwrite
+        import flashwrite  # the report names the build it found; a broken one still gets its report
         meta["flashwrite"] = flashwrite.__version__
         meta["flashwrite_backend"] = flashwrite.backend_info(parent)
     except Exception as e:  # noqa: BLE001

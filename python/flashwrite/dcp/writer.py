@@ -30,9 +30,11 @@ from .. import commit
 from ..coord import coordinator
 from ..errors import CheckpointExistsError, FlashwriteError
 from ..format import build_index, parse_manifest
+from ..future import SaveStats
 from ..plan import rank_prefix
 from ..save import default_writer
-from ..target import local_path
+from ..session import Commit, SaveSession
+from ..target import LOCAL, local_path
 from ..write import StripeWrite
 from .section import InlineItem, StoredChunk, build_manifest, item_key, stored_chunks
 
@@ -57,6 +59,7 @@ class _Staged:
 
     final: str
     tmp: str
+    session: SaveSession  # its life cycle, up to durable (DCP's finish commits)
     sw: StripeWrite | None  # None when this rank has no tensor to write
     owner: dict[MetadataIndex, int]
     tensor_keys: set[str]
@@ -111,6 +114,35 @@ def _chunk_bytes(item: Any) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * torch._utils._element_size(item.tensor_data.properties.dtype)
 
 
+class DcpCommit(Commit):
+    """The commit strategy of a DCP save: the stripes go into the directory every rank
+    agreed on; DCP's ``finish`` (on the coordinator) commits the manifest it built from
+    every rank's results."""
+
+    def __init__(self, final: str, tmp: str, overwrite: bool):
+        super().__init__(final, LOCAL)
+        self.tmp, self.overwrite = tmp, overwrite
+
+    def prepare(self) -> str:
+        os.makedirs(self.tmp, exist_ok=True)
+        return self.tmp
+
+    def abandon(self, error: BaseException) -> None:
+        pass  # the ranks agree on a failure (stage) or DCP reports it; the next save removes the directory
+
+    def discard(self) -> None:
+        commit.discard(self.tmp)
+
+    def commit(self, sw: StripeWrite | None, manifest: dict) -> SaveStats | None:
+        try:
+            parse_manifest(json.dumps(manifest).encode())  # what a reader will check, before it is visible
+            commit.finalize(self.tmp, self.final, manifest, build_index(manifest), self.overwrite)
+        except BaseException:
+            self.discard()
+            raise
+        return sw.stats if sw is not None else None
+
+
 class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     """DCP ``StorageWriter`` (and ``AsyncStager``) writing through flashwrite's native engine.
 
@@ -149,6 +181,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         self._current: _Staged | None = None
         self._copy_cache: Any = None
         self._tmp: str | None = None
+        self._use_collectives = True  # set_up_storage_writer says
 
     # ------------------------------------------------------------ AsyncStager
 
@@ -193,11 +226,12 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                     inline[item_key(it.index)] = data.getvalue()
                 else:
                     tensors[item_key(it.index)] = data
-            os.makedirs(tmp, exist_ok=True)
+            session = SaveSession(self.writer, DcpCommit(final, tmp, self.overwrite), None, t0)
             if tensors:
-                sw = self.writer.write_stripes(tensors, tmp, t0, prefix=rank_prefix(rank))
-                sw.job.wait_staged()
-                sw.job.release_sources()
+                sw = session.stage(tensors, prefix=rank_prefix(rank))
+                session.wait_staged()
+            else:
+                session.strategy.prepare()
         except BaseException as e:  # noqa: BLE001 - agreed on below, then raised
             error = e
         # Every rank learns whether every rank staged, so a failure raises on all of
@@ -212,7 +246,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
             if error is not None:
                 raise error
             raise FlashwriteError("staging failed on " + "; ".join(f"rank {r}: {t}" for r, t in failed.items()))
-        self._pending.append(_Staged(final, tmp, sw, owner, set(tensors), inline, t0))
+        self._pending.append(_Staged(final, tmp, session, sw, owner, set(tensors), inline, t0))
         return _copy_containers(state_dict)
 
     def _copy_stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +281,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         self._use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        if not getattr(self, "_use_collectives", True):
+        if not self._use_collectives:
             raise NotImplementedError("FlashwriteStorageWriter needs use_collectives=True (one committed checkpoint)")
         if self.path is None:
             raise ValueError("no checkpoint path: pass it to FlashwriteStorageWriter or as checkpoint_id")
@@ -290,10 +324,10 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         g: _GlobalData = plan.storage_data
         self._tmp = g.tmp
         cur, self._current = self._current, None
-        sw = None
+        sw, session = None, None
         try:
             if cur is not None:
-                sw, inline = cur.sw, dict(cur.inline)
+                session, sw, inline = cur.session, cur.sw, dict(cur.inline)
                 want = {item_key(it.index) for it in plan.items}
                 have = cur.tensor_keys | set(inline)
                 if want != have:
@@ -309,12 +343,12 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                     else:
                         tensors[item_key(it.index)] = data
                 if tensors:
-                    sw = self.writer.write_stripes(tensors, g.tmp, time.perf_counter(), prefix=g.prefix)
+                    session = SaveSession(self.writer, DcpCommit(self.path, g.tmp, self.overwrite), None,
+                                          time.perf_counter())
+                    sw = session.stage(tensors, prefix=g.prefix)
             stored: dict[str, StoredChunk] = {}
-            if sw is not None:
-                sw.job.wait_staged()
-                sw.job.release_sources()
-                part = sw.wait_durable()
+            if session is not None and sw is not None:
+                part = session.durable()
                 self.last_stats = sw.stats
                 stored = stored_chunks(part)
             results = []
@@ -343,12 +377,13 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         tmp, final = self._tmp, self.path
         try:
-            manifest = build_manifest(metadata, results, self.storage_meta())
-            parse_manifest(json.dumps(manifest).encode())  # what a reader will check, before it is visible
-            commit.finalize(tmp, final, manifest, build_index(manifest), self.overwrite)
-        except BaseException:
-            commit.discard(tmp)
-            raise
+            strategy = DcpCommit(final, tmp, self.overwrite)
+            try:
+                manifest = build_manifest(metadata, results, self.storage_meta())
+            except BaseException:
+                strategy.discard()
+                raise
+            strategy.commit(None, manifest)
         finally:
             with _unfinished_lock:
                 _unfinished.get(final, set()).discard(tmp)

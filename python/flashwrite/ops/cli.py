@@ -13,7 +13,15 @@ import time
 from typing import Any
 
 from ..sizes import fmt_bytes
+from ..tuning import save_tuning, store_path
 from .common import OK, PROBLEM, Problem, guarded, print_json, print_table
+from .convert import convert
+from .diff import diff
+from .inspect import inspect
+from .ls import list_checkpoints, list_local, to_json
+from .progress import Progress
+from .sources import FORMATS
+from .tune import tune
 
 
 def _when(t: float | None) -> str:
@@ -21,13 +29,11 @@ def _when(t: float | None) -> str:
 
 
 def _progress(a: argparse.Namespace) -> Any:
-    from .progress import Progress
     return Progress(quiet=getattr(a, "quiet", False) or getattr(a, "json", False), force_plain=getattr(a, "plain", False))
 
 
 @guarded
 def cmd_ls(a: argparse.Namespace) -> int:
-    from .ls import list_checkpoints, list_local, to_json
     entries = list_checkpoints(a.root, recursive=a.recursive)
     snaps = [] if a.no_local else list_local(a.root, a.local_dir)
     if a.json:
@@ -53,7 +59,6 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 @guarded
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from .inspect import inspect
     r = inspect(a.ckpt, a.tensors)
     if a.json:
         print_json(r)
@@ -89,7 +94,6 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 @guarded
 def cmd_diff(a: argparse.Namespace) -> int:
-    from .diff import diff
     r = diff(a.a, a.b, deep=a.deep, pattern=a.tensors, progress=None if a.json else _progress(a))
     if a.json:
         print_json(r)
@@ -111,7 +115,6 @@ def cmd_diff(a: argparse.Namespace) -> int:
 
 @guarded
 def cmd_convert(a: argparse.Namespace) -> int:
-    from .convert import convert
     r = convert(a.src, a.dst, src_format=a.src_format, dst_format=a.dst_format, allow_pickle=a.allow_pickle,
                 stripes=a.stripes, shards=a.shards, overwrite=a.overwrite, progress=_progress(a))
     if a.json:
@@ -149,12 +152,10 @@ def _print_tune(r: dict) -> None:
 
 @guarded
 def cmd_tune(a: argparse.Namespace) -> int:
-    from .tune import tune
     r = tune(a.dir, a.budget_s, _progress(a), device_tool=a.device_tool, size=a.size)
     if not r.get("recommended"):
         raise Problem("no trial finished within the budget; give a larger --budget-s")
     if a.save:
-        from ..tuning import save_tuning, store_path
         r["saved"] = save_tuning(a.dir, r["recommended"], {"gbps": r["recommended_gbps"]})
         r["saved_to"] = store_path()
     if a.json:
@@ -193,7 +194,6 @@ def register(sub: Any, size_type: Any) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress")
     p.set_defaults(func=cmd_diff)
 
-    from .sources import FORMATS
     p = sub.add_parser("convert", help="between flashwrite, torch.save, safetensors, Hugging Face and DCP")
     p.add_argument("src")
     p.add_argument("dst")

@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
+from ..errors import FlashwriteError
+
 OK, PROBLEM, USAGE = 0, 1, 2
 
 
@@ -23,7 +25,6 @@ def guarded(fn: Callable[[Any], int]) -> Callable[[Any], int]:
     Anything a damaged or hostile checkpoint, a missing path or a permission can
     raise is reported, not dumped as a traceback.
     """
-    from ..errors import FlashwriteError
 
     def run(a: Any) -> int:
         try:

@@ -16,6 +16,7 @@ from typing import Any
 from ..format import Manifest, TensorEntry, read_manifest
 from ..target import local_path
 from . import tree as _tree
+from .inspect import key_matcher
 
 READ_BYTES = 8 << 20
 
@@ -66,8 +67,7 @@ def _same_bytes(sa: _Stripes, ea: TensorEntry, sb: _Stripes, eb: TensorEntry, pr
 
 
 def diff(a: str, b: str, *, deep: bool = False, pattern: str | None = None, progress: Any = None) -> dict[str, Any]:
-    from .inspect import _matcher
-    match = _matcher(pattern)
+    match = key_matcher(pattern)
     ma, mb = read_manifest(local_path(a, "diff")), read_manifest(local_path(b, "diff"))
     ka = {k for k in ma.tensors if match(k)}
     kb = {k for k in mb.tensors if match(k)}

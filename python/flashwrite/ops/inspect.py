@@ -12,7 +12,7 @@ from ..target import local_path
 from . import tree as _tree
 
 
-def _matcher(pattern: str | None):
+def key_matcher(pattern: str | None):
     if not pattern:
         return lambda _k: True
     if pattern.startswith("re:"):
@@ -27,7 +27,7 @@ def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
     """The manifest as a report: tensors (filtered by ``pattern``: a glob, a substring,
     or ``re:REGEX``), totals by top-level key and dtype, leaves, stripes, writer."""
     m: Manifest = read_manifest(local_path(path, "inspect"))
-    match = _matcher(pattern)
+    match = key_matcher(pattern)
     tensors = []
     by_top: dict[str, list[int]] = {}
     by_dtype: dict[str, list[int]] = {}

@@ -23,7 +23,10 @@ import torch
 
 from .. import _core, dtypes
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
+from ..flatten import flatten, referenced_keys
 from ..format import MANIFEST_NAME, check_member_name, piece_ranges, read_manifest, safetensors_header
+from .ls import read_json_small
+from .tree import walk
 
 PIECE = 16 << 20
 SIDECAR = "flashwrite-tree.json"  # the flashwrite tree kept beside foreign formats, for round trips
@@ -89,7 +92,6 @@ def _side_tree(raw: Any, keys: set[str], where: str) -> tuple[Any, dict, dict, d
         return None, {}, {}, {}
     if not all(isinstance(v, str) and v in keys for v in aliases.values()):
         return None, {}, {}, {}
-    from .tree import walk
     if not all(n.get("k") in keys for _, n in walk(tree) if n.get("t") == "tensor"):
         return None, {}, {}, {}
     meta = {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, str)}
@@ -129,7 +131,6 @@ class SafetensorsSource(Source):
         side = keys_meta.get(META_KEY)
         sidecar = os.path.join(path, SIDECAR)
         if not side and kind == "hf" and os.path.exists(sidecar):
-            from .ls import read_json_small
             try:
                 side = read_json_small(sidecar)[1]
             except ValueError:
@@ -176,7 +177,6 @@ def hf_shards(path: str) -> list[str]:
     """The shards of a Hugging Face directory: those its index names, else every *.safetensors."""
     idx = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(idx):
-        from .ls import read_json_small
         raw, _ = read_json_small(idx, 256 << 20)
         wm = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(wm, dict):
@@ -230,7 +230,6 @@ class TorchSource(Source):
     caller allows pickles, and memory-mapped where the file allows it."""
 
     def __init__(self, path: str, allow_pickle: bool):
-        from ..flatten import flatten
         fd = _open_regular(path)
         os.close(fd)
         try:
@@ -318,7 +317,6 @@ class DCPSource(Source):
         self._items = {i.key: i for i in items}
         side = os.path.join(path, SIDECAR)
         if os.path.exists(side):
-            from .ls import read_json_small
             try:
                 raw, _ = read_json_small(side)
             except ValueError:
@@ -327,14 +325,12 @@ class DCPSource(Source):
             if tree is not None:
                 self.tree, self.aliases, self.metadata = tree, aliases, meta
                 # DCP holds a tied tensor under each of its names; the tree names it once.
-                from ..flatten import referenced_keys
                 used = referenced_keys(tree)
                 self.items = [i for i in items if i.key in used]
                 self._order = [i.key for i in self.items]
                 self._pos = {k: n for n, k in enumerate(self._order)}
         if self.tree is None and self._bytes_keys:
             if allow_pickle:
-                from ..flatten import flatten
                 leaves, _, _ = flatten(self._load({k: None for k in self._bytes_keys}), allow_pickle=True)
                 self.tree = {"t": "dict", "items": flat_tree(self._order)["items"] + leaves["items"]}
             else:

@@ -24,6 +24,9 @@ import torch
 
 from .. import defaults
 from ..target import local_path
+from ..bench import devicelimit
+from ..save import Writer
+from ..tuning import mount_of
 
 STRIPES = (1, 2, 4, 8, 16)
 QUEUE_DEPTHS = (4, 8, 16, 32, 64)
@@ -73,7 +76,6 @@ class Tuner:
         self._writers: dict[int, Any] = {}
 
     def _writer(self, chunk: int) -> Any:
-        from ..save import Writer
         w = self._writers.get(chunk)
         if w is None:
             w = self._writers[chunk] = Writer(stripes=1, queue_depth=1, chunk_bytes=chunk)
@@ -112,7 +114,6 @@ class Tuner:
         return row
 
     def run(self) -> dict:
-        from ..bench import devicelimit
         t0 = time.monotonic()
         self.deadline = t0 + self.budget_s
         self.work = tempfile.mkdtemp(prefix=".flashwrite-tune-", dir=self.directory)
@@ -159,7 +160,6 @@ class Tuner:
             shutil.rmtree(self.work, ignore_errors=True)
             self.progress.finish()
         top = max((r for r in self.rows if r["gbps"]), key=lambda r: r["gbps"], default=None)
-        from ..tuning import mount_of
         return {
             "directory": os.path.abspath(self.directory), "filesystem": mount_of(self.directory),
             "budget_s": self.budget_s, "elapsed_s": time.monotonic() - t0, "bytes_per_trial": nbytes,
