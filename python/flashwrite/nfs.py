@@ -14,10 +14,11 @@
 
 The transfers run in the native core (``_core.NfsClient``, io/nfs_client.cpp) on
 libnfs, loaded at run time. A save stages and checksums its stripes exactly as a
-local save does, into a staging directory in /dev/shm, then sends each stripe with
-UNSTABLE WRITEs over the connections and COMMITs it, checking the server's write
-verifier (a server restart between WRITE and COMMIT means the bytes are written
-again); then the index and the manifest (committed the same way), then the rename.
+local save does, into the staging pool, and sends each chunk from its pool slot
+straight to the server with UNSTABLE WRITEs over the connections (no local copy);
+a chunk's slot is reused only once a COMMIT of its stripe returned the verifier its
+WRITEs did (a server restart between WRITE and COMMIT means the chunk is written
+again). Then the index and the manifest (committed the same way), then the rename.
 NFSv3 servers make directory operations stable before replying, so there is no
 directory fsync. A load reads the stripes back over the connections into /dev/shm
 and loads and verifies them there. The staging copies are removed when the call
@@ -213,46 +214,27 @@ class NfsTarget(Target):
         raise UnsupportedTargetError(f"{self.show(path)}: stripes on nfs:// are sent by the NFS client, not opened",
                                      url=self.show(path), scheme="nfs")
 
-    # ---- staging: the engine writes stripes locally; upload sends them over NFS
+    # ---- the engine sends the stripes straight to the server (Engine.start_save's remote=)
 
     def staging_dir(self, tmp: str) -> str:
-        local = tempfile.mkdtemp(prefix="flashwrite-nfs-", dir=_staging_root())
-        with self._lock:
-            self._staging[local] = tmp
-        return local
-
-    def upload(self, staging: str) -> str:
-        with self._lock:
-            tmp = self._staging.get(staging)
-        if tmp is None:
-            return staging  # a temporary directory on the server already (sent earlier, or by another rank)
-        for name in sorted(os.listdir(staging)):
-            src = os.path.join(staging, name)
-            size = os.path.getsize(src)
-            if size == 0:
-                self.client.write_file(f"{tmp}/{name}", b"", True)
-                continue
-            with open(src, "rb") as fh:
-                with mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as m:
-                    self.client.write_file(f"{tmp}/{name}", m, True)
-            os.unlink(src)  # the staging copy goes as soon as the server holds it
-        self.drop_staging(staging)
+        """``tmp`` itself: the save's stripes go from the staging pool to the server over
+        the connections (``remote_for``), each chunk committed before its slot is reused."""
+        with _direct_lock:
+            _direct[tmp] = self
         return tmp
 
+    def upload(self, staging: str) -> str:
+        self.drop_staging(staging)  # every stripe was committed by the save job itself
+        return staging
+
     def discard_staging(self, staging: str) -> None:
-        with self._lock:
-            tmp = self._staging.pop(staging, None)
-        if tmp is None:  # a temporary directory on the server
-            self.remove_tree(staging)
-            return
-        shutil.rmtree(staging, ignore_errors=True)
-        self.remove_tree(tmp)
+        self.drop_staging(staging)
+        self.remove_tree(staging)
 
     def drop_staging(self, staging: str) -> None:
-        with self._lock:
-            known = self._staging.pop(staging, None) is not None
-        if known:  # never a server path taken for a local one
-            shutil.rmtree(staging, ignore_errors=True)
+        with _direct_lock:
+            if _direct.get(staging) is self:
+                del _direct[staging]
 
     def download(self, path: str) -> str:
         """Copy the checkpoint directory ``path`` into a fresh local directory; returns it."""
@@ -280,6 +262,19 @@ class NfsTarget(Target):
             shutil.rmtree(local, ignore_errors=True)
             raise
         return local
+
+
+# A save's temporary directory on a server -> its target, while the save writes there.
+_direct: dict[str, NfsTarget] = {}
+_direct_lock = threading.Lock()
+
+
+def remote_for(directory: str) -> object | None:
+    """The ``_core.NfsClient`` a save into ``directory`` sends its stripes through (the
+    temporary directory of an nfs:// save, see ``NfsTarget.staging_dir``), else None."""
+    with _direct_lock:
+        t = _direct.get(directory)
+    return t.client if t is not None else None
 
 
 def _staging_root() -> str:
