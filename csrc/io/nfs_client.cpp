@@ -56,7 +56,10 @@ std::string Client::create(const std::string&, bool) { return {}; }
 std::unique_ptr<Client::Conn> Client::take_connection() { return nullptr; }
 void Client::give_back(std::unique_ptr<Conn>) {}
 void Client::note_failure(int) {}
-std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client>) { throw std::runtime_error(unavailable_reason()); }
+std::string Client::lookup(const std::string&, uint64_t*) { return {}; }
+std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client>, std::string) {
+  throw std::runtime_error(unavailable_reason());
+}
 
 #else
 
@@ -75,7 +78,7 @@ struct FhView {
   X(nfs_set_autoreconnect) X(nfs_get_rpc_context) X(nfs_get_fh) X(nfs_create) X(nfs_close) X(nfs_stat64)  \
   X(nfs_mkdir) X(nfs_rmdir) X(nfs_unlink) X(nfs_rename) X(nfs_opendir) X(nfs_readdir) X(nfs_closedir)     \
   X(nfs_get_readmax) X(nfs_get_writemax) X(rpc_nfs3_write_async) X(rpc_nfs3_commit_async)                 \
-  X(rpc_nfs3_read_async) X(mount_getexports) X(mount_free_export_list)
+  X(rpc_nfs3_read_async) X(mount_getexports) X(mount_free_export_list) X(nfs_open)
 
 struct Lib {
   void* handle = nullptr;
@@ -539,6 +542,23 @@ std::string Client::create(const std::string& path, bool exclusive) {
   return fh;
 }
 
+std::string Client::lookup(const std::string& path, uint64_t* size) {
+  std::lock_guard<std::mutex> g(meta_mu_);
+  nfsfh* f = nullptr;
+  int rc = L().nfs_open(meta().ctx, path.c_str(), O_RDONLY, &f);
+  if (rc != 0) note_failure(-rc);
+  if (rc != 0) throw IoError(-rc, std::string("NFS LOOKUP: ") + L().nfs_get_error(meta().ctx), url(path));
+  auto* v = reinterpret_cast<FhView*>(L().nfs_get_fh(f));
+  std::string fh(v->val, static_cast<size_t>(v->len));
+  L().nfs_close(meta().ctx, f);
+  nfs_stat_64 st{};
+  rc = L().nfs_stat64(meta().ctx, path.c_str(), &st);
+  if (rc != 0) note_failure(-rc);
+  if (rc != 0) throw IoError(-rc, std::string("NFS GETATTR: ") + L().nfs_get_error(meta().ctx), url(path));
+  *size = st.nfs_size;
+  return fh;
+}
+
 std::unique_ptr<Client::Conn> Client::take_connection() {
   {
     std::lock_guard<std::mutex> g(idle_mu_);
@@ -676,10 +696,12 @@ uint64_t Client::read_file(const std::string& path, char* buf, uint64_t offset, 
   return len;
 }
 
-// ---------------------------------------------------------------- the save path
+// ---------------------------------------------------------------- save and load jobs
 //
-// NfsFiles (RemoteFiles) creates a save's stripes; its backend, WriteBackend, carries
-// the save job's chunk writes straight from their staging slots. Each request (one
+// NfsFiles (RemoteFiles) creates a save's stripes (or opens a load's); its backend,
+// WriteBackend, carries the save job's chunk writes straight from their staging
+// slots (and a load job's reads straight into its slots and destinations: each
+// request cut into READs of at most rsize bytes, reported once all have replied). Each request (one
 // chunk) is cut into WRITEs of at most wsize bytes, taken from one queue by every
 // connection's loop (a thread each, `depth` RPCs in flight). A request whose WRITEs
 // have all replied waits on its file's uncommitted list until a COMMIT of the file
@@ -734,6 +756,7 @@ struct WOp {
   WFile* file = nullptr;
   std::vector<WReq*> list;  // a COMMIT's requests
   WRITE3args wargs{};
+  READ3args rargs{};
   COMMIT3args cargs{};
   std::list<WOp>::iterator self;
 };
@@ -772,6 +795,7 @@ class WriteBackend : public IoBackend {
 
   void run(WLoop& lp);
   void on_write(WOp& op, int status, void* data);
+  void on_read(WOp& op, int status, void* data);
   void on_commit(WOp& op, int status, void* data);
 
  private:
@@ -789,7 +813,7 @@ class WriteBackend : public IoBackend {
   std::shared_ptr<Client> client_;
   IoCallback cb_;
   const Options& o_;
-  uint64_t wmax_;
+  uint64_t wmax_, rmax_;
   int pause_ms_ = 0;
   std::mutex mu_;
   std::condition_variable drained_;
@@ -803,7 +827,16 @@ class WriteBackend : public IoBackend {
 
 class NfsFiles : public RemoteFiles {
  public:
-  explicit NfsFiles(std::shared_ptr<Client> c) : client_(std::move(c)) {}
+  NfsFiles(std::shared_ptr<Client> c, std::string dir) : client_(std::move(c)), dir_(std::move(dir)) {}
+  int open(const std::string& path, uint64_t* size) override {
+    auto f = std::make_unique<WFile>();
+    f->path = dir_.empty() ? path : dir_ + "/" + path.substr(path.rfind('/') + 1);
+    f->fh = client_->lookup(f->path, size);
+    f->size = *size;
+    std::lock_guard<std::mutex> g(mu_);
+    files_.push_back(std::move(f));
+    return static_cast<int>(files_.size() - 1);
+  }
   int create(const std::string& path, uint64_t size) override {
     auto f = std::make_unique<WFile>();
     f->path = path;
@@ -830,7 +863,7 @@ class NfsFiles : public RemoteFiles {
       auto it = errors_.find(r);
       if (it != errors_.end()) e = it->second;
     }
-    if (e.msg.empty()) e.msg = "NFS WRITE";
+    if (e.msg.empty()) e.msg = r->write ? "NFS WRITE" : "NFS READ";
     WFile& f = file(r->fd);
     return std::make_exception_ptr(IoError(static_cast<int>(-res), e.msg + " (server " + client_->options().server + ")",
                                            client_->url(f.path), e.off >= 0 ? e.off : static_cast<int64_t>(r->offset),
@@ -853,6 +886,7 @@ class NfsFiles : public RemoteFiles {
 
  private:
   std::shared_ptr<Client> client_;
+  std::string dir_;
   std::mutex mu_;
   std::vector<std::unique_ptr<WFile>> files_;
   std::unordered_map<const IoRequest*, ErrInfo> errors_;
@@ -864,6 +898,12 @@ void wb_on_write(rpc_context*, int status, void* data, void* priv) {
   op.loop->be->on_write(op, status, data);
 }
 
+void wb_on_read(rpc_context*, int status, void* data, void* priv) {
+  WOp& op = *static_cast<WOp*>(priv);
+  if (op.abandoned) return;
+  op.loop->be->on_read(op, status, data);
+}
+
 void wb_on_commit(rpc_context*, int status, void* data, void* priv) {
   WOp& op = *static_cast<WOp*>(priv);
   if (op.abandoned) return;
@@ -872,7 +912,7 @@ void wb_on_commit(rpc_context*, int status, void* data, void* priv) {
 
 WriteBackend::WriteBackend(NfsFiles* files, std::shared_ptr<Client> client, IoCallback cb)
     : files_(files), client_(std::move(client)), cb_(std::move(cb)), o_(client_->options()),
-      wmax_(client_->write_max()) {
+      wmax_(client_->write_max()), rmax_(client_->read_max()) {
   if (const char* pause = std::getenv("FLASHWRITE_NFS_TEST_PAUSE_BEFORE_COMMIT_MS")) pause_ms_ = std::atoi(pause);
   try {
     for (unsigned i = 0; i < std::max(1u, o_.connections); ++i) {
@@ -936,12 +976,13 @@ void WriteBackend::submit(IoRequest* req) {
     pending_++;
     WReq* qp = q.get();
     reqs_[req] = std::move(q);
+    const uint64_t piece = req->write ? wmax_ : rmax_;
     if (qp->len == 0) {
       qp->outstanding = 1;
       queue_.push_back(SubOp{qp, qp->off, 0});
     } else {
-      for (uint64_t o = 0; o < qp->len; o += wmax_) {
-        queue_.push_back(SubOp{qp, qp->off + o, std::min(wmax_, qp->len - o)});
+      for (uint64_t o = 0; o < qp->len; o += piece) {
+        queue_.push_back(SubOp{qp, qp->off + o, std::min(piece, qp->len - o)});
         qp->outstanding++;
       }
     }
@@ -978,6 +1019,8 @@ void WriteBackend::sub_done(WLoop& lp, WReq* q, std::vector<WFile*>& commit) {
   open_--;
   if (q->failed) {
     report(lp, q, -q->err);
+  } else if (!q->r->write) {
+    report(lp, q, static_cast<int64_t>(q->len));
   } else {
     f.uncommitted.push_back(q);
     f.uncommitted_bytes += q->len;
@@ -1004,6 +1047,24 @@ void WriteBackend::send_write(WLoop& lp, const SubOp& s) {
   op.loop = &lp;
   op.sub = s;
   WFile& f = *s.q->file;
+  if (!s.q->r->write) {
+    op.rargs.file.data.data_len = static_cast<u_int>(f.fh.size());
+    op.rargs.file.data.data_val = const_cast<char*>(f.fh.data());
+    op.rargs.offset = s.off;
+    op.rargs.count = static_cast<count3>(s.len);
+    if (lp.inflight == 0) lp.progress = Clock::now();
+    if (L().rpc_nfs3_read_async(L().nfs_get_rpc_context(lp.conn->ctx), wb_on_read, &op.rargs, &op) != 0) {
+      std::string why = std::string("NFS READ not queued: ") + L().nfs_get_error(lp.conn->ctx);
+      lp.ops.erase(op.self);
+      std::vector<WFile*> commit;
+      std::lock_guard<std::mutex> g(mu_);
+      fail_req(s.q, EIO, why, static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+      sub_done(lp, s.q, commit);
+      return;
+    }
+    lp.inflight++;
+    return;
+  }
   op.wargs.file.data.data_len = static_cast<u_int>(f.fh.size());
   op.wargs.file.data.data_val = const_cast<char*>(f.fh.data());
   op.wargs.offset = s.off;
@@ -1110,6 +1171,47 @@ void WriteBackend::on_write(WOp& op, int status, void* data) {
   send_commits(lp, commit);
 }
 
+void WriteBackend::on_read(WOp& op, int status, void* data) {
+  WLoop& lp = *op.loop;
+  lp.inflight--;
+  SubOp s = op.sub;
+  WReq* q = s.q;
+  std::vector<WFile*> commit;
+  std::lock_guard<std::mutex> g(mu_);
+  if (status != RPC_STATUS_SUCCESS) {
+    std::string msg = std::string("NFS READ ") + rpc_status_name(status);
+    if (status == RPC_STATUS_ERROR && data) msg += std::string(": ") + static_cast<const char*>(data);
+    fail_req(q, errno_of_rpc(status), msg, static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+    client_->note_failure(errno_of_rpc(status));
+  } else {
+    auto* res = static_cast<READ3res*>(data);
+    if (res->status != NFS3_OK) {
+      fail_req(q, errno_of_status(res->status), "NFS READ (status " + std::to_string(res->status) + ")",
+               static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+    } else {
+      lp.progress = Clock::now();
+      const READ3resok& ok = res->READ3res_u.resok;
+      uint64_t n = std::min<uint64_t>(ok.data.data_len, s.len);
+      if (!q->failed) std::memcpy(q->r->buf + (s.off - q->r->offset), ok.data.data_val, n);
+      if (n < s.len && !q->failed) {
+        if (ok.eof || n == 0) {
+          fail_req(q, EIO, "NFS READ: the file ended early (changed while read?)", static_cast<int64_t>(s.off + n),
+                   static_cast<int64_t>(s.len - n));
+        } else {  // a short read: ask for the rest from here
+          SubOp rest{q, s.off + n, s.len - n};
+          lp.ops.erase(op.self);
+          mu_.unlock();
+          send_write(lp, rest);
+          mu_.lock();
+          return;
+        }
+      }
+    }
+  }
+  lp.ops.erase(op.self);
+  sub_done(lp, q, commit);
+}
+
 void WriteBackend::on_commit(WOp& op, int status, void* data) {
   WLoop& lp = *op.loop;
   lp.inflight--;
@@ -1184,7 +1286,7 @@ void WriteBackend::abandon(WLoop& lp, int err, const std::string& why) {
         report(lp, q, -err);
       }
     } else {
-      fail_req(op.sub.q, err, "NFS WRITE: " + why, static_cast<int64_t>(op.sub.off), static_cast<int64_t>(op.sub.len));
+      fail_req(op.sub.q, err, std::string(op.sub.q->r->write ? "NFS WRITE: " : "NFS READ: ") + why, static_cast<int64_t>(op.sub.off), static_cast<int64_t>(op.sub.len));
       sub_done(lp, op.sub.q, commit);
     }
   }
@@ -1204,8 +1306,9 @@ void WriteBackend::fill(WLoop& lp) {
       queue_.pop_front();
       bool cancelled = request_cancelled(s.q->r);
       if (s.len == 0 || s.q->failed || cancelled || lp.dead) {
-        if (cancelled) fail_req(s.q, ECANCELED, "NFS WRITE cancelled", -1, -1);
-        if (lp.dead) fail_req(s.q, lp.dead_err, "NFS WRITE: " + lp.dead_msg, static_cast<int64_t>(s.off),
+        const std::string kind = s.q->r->write ? "NFS WRITE" : "NFS READ";
+        if (cancelled) fail_req(s.q, ECANCELED, kind + " cancelled", -1, -1);
+        if (lp.dead) fail_req(s.q, lp.dead_err, kind + ": " + lp.dead_msg, static_cast<int64_t>(s.off),
                               static_cast<int64_t>(s.len));
         std::vector<WFile*> commit;
         sub_done(lp, s.q, commit);
@@ -1262,8 +1365,8 @@ void WriteBackend::run(WLoop& lp) {
 
 }  // namespace
 
-std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client> client) {
-  return std::make_shared<NfsFiles>(std::move(client));
+std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client> client, std::string dir) {
+  return std::make_shared<NfsFiles>(std::move(client), std::move(dir));
 }
 
 #endif  // FLASHWRITE_HAVE_LIBNFS_HEADERS

@@ -1,7 +1,8 @@
 // Stripes that live on a server (an nfs:// target) rather than on a local file
 // system. A save job given RemoteFiles creates its stripes here and sends each
 // chunk's write to backend() straight from its staging slot: no local copy in
-// between. A request is reported only once its bytes are durable on the server
+// between; a load job opens them here and reads each chunk straight into its
+// bounce slot or destination. A request is reported only once its bytes are durable on the server
 // (written, committed, and the server's verifier checked), so the job may reuse
 // the slot as soon as it hears back.
 #pragma once
@@ -21,6 +22,8 @@ class RemoteFiles {
   // bytes; returns the handle the job's requests carry in IoRequest::fd. Writes past
   // `size` (a chunk's aligned tail) are cut at it, so no truncate follows.
   virtual int create(const std::string& path, uint64_t size) = 0;
+  // Opens the existing file `path` to read; returns its handle and sets *size.
+  virtual int open(const std::string& path, uint64_t* size) = 0;
   // The backend that carries the job's requests (one per job).
   virtual std::unique_ptr<IoBackend> backend(unsigned queue_depth, IoCallback cb) = 0;
   // After every request of the file was reported: throws unless all `size` bytes

@@ -9,9 +9,14 @@ namespace py = pybind11;
 
 namespace fw {
 
-// Engine.start_save's remote=: an NfsClient sends the stripes to its export.
+// Engine.start_save's remote=: an NfsClient sends the stripes to its export;
+// start_load's: (NfsClient, directory) reads them from that directory.
 std::shared_ptr<RemoteFiles> remote_files_of(const py::object& remote) {
   if (remote.is_none()) return nullptr;
+  if (py::isinstance<py::tuple>(remote)) {
+    auto t = remote.cast<py::tuple>();
+    return nfs::make_remote_files(t[0].cast<std::shared_ptr<nfs::Client>>(), t[1].cast<std::string>());
+  }
   return nfs::make_remote_files(remote.cast<std::shared_ptr<nfs::Client>>());
 }
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import shutil
 import threading
 from typing import Any
 
-from . import defaults, distributed, foreign, gcpause
+from . import defaults, distributed, foreign, gcpause, nfs
 from .format import MANIFEST_NAME
 from .read import LoadResult, load_foreign, load_state, read_tensors
 from .locate import resolve
@@ -67,8 +66,9 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
 
 @contextlib.contextmanager
 def _fetched(path: str | os.PathLike, what: str):
-    """A local path to read ``path`` from: itself, or for nfs:// a copy of the checkpoint
-    read over the NFS connections into /dev/shm (removed afterwards)."""
+    """A local path to read ``path`` from: itself, or for nfs:// a stand-in directory in
+    /dev/shm (its small files, placeholders of the stripes, which the load then reads
+    over the NFS connections: see ``NfsTarget.download``), removed afterwards."""
     if url_scheme(path) is None:
         yield path
         return
@@ -77,7 +77,7 @@ def _fetched(path: str | os.PathLike, what: str):
     try:
         yield local
     finally:
-        shutil.rmtree(local, ignore_errors=True)
+        nfs.forget_download(local)
 
 
 def _load(path: str | os.PathLike, process_group: Any, options: dict) -> Any:
