@@ -157,3 +157,30 @@ def test_tune_sweeps_connections_and_urls_without_them_use_the_result(nfs_server
     monkeypatch.setenv("FLASHWRITE_CONFIG_DIR", str(tmp_path / "none"))
     t, _ = nfs.target_for(nfs_server.url("t/ck"), "test")
     assert t.client.connections == nfs.DEFAULT_CONNECTIONS
+
+
+def test_cli_inspect_and_verify_take_nfs_urls(nfs_server, capsys, tmp_path, monkeypatch):
+    state = make_state(6)
+    fw.save(state, nfs_server.url("ck"), stripes=2)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["inspect", nfs_server.url("ck"), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["path"] == nfs_server.url("ck")
+    assert {t["key"] for t in r["tensors"]} == set(fw.load(nfs_server.url("ck")))
+    assert cli.main(["verify", nfs_server.url("ck"), "--json", "-q"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors"] == len(r["tensors"])
+
+    stripe = sorted(f for f in os.listdir(os.path.join(nfs_server.export, "ck")) if f.endswith(".safetensors"))[0]
+    path = os.path.join(nfs_server.export, "ck", stripe)
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) - 7)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0x10]))
+    assert cli.main(["verify", nfs_server.url("ck"), "-q"]) == 1
+    assert "checksum mismatch" in capsys.readouterr().err
+    missing = nfs_server.url("nope")
+    assert cli.main(["inspect", missing]) == 1
+    err = capsys.readouterr().err
+    assert missing in err and "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["nfs", "staging"]  # nothing made under the current directory

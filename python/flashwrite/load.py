@@ -8,16 +8,15 @@ the data path).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import threading
 from typing import Any
 
-from . import defaults, distributed, foreign, gcpause, nfs
+from . import defaults, distributed, foreign, gcpause
 from .format import MANIFEST_NAME
 from .read import LoadResult, load_foreign, load_state, read_tensors
-from .locate import resolve
-from .target import check_path, url_scheme
+from .locate import local_view
+from .target import check_path
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult"]
 
@@ -64,20 +63,9 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
         return _load(local, process_group, options)
 
 
-@contextlib.contextmanager
 def _fetched(path: str | os.PathLike, what: str):
-    """A local path to read ``path`` from: itself, or for nfs:// a stand-in directory in
-    /dev/shm (its small files, placeholders of the stripes, which the load then reads
-    over the NFS connections: see ``NfsTarget.download``), removed afterwards."""
-    if url_scheme(path) is None:
-        yield path
-        return
-    target, inner = resolve(path, what)
-    local = target.download(inner)
-    try:
-        yield local
-    finally:
-        nfs.forget_download(local)
+    """A local path to read ``path`` from (``locate.local_view``)."""
+    return local_view(path, what)
 
 
 def _load(path: str | os.PathLike, process_group: Any, options: dict) -> Any:

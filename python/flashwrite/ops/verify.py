@@ -10,17 +10,22 @@ from typing import Any
 
 from ..format import read_manifest
 from ..load import read_tensors
-from ..target import local_path
+from ..locate import local_view
 
 
 def verify(path: str, progress: Any = None) -> dict:
+    with local_view(path, "verify") as local:  # nfs://: the stripes are read from the server
+        return _verify(local, path, progress)
+
+
+def _verify(path: str, shown: str, progress: Any) -> dict:
     t0 = time.perf_counter()
-    m = read_manifest(local_path(path, "verify"))
+    m = read_manifest(path)
     by_file: dict[int, set[str]] = {}
     for k, e in m.tensors.items():
         by_file.setdefault(e.file, set()).add(k)
     if progress is not None:
-        progress.start(sum(f.size for f in m.files), f"verify {os.path.basename(os.path.normpath(path))}")
+        progress.start(sum(f.size for f in m.files), f"verify {os.path.basename(os.path.normpath(shown))}")
     try:
         for fi, fe in enumerate(m.files):
             keys = by_file.get(fi)
@@ -31,6 +36,6 @@ def verify(path: str, progress: Any = None) -> dict:
     finally:
         if progress is not None:
             progress.finish()
-    return {"path": os.fspath(path), "files": len(m.files), "tensors": len(m.tensors),
+    return {"path": os.fspath(shown), "files": len(m.files), "tensors": len(m.tensors),
             "bytes": sum(f.size for f in m.files), "writer_version": m.writer_version,
             "seconds": time.perf_counter() - t0}
