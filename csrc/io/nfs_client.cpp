@@ -920,6 +920,10 @@ WriteBackend::WriteBackend(NfsFiles* files, std::shared_ptr<Client> client, IoCa
       auto lp = std::make_unique<WLoop>();
       lp->be = this;
       lp->conn = client_->take_connection();
+      // No per-RPC deadline from the moment an RPC is queued: with depth RPCs of 1 MiB
+      // queued per connection, the last waits for all before it. The loop's own bound
+      // (timeout_ms without any reply while RPCs are out) decides instead.
+      L().nfs_set_timeout(lp->conn->ctx, -1);
       lp->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
       if (lp->efd < 0) throw IoError(errno, "eventfd", "");
       loops_.push_back(std::move(lp));
