@@ -338,6 +338,12 @@ def tuning_key(server: str, nfs_port: int, export: str) -> str:
 _tunings: tuple[float, dict] | None = None
 
 
+def store_path() -> str:
+    """Where ``flashwrite tune nfs://... --save`` keeps its results (beside tunings.json)."""
+    from .tuning import config_dir
+    return os.path.join(config_dir(), "nfs-tunings.json")
+
+
 def forget_tunings() -> None:
     global _tunings
     _tunings = None
@@ -347,7 +353,6 @@ def tuned_connections(server: str, nfs_port: int, path: str) -> int | None:
     """The connections ``flashwrite tune nfs://... --save`` stored for the export holding
     ``path`` on that server (the longest stored export that is a prefix of it), or None."""
     global _tunings
-    from .ops.tune_nfs import store_path
     try:
         mtime = os.stat(store_path()).st_mtime
     except OSError:

@@ -21,14 +21,10 @@ from typing import Any
 import torch
 
 from .. import nfs
-from ..tuning import config_dir
+from ..nfs import store_path
 
 CONNECTIONS = (1, 2, 4, 8, 16)
 DEFAULT_SIZE = 256 << 20
-
-
-def store_path() -> str:
-    return os.path.join(config_dir(), "nfs-tunings.json")
 
 
 def _state(nbytes: int, pieces: int = 16) -> dict[str, torch.Tensor]:
@@ -107,7 +103,7 @@ def save_nfs_tuning(result: dict) -> dict:
         store = {}
     rec = {"connections": int(result["connections"]), "gbps": result["recommended_gbps"], "saved_unix": time.time()}
     store[key] = rec
-    os.makedirs(config_dir(), exist_ok=True)
+    os.makedirs(os.path.dirname(store_path()), exist_ok=True)
     tmp = f"{store_path()}.{os.getpid()}.tmp"
     with open(tmp, "w") as fh:
         json.dump(store, fh, indent=1)
