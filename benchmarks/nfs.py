@@ -152,12 +152,15 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--dir", default="/work/nfs-bench", help="a directory on the disk to export")
+    ap.add_argument("--modes", nargs="+", default=["nfs://", "nfs-cp", "fio local disk", "flashwrite local"],
+                    help="which rows to measure (e.g. --modes nfs:// nfs-cp for an A/B of two builds)")
     ap.add_argument("--json")
     a = ap.parse_args()
     export = os.path.join(a.dir, "export")
     shutil.rmtree(a.dir, ignore_errors=True)
     os.makedirs(export)
     results: dict = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "flashwrite": os.path.dirname(fw.__file__),
                      "cpus": os.cpu_count(), "connections": a.connections, "rounds": a.rounds, "sizes": {},
                      "cold": drop_caches() is None}
     server = NfsServer(exports=[Export(export)], workdir=os.path.join(a.dir, "server")).start()
@@ -174,6 +177,8 @@ def main() -> int:
                              ("nfs-cp", lambda: nfs_cp_round(server, src)),
                              ("fio local disk", lambda: fio_round(export, nbytes)),
                              ("flashwrite local", lambda: local_round(server, state))):
+                if name not in a.modes:
+                    continue
                 rounds = [fn() for _ in range(a.rounds)]
                 row[name] = median(rounds)
                 row[name]["rounds"] = rounds
@@ -185,7 +190,7 @@ def main() -> int:
             os.unlink(src)
             results["sizes"][f"{gib:g}"] = {"bytes": nbytes, "results": row}
             del state
-        state = make_state(a.gib[0])
+        state = make_state(a.gib[0]) if a.sweep else {"model": {}}
         nbytes = sum(t.numel() * t.element_size() for t in state["model"].values())
         sweep = {}
         for c in a.sweep:

@@ -264,10 +264,12 @@ def _rank_state(rank: int, step: int) -> dict:
             "step": step, "rank": rank}
 
 
-def _ranks_save(url: str, steps: int, keep: int) -> list:
+def _ranks_save(url: str, steps: int, keep: int, staging: str) -> list:
     """Every rank: ``steps`` saves through the manager-free multi-rank protocol to
     url/step-N, keeping the newest ``keep`` (rank 0 removes the older ones)."""
     import torch.distributed as dist
+    # The workers fork from a forkserver started by an earlier test, with its environment.
+    os.environ["FLASHWRITE_NFS_STAGING"] = staging
     rank = dist.get_rank()
     for step in range(1, steps + 1):
         fw.save(_rank_state(rank, step), f"{url.split('?')[0]}/step-{step}?{url.split('?')[1]}",
@@ -291,11 +293,11 @@ def _one_rank_fails(url: str, bad: int) -> str:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ranks_save_to_one_nfs_root(nfs_server, world):
+def test_ranks_save_to_one_nfs_root(nfs_server, world, staging):
     from dist_helpers import Cluster
     url = nfs_server.url("run") + "?connections=2&timeout=30"
     with Cluster(world) as cluster:
-        assert cluster.run(_ranks_save, url, 2, 2) == [[r] for r in range(world)]
+        assert cluster.run(_ranks_save, url, 2, 2, str(staging)) == [[r] for r in range(world)]
         whole = fw.load(os.path.join(nfs_server.export, "run", "step-2"))
         assert list(whole) == list(range(world))
         for r in range(world):

@@ -3,13 +3,18 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <condition_variable>
+#include <deque>
 #include <list>
+#include <unordered_map>
 #include <thread>
 
 #include "core/error.hpp"
@@ -47,6 +52,14 @@ void Client::unlink(const std::string&) {}
 void Client::rename(const std::string&, const std::string&) {}
 WriteResult Client::write_file(const std::string&, const char*, uint64_t, bool) { return {}; }
 uint64_t Client::read_file(const std::string&, char*, uint64_t, uint64_t) { return 0; }
+std::string Client::create(const std::string&, bool) { return {}; }
+std::unique_ptr<Client::Conn> Client::take_connection() { return nullptr; }
+void Client::give_back(std::unique_ptr<Conn>) {}
+void Client::note_failure(int) {}
+std::string Client::lookup(const std::string&, uint64_t*) { return {}; }
+std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client>, std::string) {
+  throw std::runtime_error(unavailable_reason());
+}
 
 #else
 
@@ -65,7 +78,7 @@ struct FhView {
   X(nfs_set_autoreconnect) X(nfs_get_rpc_context) X(nfs_get_fh) X(nfs_create) X(nfs_close) X(nfs_stat64)  \
   X(nfs_mkdir) X(nfs_rmdir) X(nfs_unlink) X(nfs_rename) X(nfs_opendir) X(nfs_readdir) X(nfs_closedir)     \
   X(nfs_get_readmax) X(nfs_get_writemax) X(rpc_nfs3_write_async) X(rpc_nfs3_commit_async)                 \
-  X(rpc_nfs3_read_async) X(mount_getexports) X(mount_free_export_list)
+  X(rpc_nfs3_read_async) X(mount_getexports) X(mount_free_export_list) X(nfs_open)
 
 struct Lib {
   void* handle = nullptr;
@@ -422,6 +435,7 @@ void Client::note_failure(int err) {
     default:
       reconnect_meta_ = true;
       reconnect_bulk_ = true;
+      reconnect_idle_ = true;
   }
 }
 
@@ -515,21 +529,58 @@ void run_transfer(std::vector<std::unique_ptr<Client::Conn>>& conns, Transfer& t
 
 }  // namespace
 
+std::string Client::create(const std::string& path, bool exclusive) {
+  std::lock_guard<std::mutex> g(meta_mu_);
+  nfsfh* f = nullptr;
+  int flags = O_WRONLY | O_CREAT | (exclusive ? O_EXCL : O_TRUNC);
+  int rc = L().nfs_create(meta().ctx, path.c_str(), flags, 0644, &f);
+  if (rc != 0) note_failure(-rc);
+  if (rc != 0) throw IoError(-rc, std::string("NFS CREATE: ") + L().nfs_get_error(meta().ctx), url(path));
+  auto* v = reinterpret_cast<FhView*>(L().nfs_get_fh(f));
+  std::string fh(v->val, static_cast<size_t>(v->len));
+  L().nfs_close(meta().ctx, f);
+  return fh;
+}
+
+std::string Client::lookup(const std::string& path, uint64_t* size) {
+  std::lock_guard<std::mutex> g(meta_mu_);
+  nfsfh* f = nullptr;
+  int rc = L().nfs_open(meta().ctx, path.c_str(), O_RDONLY, &f);
+  if (rc != 0) note_failure(-rc);
+  if (rc != 0) throw IoError(-rc, std::string("NFS LOOKUP: ") + L().nfs_get_error(meta().ctx), url(path));
+  auto* v = reinterpret_cast<FhView*>(L().nfs_get_fh(f));
+  std::string fh(v->val, static_cast<size_t>(v->len));
+  L().nfs_close(meta().ctx, f);
+  nfs_stat_64 st{};
+  rc = L().nfs_stat64(meta().ctx, path.c_str(), &st);
+  if (rc != 0) note_failure(-rc);
+  if (rc != 0) throw IoError(-rc, std::string("NFS GETATTR: ") + L().nfs_get_error(meta().ctx), url(path));
+  *size = st.nfs_size;
+  return fh;
+}
+
+std::unique_ptr<Client::Conn> Client::take_connection() {
+  {
+    std::lock_guard<std::mutex> g(idle_mu_);
+    if (reconnect_idle_.exchange(false)) idle_.clear();
+    if (!idle_.empty()) {
+      auto c = std::move(idle_.back());
+      idle_.pop_back();
+      return c;
+    }
+  }
+  return connect();
+}
+
+void Client::give_back(std::unique_ptr<Conn> c) {
+  std::lock_guard<std::mutex> g(idle_mu_);
+  if (c && c->ctx && !reconnect_idle_) idle_.push_back(std::move(c));
+}
+
 WriteResult Client::write_file(const std::string& path, const char* buf, uint64_t len, bool exclusive) {
   std::lock_guard<std::mutex> bulk(bulk_mu_);
   ensure_connections();
-  std::string fh;
-  {
-    std::lock_guard<std::mutex> g(meta_mu_);
-    nfsfh* f = nullptr;
-    int flags = O_WRONLY | O_CREAT | (exclusive ? O_EXCL : O_TRUNC);
-    int rc = L().nfs_create(meta().ctx, path.c_str(), flags, 0644, &f);
-    if (rc != 0) note_failure(-rc);
-    if (rc != 0) throw IoError(-rc, std::string("NFS CREATE: ") + L().nfs_get_error(meta().ctx), url(path));
-    auto* v = reinterpret_cast<FhView*>(L().nfs_get_fh(f));
-    fh.assign(v->val, static_cast<size_t>(v->len));
-    L().nfs_close(meta().ctx, f);
-  }
+  std::string fh = create(path, exclusive);
   std::vector<Piece> pieces = split(0, len, wmax_);
   WriteResult result;
   result.bytes = len;
@@ -643,6 +694,683 @@ uint64_t Client::read_file(const std::string& path, char* buf, uint64_t offset, 
     throw IoError(t.err, t.op + " (server " + opts_.server + ")", url(path), t.err_off, t.err_len);
   }
   return len;
+}
+
+// ---------------------------------------------------------------- save and load jobs
+//
+// NfsFiles (RemoteFiles) creates a save's stripes (or opens a load's); its backend,
+// WriteBackend, carries the save job's chunk writes straight from their staging
+// slots (and a load job's reads straight into its slots and destinations: each
+// request cut into READs of at most rsize bytes, reported once all have replied). Each request (one
+// chunk) is cut into WRITEs of at most wsize bytes, taken from one queue by every
+// connection's loop (a thread each, `depth` RPCs in flight). A request whose WRITEs
+// have all replied waits on its file's uncommitted list until a COMMIT of the file
+// (sent when the file is fully written, when a lot is uncommitted, or when nothing
+// else is left to send: a bounded staging pool waits for these slots). A COMMIT whose
+// verifier differs from a request's WRITE verifier sends the request again (the
+// server restarted and may have lost it); a request is reported to the job only once
+// committed under its own verifier, so its slot stays untouched until then.
+
+namespace {
+
+constexpr unsigned kMaxRounds = 5;              // commit rounds before a request fails
+constexpr uint64_t kCommitBytes = 256ull << 20;  // uncommitted bytes per file that trigger a COMMIT
+
+struct WFile;
+
+struct WReq {
+  IoRequest* r = nullptr;
+  WFile* file = nullptr;
+  uint64_t off = 0, len = 0;  // cut at the file's size
+  unsigned outstanding = 0;   // WRITEs not yet replied
+  bool have_verf = false, mixed = false, failed = false;
+  unsigned char verf[NFS3_WRITEVERFSIZE] = {};
+  int err = 0;
+  std::string msg;
+  int64_t err_off = -1, err_len = -1;
+  unsigned rounds = 0;
+  uint64_t eof_at = UINT64_MAX;  // reads: where the file ended, if inside the request
+};
+
+struct WFile {
+  std::string path, fh;
+  uint64_t size = 0;
+  uint64_t submitted = 0;  // bytes of requests the job has sent (first time)
+  unsigned open = 0;       // requests with WRITEs not yet all replied
+  std::vector<WReq*> uncommitted;
+  uint64_t uncommitted_bytes = 0;
+  uint64_t durable = 0;
+};
+
+struct SubOp {
+  WReq* q = nullptr;
+  uint64_t off = 0, len = 0;
+};
+
+struct WLoop;
+
+struct WOp {
+  WLoop* loop = nullptr;
+  bool abandoned = false;
+  bool commit = false;
+  SubOp sub;
+  WFile* file = nullptr;
+  std::vector<WReq*> list;  // a COMMIT's requests
+  WRITE3args wargs{};
+  READ3args rargs{};
+  COMMIT3args cargs{};
+  std::list<WOp>::iterator self;
+};
+
+class WriteBackend;
+
+struct WLoop {
+  WriteBackend* be = nullptr;
+  std::unique_ptr<Client::Conn> conn;
+  int efd = -1;
+  std::thread th;
+  unsigned inflight = 0;
+  Clock::time_point progress = Clock::now();
+  bool dead = false;
+  int dead_err = 0;
+  std::string dead_msg;
+  std::list<WOp> ops;
+  std::vector<std::pair<IoRequest*, int64_t>> done;  // to report once out of nfs_service
+};
+
+struct ErrInfo {
+  std::string msg;
+  int64_t off = -1, len = -1;
+};
+
+class NfsFiles;
+
+class WriteBackend : public IoBackend {
+ public:
+  WriteBackend(NfsFiles* files, std::shared_ptr<Client> client, IoCallback cb);
+  ~WriteBackend() override;
+  void submit(IoRequest* req) override;
+  void resubmit(IoRequest* req) override { submit(req); }
+  void drain() override;
+  const char* name() const override { return "nfs"; }
+
+  void run(WLoop& lp);
+  void on_write(WOp& op, int status, void* data);
+  void on_read(WOp& op, int status, void* data);
+  void on_commit(WOp& op, int status, void* data);
+
+ private:
+  void fill(WLoop& lp);
+  void send_write(WLoop& lp, const SubOp& s);
+  void sub_done(WLoop& lp, WReq* q, std::vector<WFile*>& commit);  // under mu_
+  void fail_req(WReq* q, int err, const std::string& msg, int64_t off, int64_t len);  // under mu_
+  void report(WLoop& lp, WReq* q, int64_t res);  // under mu_
+  void send_commits(WLoop& lp, std::vector<WFile*>& files);  // under mu_
+  void abandon(WLoop& lp, int err, const std::string& why);
+  void flush(WLoop& lp);
+  void wake();
+
+  NfsFiles* files_;
+  std::shared_ptr<Client> client_;
+  IoCallback cb_;
+  const Options& o_;
+  uint64_t wmax_, rmax_;
+  int pause_ms_ = 0;
+  std::mutex mu_;
+  std::condition_variable drained_;
+  std::deque<SubOp> queue_;
+  std::unordered_map<IoRequest*, std::unique_ptr<WReq>> reqs_;
+  unsigned open_ = 0;      // requests with WRITEs not yet all replied
+  uint64_t pending_ = 0;   // requests not yet reported (or their callback still running)
+  bool stop_ = false;
+  std::vector<std::unique_ptr<WLoop>> loops_;
+};
+
+class NfsFiles : public RemoteFiles {
+ public:
+  NfsFiles(std::shared_ptr<Client> c, std::string dir) : client_(std::move(c)), dir_(std::move(dir)) {}
+  int open(const std::string& path, uint64_t* size) override {
+    auto f = std::make_unique<WFile>();
+    f->path = dir_.empty() ? path : dir_ + "/" + path.substr(path.rfind('/') + 1);
+    f->fh = client_->lookup(f->path, size);
+    f->size = *size;
+    std::lock_guard<std::mutex> g(mu_);
+    files_.push_back(std::move(f));
+    return static_cast<int>(files_.size() - 1);
+  }
+  int create(const std::string& path, uint64_t size) override {
+    auto f = std::make_unique<WFile>();
+    f->path = path;
+    f->size = size;
+    f->fh = client_->create(path, true);
+    std::lock_guard<std::mutex> g(mu_);
+    files_.push_back(std::move(f));
+    return static_cast<int>(files_.size() - 1);
+  }
+  std::unique_ptr<IoBackend> backend(unsigned, IoCallback cb) override {
+    return std::make_unique<WriteBackend>(this, client_, std::move(cb));
+  }
+  void finish(int h) override {
+    WFile& f = file(h);
+    std::lock_guard<std::mutex> g(mu_);
+    if (f.durable != f.size)
+      throw IoError(EIO, "NFS COMMIT: " + std::to_string(f.durable) + " of " + std::to_string(f.size) +
+                    " bytes committed (server " + client_->options().server + ")", client_->url(f.path));
+  }
+  std::exception_ptr error(const IoRequest* r, int64_t res) override {
+    ErrInfo e;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = errors_.find(r);
+      if (it != errors_.end()) e = it->second;
+    }
+    if (e.msg.empty()) e.msg = r->write ? "NFS WRITE" : "NFS READ";
+    WFile& f = file(r->fd);
+    return std::make_exception_ptr(IoError(static_cast<int>(-res), e.msg + " (server " + client_->options().server + ")",
+                                           client_->url(f.path), e.off >= 0 ? e.off : static_cast<int64_t>(r->offset),
+                                           e.len >= 0 ? e.len : static_cast<int64_t>(r->len)));
+  }
+  const char* name() const override { return "nfs"; }
+
+  WFile& file(int h) {
+    std::lock_guard<std::mutex> g(mu_);
+    return *files_.at(static_cast<size_t>(h));
+  }
+  void note_error(const IoRequest* r, ErrInfo e) {
+    std::lock_guard<std::mutex> g(mu_);
+    errors_.emplace(r, std::move(e));
+  }
+  void add_durable(WFile& f, uint64_t n) {
+    std::lock_guard<std::mutex> g(mu_);
+    f.durable += n;
+  }
+
+ private:
+  std::shared_ptr<Client> client_;
+  std::string dir_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<WFile>> files_;
+  std::unordered_map<const IoRequest*, ErrInfo> errors_;
+};
+
+void wb_on_write(rpc_context*, int status, void* data, void* priv) {
+  WOp& op = *static_cast<WOp*>(priv);
+  if (op.abandoned) return;
+  op.loop->be->on_write(op, status, data);
+}
+
+void wb_on_read(rpc_context*, int status, void* data, void* priv) {
+  WOp& op = *static_cast<WOp*>(priv);
+  if (op.abandoned) return;
+  op.loop->be->on_read(op, status, data);
+}
+
+void wb_on_commit(rpc_context*, int status, void* data, void* priv) {
+  WOp& op = *static_cast<WOp*>(priv);
+  if (op.abandoned) return;
+  op.loop->be->on_commit(op, status, data);
+}
+
+WriteBackend::WriteBackend(NfsFiles* files, std::shared_ptr<Client> client, IoCallback cb)
+    : files_(files), client_(std::move(client)), cb_(std::move(cb)), o_(client_->options()),
+      wmax_(client_->write_max()), rmax_(client_->read_max()) {
+  if (const char* pause = std::getenv("FLASHWRITE_NFS_TEST_PAUSE_BEFORE_COMMIT_MS")) pause_ms_ = std::atoi(pause);
+  try {
+    for (unsigned i = 0; i < std::max(1u, o_.connections); ++i) {
+      auto lp = std::make_unique<WLoop>();
+      lp->be = this;
+      lp->conn = client_->take_connection();
+      // No per-RPC deadline from the moment an RPC is queued: with depth RPCs of 1 MiB
+      // queued per connection, the last waits for all before it. The loop's own bound
+      // (timeout_ms without any reply while RPCs are out) decides instead.
+      L().nfs_set_timeout(lp->conn->ctx, -1);
+      lp->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+      if (lp->efd < 0) throw IoError(errno, "eventfd", "");
+      loops_.push_back(std::move(lp));
+    }
+    for (auto& lp : loops_) {
+      WLoop* p = lp.get();
+      lp->th = std::thread([this, p] { run(*p); });
+    }
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    wake();
+    for (auto& lp : loops_) {
+      if (lp->th.joinable()) lp->th.join();
+      if (lp->efd >= 0) close(lp->efd);
+    }
+    throw;
+  }
+}
+
+WriteBackend::~WriteBackend() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  wake();
+  for (auto& lp : loops_) {
+    if (lp->th.joinable()) lp->th.join();
+    close(lp->efd);
+    if (!lp->dead && lp->inflight == 0) client_->give_back(std::move(lp->conn));
+    for (auto& op : lp->ops) op.abandoned = true;
+    lp->conn.reset();  // before the ops its callbacks could still name
+  }
+}
+
+void WriteBackend::wake() {
+  uint64_t one = 1;
+  for (auto& lp : loops_)
+    if (lp->efd >= 0) (void)!::write(lp->efd, &one, sizeof one);
+}
+
+void WriteBackend::submit(IoRequest* req) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto q = std::make_unique<WReq>();
+    q->r = req;
+    q->file = &files_->file(req->fd);
+    q->off = req->offset;
+    q->len = req->offset >= q->file->size ? 0 : std::min(req->len, q->file->size - req->offset);
+    q->file->submitted += q->len;
+    q->file->open++;
+    open_++;
+    pending_++;
+    WReq* qp = q.get();
+    reqs_[req] = std::move(q);
+    const uint64_t piece = req->write ? wmax_ : rmax_;
+    if (qp->len == 0) {
+      qp->outstanding = 1;
+      queue_.push_back(SubOp{qp, qp->off, 0});
+    } else {
+      for (uint64_t o = 0; o < qp->len; o += piece) {
+        queue_.push_back(SubOp{qp, qp->off + o, std::min(piece, qp->len - o)});
+        qp->outstanding++;
+      }
+    }
+  }
+  wake();
+}
+
+void WriteBackend::drain() {
+  std::unique_lock<std::mutex> g(mu_);
+  drained_.wait(g, [&] { return pending_ == 0; });
+}
+
+void WriteBackend::fail_req(WReq* q, int err, const std::string& msg, int64_t off, int64_t len) {
+  if (q->failed) return;
+  q->failed = true;
+  q->err = err;
+  q->msg = msg;
+  q->err_off = off;
+  q->err_len = len;
+}
+
+void WriteBackend::report(WLoop& lp, WReq* q, int64_t res) {
+  IoRequest* r = q->r;
+  if (res < 0) files_->note_error(r, ErrInfo{q->msg, q->err_off, q->err_len});
+  reqs_.erase(r);
+  lp.done.emplace_back(r, res);
+}
+
+// A WRITE of q replied (or was dropped): once all have, q waits for a COMMIT.
+void WriteBackend::sub_done(WLoop& lp, WReq* q, std::vector<WFile*>& commit) {
+  if (--q->outstanding > 0) return;
+  WFile& f = *q->file;
+  f.open--;
+  open_--;
+  if (q->failed) {
+    report(lp, q, -q->err);
+  } else if (!q->r->write) {  // a file that ended early: the job names it truncated
+    report(lp, q, static_cast<int64_t>(q->eof_at != UINT64_MAX ? q->eof_at - q->off : q->len));
+  } else {
+    f.uncommitted.push_back(q);
+    f.uncommitted_bytes += q->len;
+    if ((f.open == 0 && f.submitted >= f.size) || f.uncommitted_bytes >= kCommitBytes) commit.push_back(&f);
+  }
+  if (queue_.empty() && open_ == 0) {
+    // Nothing else to send: commit what waits (the job may be waiting for these slots).
+    std::unordered_map<WFile*, bool> seen;
+    for (WFile* c : commit) seen[c] = true;
+    for (auto& [r, qq] : reqs_) {
+      WFile* ff = qq->file;
+      if (!ff->uncommitted.empty() && !seen[ff]) {
+        seen[ff] = true;
+        commit.push_back(ff);
+      }
+    }
+  }
+}
+
+void WriteBackend::send_write(WLoop& lp, const SubOp& s) {
+  lp.ops.emplace_back();
+  WOp& op = lp.ops.back();
+  op.self = std::prev(lp.ops.end());
+  op.loop = &lp;
+  op.sub = s;
+  WFile& f = *s.q->file;
+  if (!s.q->r->write) {
+    op.rargs.file.data.data_len = static_cast<u_int>(f.fh.size());
+    op.rargs.file.data.data_val = const_cast<char*>(f.fh.data());
+    op.rargs.offset = s.off;
+    op.rargs.count = static_cast<count3>(s.len);
+    if (lp.inflight == 0) lp.progress = Clock::now();
+    if (L().rpc_nfs3_read_async(L().nfs_get_rpc_context(lp.conn->ctx), wb_on_read, &op.rargs, &op) != 0) {
+      std::string why = std::string("NFS READ not queued: ") + L().nfs_get_error(lp.conn->ctx);
+      lp.ops.erase(op.self);
+      std::vector<WFile*> commit;
+      std::lock_guard<std::mutex> g(mu_);
+      fail_req(s.q, EIO, why, static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+      sub_done(lp, s.q, commit);
+      return;
+    }
+    lp.inflight++;
+    return;
+  }
+  op.wargs.file.data.data_len = static_cast<u_int>(f.fh.size());
+  op.wargs.file.data.data_val = const_cast<char*>(f.fh.data());
+  op.wargs.offset = s.off;
+  op.wargs.count = static_cast<count3>(s.len);
+  op.wargs.stable = UNSTABLE;
+  op.wargs.data.data_len = static_cast<u_int>(s.len);
+  op.wargs.data.data_val = s.q->r->buf + (s.off - s.q->r->offset);
+  if (lp.inflight == 0) lp.progress = Clock::now();
+  if (L().rpc_nfs3_write_async(L().nfs_get_rpc_context(lp.conn->ctx), wb_on_write, &op.wargs, &op) != 0) {
+    std::string why = std::string("NFS WRITE not queued: ") + L().nfs_get_error(lp.conn->ctx);
+    lp.ops.erase(op.self);
+    std::vector<WFile*> commit;
+    std::lock_guard<std::mutex> g(mu_);
+    fail_req(s.q, EIO, why, static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+    sub_done(lp, s.q, commit);
+    send_commits(lp, commit);
+    return;
+  }
+  lp.inflight++;
+}
+
+// Under mu_: a COMMIT of each file in `files` that has requests waiting for one.
+void WriteBackend::send_commits(WLoop& lp, std::vector<WFile*>& files) {
+  for (WFile* f : files) {
+    if (f->uncommitted.empty()) continue;
+    std::vector<WReq*> list;
+    list.swap(f->uncommitted);
+    f->uncommitted_bytes = 0;
+    if (lp.dead) {
+      for (WReq* q : list) {
+        fail_req(q, lp.dead_err, "NFS COMMIT: " + lp.dead_msg, -1, -1);
+        report(lp, q, -q->err);
+      }
+      continue;
+    }
+    if (pause_ms_ > 0) {  // fault tests restart the server here, between the WRITEs and their COMMIT
+      mu_.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms_));
+      mu_.lock();
+    }
+    lp.ops.emplace_back();
+    WOp& op = lp.ops.back();
+    op.self = std::prev(lp.ops.end());
+    op.loop = &lp;
+    op.commit = true;
+    op.file = f;
+    op.list = std::move(list);
+    op.cargs.file.data.data_len = static_cast<u_int>(f->fh.size());
+    op.cargs.file.data.data_val = const_cast<char*>(f->fh.data());
+    op.cargs.offset = 0;
+    op.cargs.count = 0;  // to the end of the file
+    if (lp.inflight == 0) lp.progress = Clock::now();
+    if (L().rpc_nfs3_commit_async(L().nfs_get_rpc_context(lp.conn->ctx), wb_on_commit, &op.cargs, &op) != 0) {
+      std::string why = std::string("NFS COMMIT not queued: ") + L().nfs_get_error(lp.conn->ctx);
+      for (WReq* q : op.list) {
+        fail_req(q, EIO, why, -1, -1);
+        report(lp, q, -q->err);
+      }
+      lp.ops.erase(op.self);
+      continue;
+    }
+    lp.inflight++;
+  }
+  files.clear();
+}
+
+void WriteBackend::on_write(WOp& op, int status, void* data) {
+  WLoop& lp = *op.loop;
+  lp.inflight--;
+  SubOp s = op.sub;
+  WReq* q = s.q;
+  std::vector<WFile*> commit;
+  std::lock_guard<std::mutex> g(mu_);
+  if (status != RPC_STATUS_SUCCESS) {
+    std::string msg = std::string("NFS WRITE ") + rpc_status_name(status);
+    if (status == RPC_STATUS_ERROR && data) msg += std::string(": ") + static_cast<const char*>(data);
+    fail_req(q, errno_of_rpc(status), msg, static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+    client_->note_failure(errno_of_rpc(status));
+  } else {
+    auto* res = static_cast<WRITE3res*>(data);
+    if (res->status != NFS3_OK) {
+      fail_req(q, errno_of_status(res->status), "NFS WRITE (status " + std::to_string(res->status) + ")",
+               static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+    } else {
+      lp.progress = Clock::now();
+      const WRITE3resok& ok = res->WRITE3res_u.resok;
+      if (q->have_verf && std::memcmp(q->verf, ok.verf, NFS3_WRITEVERFSIZE) != 0) q->mixed = true;
+      std::memcpy(q->verf, ok.verf, NFS3_WRITEVERFSIZE);
+      q->have_verf = true;
+      if (ok.count == 0) {
+        fail_req(q, EIO, "NFS WRITE wrote nothing", static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+      } else if (ok.count < s.len && !q->failed) {  // a short write: send the rest from here
+        SubOp rest{q, s.off + ok.count, s.len - ok.count};
+        lp.ops.erase(op.self);
+        mu_.unlock();
+        send_write(lp, rest);
+        mu_.lock();
+        return;
+      }
+    }
+  }
+  lp.ops.erase(op.self);
+  sub_done(lp, q, commit);
+  send_commits(lp, commit);
+}
+
+void WriteBackend::on_read(WOp& op, int status, void* data) {
+  WLoop& lp = *op.loop;
+  lp.inflight--;
+  SubOp s = op.sub;
+  WReq* q = s.q;
+  std::vector<WFile*> commit;
+  std::lock_guard<std::mutex> g(mu_);
+  if (status != RPC_STATUS_SUCCESS) {
+    std::string msg = std::string("NFS READ ") + rpc_status_name(status);
+    if (status == RPC_STATUS_ERROR && data) msg += std::string(": ") + static_cast<const char*>(data);
+    fail_req(q, errno_of_rpc(status), msg, static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+    client_->note_failure(errno_of_rpc(status));
+  } else {
+    auto* res = static_cast<READ3res*>(data);
+    if (res->status != NFS3_OK) {
+      fail_req(q, errno_of_status(res->status), "NFS READ (status " + std::to_string(res->status) + ")",
+               static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
+    } else {
+      lp.progress = Clock::now();
+      const READ3resok& ok = res->READ3res_u.resok;
+      uint64_t n = std::min<uint64_t>(ok.data.data_len, s.len);
+      if (!q->failed) std::memcpy(q->r->buf + (s.off - q->r->offset), ok.data.data_val, n);
+      if (n < s.len && !q->failed) {
+        if (ok.eof || n == 0) {
+          q->eof_at = std::min(q->eof_at, s.off + n);
+        } else {  // a short read: ask for the rest from here
+          SubOp rest{q, s.off + n, s.len - n};
+          lp.ops.erase(op.self);
+          mu_.unlock();
+          send_write(lp, rest);
+          mu_.lock();
+          return;
+        }
+      }
+    }
+  }
+  lp.ops.erase(op.self);
+  sub_done(lp, q, commit);
+}
+
+void WriteBackend::on_commit(WOp& op, int status, void* data) {
+  WLoop& lp = *op.loop;
+  lp.inflight--;
+  std::vector<WReq*> list = std::move(op.list);
+  WFile& f = *op.file;
+  lp.ops.erase(op.self);
+  std::lock_guard<std::mutex> g(mu_);
+  int err = 0;
+  std::string msg;
+  unsigned char verf[NFS3_WRITEVERFSIZE] = {};
+  if (status != RPC_STATUS_SUCCESS) {
+    err = errno_of_rpc(status);
+    msg = std::string("NFS COMMIT ") + rpc_status_name(status);
+    if (status == RPC_STATUS_ERROR && data) msg += std::string(": ") + static_cast<const char*>(data);
+    client_->note_failure(err);
+  } else {
+    auto* res = static_cast<COMMIT3res*>(data);
+    if (res->status != NFS3_OK) {
+      err = errno_of_status(res->status);
+      msg = "NFS COMMIT (status " + std::to_string(res->status) + ")";
+    } else {
+      lp.progress = Clock::now();
+      std::memcpy(verf, res->COMMIT3res_u.resok.verf, NFS3_WRITEVERFSIZE);
+    }
+  }
+  bool requeued = false;
+  for (WReq* q : list) {
+    if (err) {
+      fail_req(q, err, msg, -1, -1);
+      report(lp, q, -err);
+    } else if (!q->mixed && q->have_verf && std::memcmp(q->verf, verf, NFS3_WRITEVERFSIZE) == 0) {
+      files_->add_durable(f, q->len);
+      report(lp, q, static_cast<int64_t>(q->r->len));
+    } else if (++q->rounds >= kMaxRounds) {
+      fail_req(q, EIO, "NFS COMMIT: the server's write verifier kept changing over " + std::to_string(kMaxRounds) +
+               " rounds of rewrites (server restarting?)", static_cast<int64_t>(q->off), static_cast<int64_t>(q->len));
+      report(lp, q, -EIO);
+    } else {
+      // Written under another verifier: the server restarted and may have lost it.
+      q->have_verf = q->mixed = false;
+      f.open++;
+      open_++;
+      std::vector<SubOp> subs;
+      for (uint64_t o = 0; o < q->len; o += wmax_) subs.push_back(SubOp{q, q->off + o, std::min(wmax_, q->len - o)});
+      if (subs.empty()) subs.push_back(SubOp{q, q->off, 0});
+      q->outstanding = static_cast<unsigned>(subs.size());
+      for (auto it = subs.rbegin(); it != subs.rend(); ++it) queue_.push_front(*it);
+      requeued = true;
+    }
+  }
+  if (requeued) {
+    mu_.unlock();
+    wake();
+    mu_.lock();
+  }
+}
+
+// Drops every RPC in flight on this connection (each request fails with err) and the
+// connection itself; the loop then fails what it takes from the queue.
+void WriteBackend::abandon(WLoop& lp, int err, const std::string& why) {
+  std::vector<WFile*> commit;
+  std::lock_guard<std::mutex> g(mu_);
+  lp.dead = true;
+  lp.dead_err = err;
+  lp.dead_msg = why;
+  client_->note_failure(err);
+  for (auto& op : lp.ops) {
+    op.abandoned = true;
+    if (op.commit) {
+      for (WReq* q : op.list) {
+        fail_req(q, err, "NFS COMMIT: " + why, -1, -1);
+        report(lp, q, -err);
+      }
+    } else {
+      fail_req(op.sub.q, err, std::string(op.sub.q->r->write ? "NFS WRITE: " : "NFS READ: ") + why, static_cast<int64_t>(op.sub.off), static_cast<int64_t>(op.sub.len));
+      sub_done(lp, op.sub.q, commit);
+    }
+  }
+  lp.inflight = 0;
+  send_commits(lp, commit);  // fails them: the loop is dead
+  lp.conn.reset();           // cancels what libnfs still holds; the callbacks see abandoned ops
+  lp.ops.clear();
+}
+
+void WriteBackend::fill(WLoop& lp) {
+  for (;;) {
+    SubOp s;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (queue_.empty() || (!lp.dead && lp.inflight >= o_.depth)) return;
+      s = queue_.front();
+      queue_.pop_front();
+      bool cancelled = request_cancelled(s.q->r);
+      if (s.len == 0 || s.q->failed || cancelled || lp.dead) {
+        const std::string kind = s.q->r->write ? "NFS WRITE" : "NFS READ";
+        if (cancelled) fail_req(s.q, ECANCELED, kind + " cancelled", -1, -1);
+        if (lp.dead) fail_req(s.q, lp.dead_err, kind + ": " + lp.dead_msg, static_cast<int64_t>(s.off),
+                              static_cast<int64_t>(s.len));
+        std::vector<WFile*> commit;
+        sub_done(lp, s.q, commit);
+        send_commits(lp, commit);
+        continue;
+      }
+    }
+    send_write(lp, s);
+  }
+}
+
+void WriteBackend::flush(WLoop& lp) {
+  if (lp.done.empty()) return;
+  std::vector<std::pair<IoRequest*, int64_t>> done;
+  done.swap(lp.done);
+  for (auto& [r, res] : done) cb_(r, res);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    pending_ -= done.size();
+  }
+  drained_.notify_all();
+}
+
+void WriteBackend::run(WLoop& lp) {
+  for (;;) {
+    fill(lp);
+    flush(lp);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (stop_ && lp.inflight == 0) break;
+    }
+    pollfd p[2] = {{lp.efd, POLLIN, 0}, {-1, 0, 0}};
+    nfs_context* ctx = lp.dead ? nullptr : lp.conn->ctx;
+    if (ctx) p[1] = pollfd{L().nfs_get_fd(ctx), static_cast<short>(L().nfs_which_events(ctx)), 0};
+    int pr = poll(p, ctx ? 2 : 1, 100);
+    if (pr < 0 && errno != EINTR) {
+      abandon(lp, EIO, std::string("poll: ") + std::strerror(errno));
+      continue;
+    }
+    if (pr > 0 && (p[0].revents & POLLIN)) {
+      uint64_t v;
+      (void)!::read(lp.efd, &v, sizeof v);
+    }
+    if (!ctx) continue;
+    if (L().nfs_service(ctx, pr > 0 ? p[1].revents : 0) < 0) {
+      abandon(lp, ECONNRESET, std::string("connection lost: ") + L().nfs_get_error(ctx));
+    } else if (lp.inflight > 0 && Clock::now() - lp.progress > std::chrono::milliseconds(o_.timeout_ms)) {
+      abandon(lp, ETIMEDOUT, "no reply within " + std::to_string(o_.timeout_ms) + " ms");
+    }
+    flush(lp);
+  }
+  flush(lp);
+}
+
+}  // namespace
+
+std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client> client, std::string dir) {
+  return std::make_shared<NfsFiles>(std::move(client), std::move(dir));
 }
 
 #endif  // FLASHWRITE_HAVE_LIBNFS_HEADERS

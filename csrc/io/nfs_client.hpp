@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "io/remote_files.hpp"
+
 namespace fw::nfs {
 
 // Whether libnfs could be loaded, and if not why (what to install).
@@ -85,19 +87,37 @@ class Client {
 
   struct Conn;  // one libnfs context (internal)
 
+  // For the save path (make_remote_files): create `path` and return its file handle's
+  // bytes; bulk connections taken from (and given back to) a pool of idle ones.
+  std::string create(const std::string& path, bool exclusive);
+  std::string lookup(const std::string& path, uint64_t* size);  // an existing file's handle and size
+  std::unique_ptr<Conn> take_connection();
+  void give_back(std::unique_ptr<Conn> c);
+  uint64_t write_max() const { return wmax_; }
+  uint64_t read_max() const { return rmax_; }
+  // After a transport failure (timeout, lost connection), every connection is made
+  // afresh before the next operation.
+  void note_failure(int err);
+
  private:
   Conn& meta();
   void ensure_connections();
   std::unique_ptr<Conn> connect();
-  // After a transport failure (timeout, lost connection), every connection is made
-  // afresh before the next operation.
-  void note_failure(int err);
-  std::atomic<bool> reconnect_meta_{false}, reconnect_bulk_{false};
+  std::mutex idle_mu_;
+  std::vector<std::unique_ptr<Conn>> idle_;  // bulk connections no save uses now
+  std::atomic<bool> reconnect_meta_{false}, reconnect_bulk_{false}, reconnect_idle_{false};
 
   Options opts_;
   std::mutex meta_mu_, bulk_mu_;
   std::vector<std::unique_ptr<Conn>> conns_;
   uint64_t wmax_ = 0, rmax_ = 0;
 };
+
+// The stripes of a save sent straight from its staging slots to the server over
+// client->options().connections connections, each request reported once committed
+// with a matching verifier (see remote_files.hpp). Paths are inside the export.
+// dir: for a load, the directory on the server whose files the job's paths name
+// (by their last component; the job sees local placeholders of the same names).
+std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client> client, std::string dir = "");
 
 }  // namespace fw::nfs

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <optional>
 
 #include "core/defaults.hpp"
@@ -27,6 +28,11 @@ void register_walk(py::module_& m);      // plan_bindings.cpp: walk_state and it
 void register_plan(py::module_& m);      // plan_bindings.cpp: plan_chunks, layout_stripes
 void register_system(py::module_& m);    // system_bindings.cpp: checksum, directory ops, io_uring and CUDA probes
 void register_nfs(py::module_& m);       // nfs_bindings.cpp: NfsClient
+
+// start_save's and start_load's remote= (nfs_bindings.cpp): None, or an NfsClient
+// whose connections the job's files are written to or read from (nfs://).
+class RemoteFiles;
+std::shared_ptr<RemoteFiles> remote_files_of(const py::object& remote);
 
 // Waits in short slices without the GIL, checking for signals in between.
 // The time left is kept in double seconds and never converted to a clock

@@ -11,6 +11,7 @@
 #include "core/aligned_buffer.hpp"
 #include "engine/engine.hpp"
 #include "io/backend.hpp"
+#include "io/remote_files.hpp"
 #include "python/bindings.hpp"
 
 namespace fw {
@@ -33,7 +34,8 @@ std::unique_ptr<PyLoadJob> start_load_py(const std::vector<std::pair<std::string
                                          const std::string& backend, unsigned queue_depth, uint64_t chunk_bytes,
                                          unsigned verify_threads, bool direct,
                                          const std::vector<PyPlacement>& placements,
-                                         const std::vector<std::pair<int, uintptr_t>>& streams) {
+                                         const std::vector<std::pair<int, uintptr_t>>& streams,
+                                         const py::object& remote) {
   std::vector<ReadFileSpec> fs;
   for (auto& [p, n] : files) fs.push_back(ReadFileSpec{p, n});
   std::vector<VerifyPiece> ps;
@@ -45,6 +47,7 @@ std::unique_ptr<PyLoadJob> start_load_py(const std::vector<std::pair<std::string
   opt.chunk_bytes = chunk_bytes;
   opt.verify_threads = verify_threads;
   opt.direct = direct;
+  opt.remote = remote_files_of(remote);
   std::vector<Placement> pl;
   for (auto& [f, off, len, dev, ptr] : placements) {
     if (f >= fs.size() || dev < -1 || (len && !ptr))
@@ -97,13 +100,14 @@ void register_load(py::module_& m) {
         py::arg("queue_depth") = defaults::kReadQueueDepth, py::arg("chunk_bytes") = defaults::kReadChunkBytes,
         py::arg("verify_threads") = defaults::verify_threads(), py::arg("direct") = true,
         py::arg("placements") = std::vector<PyPlacement>{},
-        py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
+        py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{}, py::arg("remote") = py::none(),
         "Read files [(path, size)], verifying [(file, offset, len, xxh3)] pieces. placements: [(file, offset, "
         "nbytes, device, address)] byte ranges copied to GPU memory (device >= 0) or host memory (device -1) "
         "instead, through bounce buffers, each chunk verified before it is copied; the destinations must stay "
         "valid until the job is done. A file wholly covered by placements gets no buffer (None in buffers()), "
         "the others are read whole into aligned buffers. streams: [(device, cudaStream_t)] the GPU copies are "
-        "ordered after.");
+        "ordered after. remote: (NfsClient, directory on the server): the files are read from there, by "
+        "their names (the paths given are local placeholders of the same names, nfs://).");
   m.def(
       "bounce_pool_bytes",
       [] {

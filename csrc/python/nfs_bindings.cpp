@@ -9,6 +9,17 @@ namespace py = pybind11;
 
 namespace fw {
 
+// Engine.start_save's remote=: an NfsClient sends the stripes to its export;
+// start_load's: (NfsClient, directory) reads them from that directory.
+std::shared_ptr<RemoteFiles> remote_files_of(const py::object& remote) {
+  if (remote.is_none()) return nullptr;
+  if (py::isinstance<py::tuple>(remote)) {
+    auto t = remote.cast<py::tuple>();
+    return nfs::make_remote_files(t[0].cast<std::shared_ptr<nfs::Client>>(), t[1].cast<std::string>());
+  }
+  return nfs::make_remote_files(remote.cast<std::shared_ptr<nfs::Client>>());
+}
+
 void register_nfs(py::module_& m) {
   m.def("nfs_available", [] { return nfs::available(); }, "Whether libnfs can be loaded (dlopen).");
   m.def("nfs_unavailable_reason", [] { return nfs::available() ? std::string() : nfs::unavailable_reason(); },
@@ -19,7 +30,7 @@ void register_nfs(py::module_& m) {
           return nfs::list_exports(server, timeout_ms);
         },
         py::arg("server"), py::arg("timeout_ms") = 10000, "The exports SERVER lists (MOUNT EXPORT via the portmapper).");
-  py::class_<nfs::Client>(m, "NfsClient", "An NFSv3 client over several TCP connections (libnfs, loaded at run time).")
+  py::class_<nfs::Client, std::shared_ptr<nfs::Client>>(m, "NfsClient", "An NFSv3 client over several TCP connections (libnfs, loaded at run time).")
       .def(py::init([](const std::string& server, const std::string& export_path, int nfs_port, int mount_port,
                        unsigned connections, unsigned depth, uint64_t io_bytes, int timeout_ms) {
              nfs::Options o;

@@ -11,6 +11,7 @@
 
 #include "engine/engine.hpp"
 #include "io/backend.hpp"
+#include "io/remote_files.hpp"
 #include "python/bindings.hpp"
 
 namespace fw {
@@ -86,7 +87,7 @@ void append_host_segments(const py::sequence& host_files, std::vector<Segment>& 
 std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<std::string, py::object, uint64_t>>& files,
                                       const py::sequence& segments, py::object keepalive, const std::string& backend,
                                       unsigned queue_depth, unsigned copy_threads, bool direct, const GivenStreams& streams,
-                                      bool hold_slots, const py::sequence& host_files) {
+                                      bool hold_slots, const py::sequence& host_files, const py::object& remote) {
   std::vector<FileSpec> fs;
   for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
   std::vector<int> devices;
@@ -98,6 +99,7 @@ std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<
   opt.copy_threads = copy_threads;
   opt.direct = direct;
   opt.hold_slots = hold_slots;
+  opt.remote = remote_files_of(remote);
   auto out = std::make_unique<PySaveJob>();
   out->keepalive = std::move(keepalive);
   py::gil_scoped_release nogil;
@@ -208,7 +210,7 @@ void register_engine(py::module_& m) {
            py::arg("backend") = "auto", py::arg("queue_depth") = defaults::kWriteQueueDepth,
            py::arg("copy_threads") = defaults::copy_threads(),
            py::arg("direct") = true, py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
-           py::arg("hold_slots") = false, py::arg("host_files") = py::list(),
+           py::arg("hold_slots") = false, py::arg("host_files") = py::list(), py::arg("remote") = py::none(),
            "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "
            "[(address, nbytes, file, offset[, device])] with device -1 for host memory; host_files: more "
            "host-memory segments as columns, [(file, members, offsets, ptrs, nbytes)] (member k of a file is "
@@ -216,7 +218,8 @@ void register_engine(py::module_& m) {
            "every address until staged. streams: [(device, cudaStream_t)] the GPU copies are ordered after "
            "(PyTorch's current streams; a device without one uses its legacy default stream). Returns once "
            "that ordering is in place. hold_slots: keep the staged image whole in the pool until "
-           "SaveJob.release_slots() (a local snapshot).")
+           "SaveJob.release_slots() (a local snapshot). remote: an NfsClient: the files are paths in its export, "
+           "created there and written over its connections straight from the staging slots (nfs://).")
       .def("reserve",
            [](Engine& e, uint64_t bytes, int device) {
              py::gil_scoped_release nogil;

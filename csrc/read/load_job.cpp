@@ -28,6 +28,7 @@ LoadJob::~LoadJob() {
     cancel();
     ctl_.wait(-1);
   }
+  if (opt_.remote) return;  // handles of the remote files, not descriptors
   for (int fd : fds_) close_fd(fd);
   for (int fd : buffered_fds_) close_fd(fd);
 }
@@ -41,6 +42,16 @@ void LoadJob::start() {
   // Open and size-check on the caller's thread: missing or truncated files are
   // reported before any large allocation.
   for (auto& spec : specs_) {
+    if (opt_.remote) {
+      uint64_t actual = 0;
+      fds_.push_back(opt_.remote->open(spec.path, &actual));
+      buffered_fds_.push_back(-1);
+      opened_direct_.push_back(0);
+      if (actual != spec.size)
+        throw FormatError("'" + spec.path + "' is " + std::to_string(actual) + " bytes on the server, the manifest "
+                          "says " + std::to_string(spec.size) + (actual < spec.size ? " (truncated)" : ""));
+      continue;
+    }
     OpenedFile of = open_for_read(spec.path, opt_.direct);
     fds_.push_back(of.fd);
     buffered_fds_.push_back(-1);
@@ -95,7 +106,8 @@ void LoadJob::start() {
   if (opt_.placer)
     for (size_t i = 0; i < requests_.size(); ++i)
       to_placer_[i] = !requests_[i].buf || opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
-  backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
+  IoCallback cb = [this](IoRequest* r, int64_t res) { on_io(r, res); };
+  backend_ = opt_.remote ? opt_.remote->backend(opt_.queue_depth, cb) : make_backend(opt_.backend, opt_.queue_depth, cb);
   backend_name_ = backend_->name();
   try {
     ctl_.start([this] { run(); });
@@ -130,7 +142,7 @@ int LoadJob::read_fd(uint32_t f) {
 
 void LoadJob::on_io(IoRequest* r, int64_t res) {
   const uint32_t f = file_of_request_[r->tag];
-  if (res == -EINVAL && opt_.direct) {
+  if (res == -EINVAL && opt_.direct && !opt_.remote) {
     try {
       if (fall_back_to_buffered(r, f)) return;
     } catch (...) {
@@ -140,6 +152,10 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
     }
   }
   if ((res < 0 || static_cast<uint64_t>(res) < r->want) && to_placer_[r->tag]) opt_.placer->discard(r->buf);
+  if (res < 0 && opt_.remote) {
+    fail(opt_.remote->error(r, res));
+    return;
+  }
   if (res < 0) {
     fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "read", specs_[f].path,
                                          static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
@@ -284,8 +300,10 @@ void LoadJob::run() {
       fail(std::current_exception());
     }
   }
-  for (int fd : fds_) close_fd(fd);
-  for (int fd : buffered_fds_) close_fd(fd);
+  if (!opt_.remote) {  // else handles of the remote files, not descriptors
+    for (int fd : fds_) close_fd(fd);
+    for (int fd : buffered_fds_) close_fd(fd);
+  }
   fds_.clear();
   buffered_fds_.clear();
   ctl_.finish([&] {

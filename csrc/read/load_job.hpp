@@ -27,6 +27,7 @@
 #include "core/defaults.hpp"
 #include "core/job_control.hpp"
 #include "io/backend.hpp"
+#include "io/remote_files.hpp"
 #include "read/chunk_placer.hpp"
 
 namespace fw {
@@ -54,6 +55,9 @@ struct LoadOptions {
   unsigned verify_threads = defaults::verify_threads();
   bool direct = true;
   std::shared_ptr<ChunkPlacer> placer;  // set when some bytes are placed
+  // Stripes on a server (nfs://): opened there by their names and read by its
+  // backend straight into the slots and destinations.
+  std::shared_ptr<RemoteFiles> remote;
 };
 
 class LoadJob {

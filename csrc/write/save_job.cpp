@@ -89,6 +89,10 @@ void SaveJob::start() {
       f->path = spec.path;
       f->size = spec.size;
       files_.push_back(std::move(f));
+      if (opt_.remote) {
+        files_.back()->fd = opt_.remote->create(spec.path, spec.size);
+        continue;
+      }
       OpenedFile of = open_for_write(spec.path, opt_.direct);
       files_.back()->fd = of.fd;
       files_.back()->direct = of.direct;
@@ -102,7 +106,8 @@ void SaveJob::start() {
         fail(std::current_exception());
       }
     }
-    backend_ = make_backend(opt_.backend, opt_.queue_depth, [this](IoRequest* r, int64_t res) { on_io(r, res); });
+    IoCallback cb = [this](IoRequest* r, int64_t res) { on_io(r, res); };
+    backend_ = opt_.remote ? opt_.remote->backend(opt_.queue_depth, cb) : make_backend(opt_.backend, opt_.queue_depth, cb);
     backend_name_ = backend_->name();
     // A slot for every chunk, on top of what other saves staging now on this
     // pool reserved: then no copy waits for another chunk's checksum, and the
@@ -118,7 +123,8 @@ void SaveJob::start() {
     if (reserved_) pool_->unreserve(plan_.chunks.size());
     reserved_ = false;
     backend_.reset();
-    for (auto& f : files_) close_fd(f->fd.load());
+    if (!opt_.remote)
+      for (auto& f : files_) close_fd(f->fd.load());
     files_.clear();
     throw;
   }
@@ -217,6 +223,8 @@ void SaveJob::on_io(IoRequest* r, int64_t res) {
     } catch (...) {
       fail(std::current_exception());
     }
+  } else if (res < 0 && opt_.remote) {
+    fail(opt_.remote->error(r, res));
   } else if (res < 0) {
     fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "write", f.path,
                                          static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
@@ -231,6 +239,10 @@ void SaveJob::on_io(IoRequest* r, int64_t res) {
 }
 
 void SaveJob::finish_files() {
+  if (opt_.remote) {
+    for (auto& f : files_) opt_.remote->finish(f->fd);
+    return;
+  }
   for (auto& f : files_) {
     truncate_to(f->fd, f->size, f->path);
     fsync_fd(f->fd, f->path);
@@ -289,6 +301,7 @@ void SaveJob::run() {
     }
   }
   for (auto& f : files_) {
+    if (opt_.remote) break;  // handles of the remote files, not descriptors
     close_fd(f->fd.load());
     close_fd(f->direct_fd);
   }

@@ -30,6 +30,7 @@
 #include "core/defaults.hpp"
 #include "core/job_control.hpp"
 #include "io/backend.hpp"
+#include "io/remote_files.hpp"
 #include "stage/device_copy.hpp"
 #include "stage/staging_pool.hpp"
 #include "write/chunk_plan.hpp"
@@ -55,6 +56,9 @@ struct SaveOptions {
   // once written, so the staged image stays whole in the pool (a local
   // snapshot). Ignored when the pool is bounded below the save's chunk count.
   bool hold_slots = false;
+  // Stripes on a server (nfs://): created there and written by its backend, each
+  // request reported once durable there; no local files, truncate or fsync.
+  std::shared_ptr<RemoteFiles> remote;
 };
 
 // Where one chunk of a held save lies: stripe, offset in it, bytes, and the

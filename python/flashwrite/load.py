@@ -8,9 +8,7 @@ the data path).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -19,8 +17,8 @@ from . import defaults, distributed, foreign, gcpause
 from .format import MANIFEST_NAME
 from .future import LoadFuture, LoadStats, launch_load
 from .read import CheckpointDir, LoadResult, load_foreign, load_state, read_tensors
-from .locate import resolve
-from .target import check_path, url_scheme
+from .locate import local_view
+from .target import check_path
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult", "LoadFuture", "LoadStats"]
 
@@ -65,19 +63,9 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
         return _load(local, process_group, options)
 
 
-@contextlib.contextmanager
 def _fetched(path: str | os.PathLike, what: str):
-    """A local path to read ``path`` from: itself, or for nfs:// a copy of the checkpoint
-    read over the NFS connections into /dev/shm (removed afterwards)."""
-    if url_scheme(path) is None:
-        yield path
-        return
-    target, inner = resolve(path, what)
-    local = target.download(inner)
-    try:
-        yield local
-    finally:
-        shutil.rmtree(local, ignore_errors=True)
+    """A local path to read ``path`` from (``locate.local_view``)."""
+    return local_view(path, what)
 
 
 def _load(path: str | os.PathLike, process_group: Any, options: dict) -> Any:

@@ -6,12 +6,14 @@ user; save, load and the multi-rank protocol ask here.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 from . import nfs
 from .target import LOCAL, Target, check_path, url_scheme
 
-__all__ = ["resolve"]
+__all__ = ["resolve", "local_view"]
 
 
 def resolve(path: str | os.PathLike, what: str) -> tuple[Target, str]:
@@ -22,3 +24,23 @@ def resolve(path: str | os.PathLike, what: str) -> tuple[Target, str]:
     if url_scheme(s) == "nfs":
         return nfs.target_for(s, what)
     return LOCAL, os.path.abspath(s)
+
+
+@contextlib.contextmanager
+def local_view(path: str | os.PathLike, what: str) -> Iterator[str]:
+    """A local path to read the checkpoint ``path`` from: itself, or for nfs:// a stand-in
+    directory in /dev/shm (its small files and placeholders of its stripes, whose bytes a
+    load then reads over the NFS connections: ``NfsTarget.download``), removed afterwards."""
+    s = check_path(path, what)
+    if url_scheme(s) != "nfs":
+        yield s
+        return
+    try:
+        target, inner = resolve(s, what)
+        local = target.download(inner)
+    except OSError as e:  # name what the user gave, not the server's side of it
+        raise type(e)(e.errno, f"{what} {s}: {e.strerror or e}", e.filename) from None
+    try:
+        yield local
+    finally:
+        nfs.forget_download(local)

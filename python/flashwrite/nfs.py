@@ -7,26 +7,32 @@
   the path inside the export. NFSv3 names an export by its real path on the server.
 - PORT (or ``nfsport=``) and ``mountport=`` skip the portmapper for those services;
   with ``mountport=`` the export is the longest prefix the server lets us mount.
-- ``connections`` (default 4): TCP connections for bulk transfers, each with
+- ``connections`` (default 4, or what ``flashwrite tune nfs://... --save`` measured
+  for the export): TCP connections for bulk transfers, each with
   ``depth`` (default 16) WRITE or READ RPCs in flight; ``timeout`` (seconds,
   default 10): the longest wait for the server without progress before an
   operation fails with an error naming the server and the operation.
 
 The transfers run in the native core (``_core.NfsClient``, io/nfs_client.cpp) on
 libnfs, loaded at run time. A save stages and checksums its stripes exactly as a
-local save does, into a staging directory in /dev/shm, then sends each stripe with
-UNSTABLE WRITEs over the connections and COMMITs it, checking the server's write
-verifier (a server restart between WRITE and COMMIT means the bytes are written
-again); then the index and the manifest (committed the same way), then the rename.
+local save does, into the staging pool, and sends each chunk from its pool slot
+straight to the server with UNSTABLE WRITEs over the connections (no local copy);
+a chunk's slot is reused only once a COMMIT of its stripe returned the verifier its
+WRITEs did (a server restart between WRITE and COMMIT means the chunk is written
+again). Then the index and the manifest (committed the same way), then the rename.
 NFSv3 servers make directory operations stable before replying, so there is no
-directory fsync. A load reads the stripes back over the connections into /dev/shm
-and loads and verifies them there. The staging copies are removed when the call
-returns.
+directory fsync. A load copies the checkpoint's small files (manifest, index) into a
+directory in /dev/shm, with a sparse placeholder holding only the header for each
+stripe, and the load job reads the stripes over the connections straight into its
+bounce slots and destinations (no local copy of the bytes); the directory is removed
+when the call returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import mmap
 import os
 import shutil
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 
 from . import _core
 from .target import Target, UnsupportedTargetError
+from .tuning import config_dir
 
 __all__ = ["NfsUrl", "parse_url", "NfsTarget", "target_for"]
 
@@ -55,6 +62,7 @@ class NfsUrl:
     connections: int = DEFAULT_CONNECTIONS
     depth: int = DEFAULT_DEPTH
     timeout_s: float = DEFAULT_TIMEOUT_S
+    explicit: frozenset = frozenset()  # the query parameters the URL gave
 
 
 def parse_url(url: str) -> NfsUrl:
@@ -94,7 +102,8 @@ def parse_url(url: str) -> NfsUrl:
         raise bad("bad port") from None
     return NfsUrl(server=u.hostname, path=path, nfs_port=int(num("nfsport", port)),
                   mount_port=int(num("mountport", 0)), connections=int(num("connections", DEFAULT_CONNECTIONS)),
-                  depth=int(num("depth", DEFAULT_DEPTH)), timeout_s=float(num("timeout", DEFAULT_TIMEOUT_S, float, 0.1)))
+                  depth=int(num("depth", DEFAULT_DEPTH)), timeout_s=float(num("timeout", DEFAULT_TIMEOUT_S, float, 0.1)),
+                  explicit=frozenset(q))
 
 
 def _require_libnfs(url: str, what: str) -> None:
@@ -213,49 +222,34 @@ class NfsTarget(Target):
         raise UnsupportedTargetError(f"{self.show(path)}: stripes on nfs:// are sent by the NFS client, not opened",
                                      url=self.show(path), scheme="nfs")
 
-    # ---- staging: the engine writes stripes locally; upload sends them over NFS
+    # ---- the engine sends the stripes straight to the server (Engine.start_save's remote=)
 
     def staging_dir(self, tmp: str) -> str:
-        local = tempfile.mkdtemp(prefix="flashwrite-nfs-", dir=_staging_root())
-        with self._lock:
-            self._staging[local] = tmp
-        return local
-
-    def upload(self, staging: str) -> str:
-        with self._lock:
-            tmp = self._staging.get(staging)
-        if tmp is None:
-            return staging  # a temporary directory on the server already (sent earlier, or by another rank)
-        for name in sorted(os.listdir(staging)):
-            src = os.path.join(staging, name)
-            size = os.path.getsize(src)
-            if size == 0:
-                self.client.write_file(f"{tmp}/{name}", b"", True)
-                continue
-            with open(src, "rb") as fh:
-                with mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as m:
-                    self.client.write_file(f"{tmp}/{name}", m, True)
-            os.unlink(src)  # the staging copy goes as soon as the server holds it
-        self.drop_staging(staging)
+        """``tmp`` itself: the save's stripes go from the staging pool to the server over
+        the connections (``remote_for``), each chunk committed before its slot is reused."""
+        with _direct_lock:
+            _direct[tmp] = self
         return tmp
 
+    def upload(self, staging: str) -> str:
+        self.drop_staging(staging)  # every stripe was committed by the save job itself
+        return staging
+
     def discard_staging(self, staging: str) -> None:
-        with self._lock:
-            tmp = self._staging.pop(staging, None)
-        if tmp is None:  # a temporary directory on the server
-            self.remove_tree(staging)
-            return
-        shutil.rmtree(staging, ignore_errors=True)
-        self.remove_tree(tmp)
+        self.drop_staging(staging)
+        self.remove_tree(staging)
 
     def drop_staging(self, staging: str) -> None:
-        with self._lock:
-            known = self._staging.pop(staging, None) is not None
-        if known:  # never a server path taken for a local one
-            shutil.rmtree(staging, ignore_errors=True)
+        with _direct_lock:
+            if _direct.get(staging) is self:
+                del _direct[staging]
 
     def download(self, path: str) -> str:
-        """Copy the checkpoint directory ``path`` into a fresh local directory; returns it."""
+        """A fresh local directory standing for the checkpoint directory ``path``: its small
+        files copied, each ``.safetensors`` stripe a sparse placeholder of its size holding
+        only its header (what the reader checks before it reads). A load of that directory
+        reads the stripes from the server (``reader_for``), straight into its bounce slots
+        and destinations. Remove it with ``forget_download``."""
         local = tempfile.mkdtemp(prefix="flashwrite-nfs-", dir=_staging_root())
         try:
             exists, is_dir, _ = self.client.stat(path)
@@ -265,21 +259,69 @@ class NfsTarget(Target):
                 exists, is_dir, size = self.client.stat(f"{path}/{name}")
                 if is_dir:
                     continue
-                # Straight into the staging file's pages: no buffer in between.
                 fd = os.open(os.path.join(local, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 try:
-                    if size:
-                        os.ftruncate(fd, size)
-                        with mmap.mmap(fd, size) as m:
-                            n = self.client.read_into(f"{path}/{name}", m, 0)
-                        if n != size:
-                            os.ftruncate(fd, n)
+                    if not size:
+                        continue
+                    os.ftruncate(fd, size)
+                    if name.endswith(".safetensors"):
+                        head = self._header(f"{path}/{name}", size)
+                        os.pwrite(fd, head, 0)
+                        continue
+                    with mmap.mmap(fd, size) as m:  # straight into the copy's pages
+                        n = self.client.read_into(f"{path}/{name}", m, 0)
+                    if n != size:
+                        os.ftruncate(fd, n)
                 finally:
                     os.close(fd)
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)
             raise
+        with _direct_lock:
+            _reads[local] = (self, path)
         return local
+
+    def _header(self, path: str, size: int) -> bytes:
+        """The first bytes of a safetensors file: its 8-byte length and its JSON header."""
+        buf = bytearray(min(size, 1 << 16))
+        n = self.client.read_into(path, buf, 0)
+        head = bytes(buf[:n])
+        if n >= 8:
+            want = min(size, 8 + int.from_bytes(head[:8], "little"))
+            if want > n and want <= 100 << 20:
+                rest = bytearray(want - n)
+                head += bytes(rest[:self.client.read_into(path, rest, n)])
+        return head
+
+
+def forget_download(local: str) -> None:
+    """Remove a directory ``download`` made."""
+    with _direct_lock:
+        _reads.pop(local, None)
+    shutil.rmtree(local, ignore_errors=True)
+
+
+def reader_for(directory: str) -> tuple | None:
+    """(NfsClient, directory on the server) a load of the local ``directory`` (made by
+    ``NfsTarget.download``) reads its stripes from, else None."""
+    with _direct_lock:
+        hit = _reads.get(os.path.abspath(directory))
+    return (hit[0].client, hit[1]) if hit is not None else None
+
+
+# A save's temporary directory on a server -> its target, while the save writes there.
+_direct: dict[str, NfsTarget] = {}
+# A load's local stand-in directory (NfsTarget.download) -> (target, checkpoint directory there).
+_reads: dict[str, tuple[NfsTarget, str]] = {}
+_direct_lock = threading.Lock()
+
+
+def remote_for(directory: str) -> object | None:
+    """The ``_core.NfsClient`` a save into ``directory`` sends its stripes through (the
+    temporary directory of an nfs:// save, see ``NfsTarget.staging_dir``), else None."""
+    with _direct_lock:
+        t = _direct.get(directory)
+    return t.client if t is not None else None
 
 
 def _staging_root() -> str:
@@ -290,10 +332,61 @@ _targets: dict[tuple, NfsTarget] = {}
 _targets_lock = threading.Lock()
 
 
+def tuning_key(server: str, nfs_port: int, export: str) -> str:
+    return f"nfs://{server}{f':{nfs_port}' if nfs_port else ''}{export}"
+
+
+_tunings: tuple[float, dict] | None = None
+
+
+def store_path() -> str:
+    """Where ``flashwrite tune nfs://... --save`` keeps its results (beside tunings.json)."""
+    return os.path.join(config_dir(), "nfs-tunings.json")
+
+
+def forget_tunings() -> None:
+    global _tunings
+    _tunings = None
+
+
+def tuned_connections(server: str, nfs_port: int, path: str) -> int | None:
+    """The connections ``flashwrite tune nfs://... --save`` stored for the export holding
+    ``path`` on that server (the longest stored export that is a prefix of it), or None."""
+    global _tunings
+    try:
+        mtime = os.stat(store_path()).st_mtime
+    except OSError:
+        return None
+    if _tunings is None or _tunings[0] != mtime:
+        try:
+            with open(store_path()) as fh:
+                raw = json.load(fh)
+        except (OSError, ValueError):
+            raw = {}
+        _tunings = (mtime, raw if isinstance(raw, dict) else {})
+    prefix = tuning_key(server, nfs_port, "")
+    best, got = -1, None
+    for key, rec in _tunings[1].items():
+        if not key.startswith(prefix) or not isinstance(rec, dict):
+            continue
+        export = key[len(prefix):]
+        c = rec.get("connections")
+        if (path == export or path.startswith(export.rstrip("/") + "/")) and len(export) > best \
+                and isinstance(c, int) and c >= 1:
+            best, got = len(export), c
+    return got
+
+
 def target_for(url: str, what: str) -> tuple[NfsTarget, str]:
-    """(the target serving ``url``, the path inside its export)."""
+    """(the target serving ``url``, the path inside its export). Without ``connections=``
+    in the URL, a saved tuning for the export (``flashwrite tune URL --save``) gives it,
+    else DEFAULT_CONNECTIONS."""
     _require_libnfs(url, what)
     u = parse_url(url)
+    if "connections" not in u.explicit:
+        tuned = tuned_connections(u.server, u.nfs_port, u.path)
+        if tuned is not None:
+            u = dataclasses.replace(u, connections=tuned)
     key = (u.server, u.nfs_port, u.mount_port, u.connections, u.depth, u.timeout_s)
     with _targets_lock:
         cached = [(e, t) for (k, e), t in _targets.items() if k == key]

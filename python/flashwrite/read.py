@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _core, defaults, dtypes, foreign, gcpause
+from . import _core, defaults, dtypes, foreign, gcpause, nfs
 from . import cuda as _cuda
 from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from .flatten import FlatTensor, flatten, unflatten
@@ -230,7 +230,7 @@ class CheckpointDir:
             # is done.
             job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
                                    defaults.VERIFY_THREADS, direct, placements=placements,
-                                   streams=streams)
+                                   streams=streams, remote=nfs.reader_for(path))  # nfs://: from the server
         job.wait()
         with gcpause.paused():
             job.rethrow()

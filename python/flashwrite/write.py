@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _core, gcpause, hf
+from . import _core, gcpause, hf, nfs
 from . import cuda as _cuda
 from . import defaults as _defaults
 from .flatten import diagnose, flatten_columns
@@ -63,7 +63,8 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
             raise
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in files], segments,
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
-                            hold_slots=hold_slots, host_files=host_files)
+                            hold_slots=hold_slots, host_files=host_files,
+                            remote=nfs.remote_for(directory))  # nfs://: straight to the server
     if streams and engine.pin_error:
         _warn_unpinned(engine.pin_error)
     stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(columns.keys),

@@ -22,6 +22,9 @@ from .ls import list_checkpoints, list_local, to_json
 from .progress import Progress
 from .sources import FORMATS
 from .tune import tune
+from .tune_nfs import save_nfs_tuning, tune_nfs
+from .tune_nfs import store_path as nfs_store_path
+from ..target import url_scheme
 
 
 def _when(t: float | None) -> str:
@@ -152,6 +155,8 @@ def _print_tune(r: dict) -> None:
 
 @guarded
 def cmd_tune(a: argparse.Namespace) -> int:
+    if url_scheme(a.dir) == "nfs":
+        return _tune_nfs(a)
     r = tune(a.dir, a.budget_s, _progress(a), device_tool=a.device_tool, size=a.size)
     if not r.get("recommended"):
         raise Problem("no trial finished within the budget; give a larger --budget-s")
@@ -165,6 +170,29 @@ def cmd_tune(a: argparse.Namespace) -> int:
         if a.save:
             print(f"saved for {r['saved']['source']} at {r['saved']['mount_point']} in {r['saved_to']}: "
                   "Writer() and flashwrite.save use it there unless given explicit settings")
+    return OK
+
+
+def _tune_nfs(a: argparse.Namespace) -> int:
+    r = tune_nfs(a.dir, a.budget_s, _progress(a), size=a.size)
+    if a.save:
+        r["saved"] = save_nfs_tuning(r)
+        r["saved_to"] = nfs_store_path()
+    if a.json:
+        print_json(r)
+        return OK
+    print(f"{r['url']}: export {r['export']} of {r['server']}, {fmt_bytes(r['bytes_per_trial'])} per trial, "
+          f"{r['elapsed_s']:.0f} s of a {r['budget_s']:.0f} s budget\n")
+    best = r["connections"]
+    print_table(["connections", "durable s", "save GB/s", "load s", "load GB/s", ""],
+                [[x["connections"], f"{x['save_s']:.2f}", f"{x['save_gbps']:.2f}", f"{x['load_s']:.2f}",
+                  f"{x['load_gbps']:.2f}", "<- recommended" if x["connections"] == best else ""]
+                 for x in r["trials"]], right=(0, 1, 2, 3, 4))
+    if r["skipped"]:
+        print(f"\nskipped (budget): {', '.join(r['skipped'])}")
+    print(f"\nrecommended: connections={best} ({r['recommended_gbps']:.2f} GB/s to durable)")
+    if a.save:
+        print(f"saved for {r['saved']['key']} in {r['saved_to']}: nfs:// URLs there without connections= use it")
     return OK
 
 
@@ -210,7 +238,8 @@ def register(sub: Any, size_type: Any) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("tune", help="measure the storage behind DIR and recommend stripes, queue depth, chunk")
+    p = sub.add_parser("tune", help="measure the storage behind DIR and recommend stripes, queue depth, chunk "
+                       "(for an nfs:// DIR: the number of connections)")
     p.add_argument("dir")
     p.add_argument("--budget-s", type=float, default=120.0, help="time to spend (default 120)")
     p.add_argument("--size", type=size_type, help="bytes per trial (default: sized to the budget)")

@@ -8,7 +8,8 @@ import re
 from typing import Any
 
 from ..format import Manifest, read_manifest
-from ..target import local_path
+from ..locate import local_view
+from ..target import url_scheme
 from . import tree as _tree
 
 
@@ -26,7 +27,8 @@ def key_matcher(pattern: str | None):
 def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
     """The manifest as a report: tensors (filtered by ``pattern``: a glob, a substring,
     or ``re:REGEX``), totals by top-level key and dtype, leaves, stripes, writer."""
-    m: Manifest = read_manifest(local_path(path, "inspect"))
+    with local_view(path, "inspect") as local:  # nfs://: the manifest fetched from the server
+        m: Manifest = read_manifest(local)
     match = key_matcher(pattern)
     tensors = []
     by_top: dict[str, list[int]] = {}
@@ -45,7 +47,7 @@ def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
     raw = m.raw
     ranks = raw.get("ranks") if isinstance(raw.get("ranks"), dict) else None
     return {
-        "path": os.path.abspath(path),
+        "path": path if url_scheme(path) else os.path.abspath(path),
         "format_version": raw.get("format_version"),
         "writer_version": m.writer_version,
         "created_unix": raw.get("created_unix") if isinstance(raw.get("created_unix"), (int, float)) else None,
