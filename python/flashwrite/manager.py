@@ -157,6 +157,11 @@ class CheckpointManager:
     field (default ``"step-{step:08d}"``; ``"checkpoint-{step}"`` is the Hugging Face
     Trainer's). Listing, retention, restore and the local tier all go by it; other names
     in root are not checkpoints to this manager.
+    incremental: hard-link the stripes that did not change since the previous checkpoint
+    instead of writing them (``flashwrite.incremental``); every checkpoint stays whole on
+    its own, so retention may delete any of them. Default: on for single-process saves to a
+    local root without local snapshots (where it cannot apply, saves write every stripe
+    and ``SaveStats.incremental`` says why).
     on_commit: ``on_commit(step, path)`` runs on the commit thread after each save has
     committed (and retention has run), before ``wait()`` returns; an error it raises is
     logged (the checkpoint itself is committed).
@@ -168,7 +173,8 @@ class CheckpointManager:
                  final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False,
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None, keep_local: bool = False,
                  reserve: Any = None, process_group: Any = None, neighbour_copies: bool = False,
-                 name: str = DEFAULT_NAME, on_commit: Callable[[int, str], None] | None = None):
+                 name: str = DEFAULT_NAME, on_commit: Callable[[int, str], None] | None = None,
+                 incremental: bool | None = None):
         for arg, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
                         ("keep_every_n_steps", keep_every_n_steps)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -207,6 +213,9 @@ class CheckpointManager:
         self._writer = writer if writer is not None else Writer(local_snapshots=local_snapshots, local_dir=local_dir,
                                                                 neighbour_copies=neighbour_copies)
         self.keep_local = keep_local
+        if incremental is None:
+            incremental = process_group is None and self._target is LOCAL and not self._writer.local_snapshots
+        self.incremental = bool(incremental)
         self.local_dir = self._writer._local.dir if self._writer.local_snapshots else None
         self.process_group = process_group
         self._rank: tuple[int, int] | None = None  # (rank, size) in a multi-rank run
@@ -324,7 +333,7 @@ class CheckpointManager:
         self._last_start = time.monotonic()
         fut = self._writer.save_async(state_dict, path, overwrite=overwrite, allow_pickle=self.allow_pickle,
                                       metadata={"step": str(step)}, process_group=self.process_group,
-                                      **(save_options or {}))
+                                      incremental=self.incremental, **(save_options or {}))
         pending = _Pending(step, path, fut)
         with self._lock:
             self._inflight = pending
