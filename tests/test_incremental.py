@@ -314,7 +314,7 @@ def test_kill9_during_incremental_saves(tmp_path):
     window = time.monotonic() - t0
     killed = 0
     for trial in range(10):
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.3, max(0.4, window)))
         if p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)

@@ -248,13 +248,18 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
 
     out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared)
     claimed: set[int] = set()
+    linkable = []
     for fi in unchanged_files:
         fe = m.files[fi]
         src = os.path.join(base.path, fe.name)
         header = _read_header(src, fe.header_bytes, fe.size)
-        if header is None or _header_meta(header) != HEADER_META:
-            continue  # damaged, or carrying a save's metadata: planned as stable instead
-        name = f"{prefix}-linked-{len(out.files) + 1:05d}.safetensors"
+        if header is not None and _header_meta(header) == HEADER_META:
+            linkable.append((fi, src, header))
+        # else damaged, or carrying a save's metadata: planned as stable instead
+    # Names are final here (a link is never renamed): <prefix>-linked-K-of-N, -stable-, -hot-.
+    for k, (fi, src, header) in enumerate(linkable):
+        fe = m.files[fi]
+        name = stripe_name(f"{prefix}-linked", k, len(linkable))
         if out.fallback_reason:
             out.fallbacks += 1
             continue
@@ -289,13 +294,6 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
             if kind == "hot":
                 out.hot.add(len(out.files))
             out.files.append(f)
-    # Names in the manifest's order (stripe_name's pattern, which extra_files keeps free).
-    total = len(out.files)
-    for i, f in enumerate(out.files):
-        new = stripe_name(prefix, i, total)
-        if i in out.linked:
-            os.rename(os.path.join(tmp, f.name), os.path.join(tmp, new))
-        f.name = new
     return out
 
 
