@@ -282,6 +282,22 @@ def test_ls_and_inspect_show_written_and_linked(tmp_path, capsys):
     assert "linked" in out
 
 
+@pytest.mark.nfs
+def test_nfs_target_writes_everything_and_says_why(nfs_server, tmp_path, monkeypatch):
+    """nfs:// saves are not linked yet: incremental=True writes every stripe and says so;
+    a manager on an nfs:// root is not incremental by default."""
+    monkeypatch.setenv("FLASHWRITE_NFS_STAGING", str(tmp_path))
+    frozen = frozen_base(2)
+    with fw.Writer(stripes=2, chunk_bytes=CHUNK, incremental=True) as w:
+        for step in (1, 2):
+            s = w.save(lora_state(step, frozen), nfs_server.url(f"ck/step-{step}"))
+            assert s.incremental.startswith("off: nfs://") and s.bytes_linked == 0 and s.bytes_written == s.bytes
+    assert_same(fw.load(nfs_server.url("ck/step-2")), lora_state(2, frozen))
+    mgr = fw.CheckpointManager(nfs_server.url("m"), cleanup=False)
+    assert not mgr.incremental
+    mgr.close()
+
+
 # --------------------------------------------------------------------------- kill -9
 
 _VICTIM = r"""
