@@ -283,19 +283,30 @@ def test_ls_and_inspect_show_written_and_linked(tmp_path, capsys):
 
 
 @pytest.mark.nfs
-def test_nfs_target_writes_everything_and_says_why(nfs_server, tmp_path, monkeypatch):
-    """nfs:// saves are not linked yet: incremental=True writes every stripe and says so;
-    a manager on an nfs:// root is not incremental by default."""
+def test_nfs_links_with_nfs_link(nfs_server, tmp_path, monkeypatch):
+    """Over nfs:// the unchanged stripes are linked on the server (NFS LINK); the linked
+    checkpoint stays whole when the earlier one is deleted."""
     monkeypatch.setenv("FLASHWRITE_NFS_STAGING", str(tmp_path))
-    frozen = frozen_base(2)
-    with fw.Writer(stripes=2, chunk_bytes=CHUNK, incremental=True) as w:
-        for step in (1, 2):
-            s = w.save(lora_state(step, frozen), nfs_server.url(f"ck/step-{step}"))
-            assert s.incremental.startswith("off: nfs://") and s.bytes_linked == 0 and s.bytes_written == s.bytes
-    assert_same(fw.load(nfs_server.url("ck/step-2")), lora_state(2, frozen))
-    mgr = fw.CheckpointManager(nfs_server.url("m"), cleanup=False)
-    assert not mgr.incremental
-    mgr.close()
+    frozen = frozen_base(4)
+    with fw.Writer(stripes=3, chunk_bytes=CHUNK, incremental=True) as w:
+        stats = [w.save(lora_state(step, frozen), nfs_server.url(f"ck/step-{step}")) for step in (1, 2, 3)]
+    assert stats[0].incremental.startswith("on: no earlier") and stats[2].incremental == "on"
+    assert stats[2].bytes_linked >= sum(t.nbytes for t in frozen.values()) and stats[2].link_fallbacks == 0
+    disk = os.path.join(nfs_server.export, "ck")
+    a, b = stripes_of(os.path.join(disk, "step-2")), stripes_of(os.path.join(disk, "step-3"))
+    linked = [f for f in b.values() if f.get("linked")]
+    assert linked and all(f["ino"] in {x["ino"] for x in a.values()} for f in linked)
+    shutil.rmtree(os.path.join(disk, "step-2"))
+    assert_same(fw.load(nfs_server.url("ck/step-3")), lora_state(3, frozen))
+    fw.verify(nfs_server.url("ck/step-3"))
+    with fw.CheckpointManager(nfs_server.url("m"), every_n_steps=1, keep_last=1,
+                              writer=fw.Writer(stripes=3, chunk_bytes=CHUNK)) as mgr:
+        assert mgr.incremental
+        for step in (1, 2, 3):
+            mgr.maybe_save(step, lora_state(step, frozen)).result()
+            mgr.wait()
+    assert_same(fw.load(nfs_server.url("m/step-00000003")), lora_state(3, frozen))
+    assert any(f.get("linked") for f in stripes_of(os.path.join(nfs_server.export, "m", "step-00000003")).values())
 
 
 # --------------------------------------------------------------------------- kill -9
@@ -328,7 +339,7 @@ def test_kill9_during_incremental_saves(tmp_path):
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
     window = time.monotonic() - t0
-    killed = 0
+    killed, linked_seen = 0, False
     for trial in range(10):
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.3, max(0.4, window)))
@@ -342,5 +353,7 @@ def test_kill9_during_incremental_saves(tmp_path):
         assert [e for e in os.listdir(root) if commit.is_temp_name(e)] == []
         for s in steps:  # every committed checkpoint is whole and byte-exact
             assert_same(fw.load(mgr.path_for(s)), lora_state(s, frozen))
+            linked_seen |= any(f.get("linked") for f in read_manifest(mgr.path_for(s)).raw["files"])
         mgr.close()
     assert killed >= 5, f"seed {seed}: only {killed} of 10 victims were killed mid-run"
+    assert linked_seen, "no checkpoint of the trials linked a stripe: the saves were not incremental"

@@ -30,10 +30,16 @@ checkpoint's files in place. The links sit in the temporary directory and are ma
 durable by the directory fsync that precedes the manifest (``commit.finalize``); the
 linked inodes' bytes were durable since the base committed.
 
+On nfs:// the links are NFS LINK calls made in the temporary directory on the server
+(stable before the server replies), and the base is the last checkpoint this Writer
+committed in that directory (a directory listing with a manifest read per entry would
+cost round trips at every save); a new process's first save there writes everything.
+
 Not covered (the save then writes everything and ``SaveStats.incremental`` says why):
-GPU tensors (their content would have to be copied to the host first to compare),
-multi-rank and DCP saves, ``hf_model=``, nfs:// targets, and local snapshots (the
-memory tier keeps a whole staged state per snapshot).
+GPU tensors (they are not compared: their content would have to be copied to the host
+first), multi-rank and DCP saves, ``hf_model=``, and local snapshots (a snapshot in the
+memory tier is the staging pool's copy of the whole state; keeping the previous
+snapshot's unchanged pages would need the pool to hand slots from one save to the next).
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ from . import _core, dtypes
 from .commit import parse_temp_name
 from .errors import FlashwriteError
 from .flatten import Columns
-from .format import MANIFEST_NAME, Manifest, piece_ranges, read_manifest
+from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, piece_ranges, read_manifest
 from .plan import PlannedFile, plan_files, stripe_name
+from .target import LOCAL, Target
 
 log = logging.getLogger("flashwrite")
 
@@ -121,14 +128,33 @@ def find_base(final: str) -> str | None:
 
 class BaseCache:
     """The last base read, kept while its manifest file is the same (one per Writer):
-    a manifest of 100,000 tensors is not parsed again at every save."""
+    a manifest of 100,000 tensors is not parsed again at every save. Also where the
+    Writer notes the last checkpoint it committed in each directory (the base on targets
+    that cannot be scanned cheaply: nfs://)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._key: tuple | None = None
         self._base: Base | None = None
+        self._last: dict[str, str] = {}
 
-    def get(self, path: str) -> Base:
+    def committed(self, final: str) -> None:
+        with self._lock:
+            self._last[os.path.dirname(final)] = final
+
+    def last_committed(self, final: str) -> str | None:
+        with self._lock:
+            return self._last.get(os.path.dirname(final))
+
+    def get(self, path: str, target: Target = LOCAL) -> Base:
+        if target is not LOCAL:  # read afresh: a remote file's identity is not cheap to check
+            mpath = os.path.join(path, MANIFEST_NAME)
+            size = target.file_size(mpath)
+            if size is None:
+                raise FileNotFoundError(errno.ENOENT, "no manifest", target.show(mpath))
+            if size > MAX_MANIFEST_BYTES:
+                raise ValueError(f"{target.show(mpath)} is larger than {MAX_MANIFEST_BYTES} bytes")
+            return Base(path, parse_manifest(target.read_at(mpath, 0, size), sealed=True))
         st = os.stat(os.path.join(path, MANIFEST_NAME))
         key = (path, st.st_ino, st.st_mtime_ns, st.st_size)
         with self._lock:
@@ -160,19 +186,15 @@ def _subset(c: Columns, idx: list[int]) -> Columns:
                    [c.devices[j] for j in idx])
 
 
-def _read_header(path: str, nbytes: int, size: int) -> bytes | None:
-    """The first ``nbytes`` of stripe ``path`` if the file is ``size`` bytes long, else None."""
+def _read_header(target: Target, path: str, nbytes: int, size: int) -> bytes | None:
+    """The first ``nbytes`` of stripe ``path`` if it is a regular file of ``size`` bytes, else None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        if target.file_size(path) != size:
+            return None
+        data = target.read_at(path, 0, nbytes)
     except OSError:
         return None
-    try:
-        if os.fstat(fd).st_size != size:
-            return None
-        data = os.pread(fd, nbytes, 0)
-        return data if len(data) == nbytes else None
-    finally:
-        os.close(fd)
+    return data if len(data) == nbytes else None
 
 
 def _header_meta(header: bytes) -> Any:
@@ -189,9 +211,9 @@ def _compare(pieces: list[tuple[int, int, int]], threads: int) -> set[int]:
 
 
 def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
-         threads: int) -> Plan:
+         threads: int, target: Target = LOCAL) -> Plan:
     """Compare the state of ``columns`` with ``base``, link the stripes that did not change
-    into ``tmp`` (the save's temporary directory), and plan the rest."""
+    into ``tmp`` (the save's temporary directory on ``target``), and plan the rest."""
     m = base.manifest
     section = m.raw.get(SECTION) if isinstance(m.raw.get(SECTION), dict) else {}
     prev_seq = section.get("seq", 0) if isinstance(section.get("seq"), int) else 0
@@ -252,7 +274,7 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     for fi in unchanged_files:
         fe = m.files[fi]
         src = os.path.join(base.path, fe.name)
-        header = _read_header(src, fe.header_bytes, fe.size)
+        header = _read_header(target, src, fe.header_bytes, fe.size)
         if header is not None and _header_meta(header) == HEADER_META:
             linkable.append((fi, src, header))
         # else damaged, or carrying a save's metadata: planned as stable instead
@@ -264,7 +286,7 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
             out.fallbacks += 1
             continue
         try:
-            os.link(src, os.path.join(tmp, name), follow_symlinks=False)
+            target.link(src, os.path.join(tmp, name))
         except OSError as e:
             out.fallbacks += 1
             out.fallback_reason = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror} (linking {src})"
@@ -330,18 +352,29 @@ class Planner:
     (the hook between a save and this module). ``note`` says what happened, for SaveStats:
     "on", "on: no earlier checkpoint", or "off: <why>"."""
 
-    def __init__(self, final: str, tmp: str, cache: BaseCache, threads: int):
-        self.final, self.tmp, self.cache, self.threads = final, tmp, cache, threads
+    def __init__(self, final: str, tmp: str, cache: BaseCache, threads: int, target: Target = LOCAL):
+        self.final, self.tmp, self.cache, self.threads, self.target = final, tmp, cache, threads, target
         self.note = "on"
+
+    def base_path(self) -> str | None:
+        """The newest committed checkpoint beside the target (local: found by a scan, so a
+        restarted run links from its predecessor's); elsewhere the last one this Writer
+        committed in that directory, if it is still there."""
+        if self.target is LOCAL:
+            return find_base(self.final)
+        last = self.cache.last_committed(self.final)
+        if last is not None and self.target.file_size(os.path.join(last, MANIFEST_NAME)) is not None:
+            return last
+        return None
 
     def __call__(self, columns: Columns, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
                  block: int) -> Plan | None:
-        path = find_base(self.final)
+        path = self.base_path()
         if path is None:
             self.note = "on: no earlier checkpoint to link from"
             return None
         try:
-            base = self.cache.get(path)
+            base = self.cache.get(path, self.target)
         except (OSError, ValueError, FlashwriteError) as e:  # a damaged base is not linked from; the save writes everything
             self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be read: {e}"[:300]
             return None
@@ -349,13 +382,12 @@ class Planner:
         if why:
             self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be linked from: {why}"
             return None
-        return plan(columns, base, self.tmp, stripes=stripes, prefix=prefix, metadata=metadata, threads=self.threads)
+        return plan(columns, base, self.tmp, stripes=stripes, prefix=prefix, metadata=metadata, threads=self.threads,
+                    target=self.target)
 
 
-def refusal(*, remote: bool, local_snapshots: bool, hf_model: bool) -> str | None:
+def refusal(*, local_snapshots: bool, hf_model: bool) -> str | None:
     """Why an incremental save falls back to writing everything here, or None."""
-    if remote:
-        return "off: nfs:// targets are not linked yet (the save writes every stripe)"
     if local_snapshots:
         return "off: local snapshots keep a whole staged state (the save writes every stripe)"
     if hf_model:

@@ -159,9 +159,9 @@ class CheckpointManager:
     in root are not checkpoints to this manager.
     incremental: hard-link the stripes that did not change since the previous checkpoint
     instead of writing them (``flashwrite.incremental``); every checkpoint stays whole on
-    its own, so retention may delete any of them. Default: on for single-process saves to a
-    local root without local snapshots (where it cannot apply, saves write every stripe
-    and ``SaveStats.incremental`` says why).
+    its own, so retention may delete any of them. Default: on for single-process saves
+    without local snapshots (where it cannot apply, saves write every stripe and
+    ``SaveStats.incremental`` says why).
     on_commit: ``on_commit(step, path)`` runs on the commit thread after each save has
     committed (and retention has run), before ``wait()`` returns; an error it raises is
     logged (the checkpoint itself is committed).
@@ -214,7 +214,7 @@ class CheckpointManager:
                                                                 neighbour_copies=neighbour_copies)
         self.keep_local = keep_local
         if incremental is None:
-            incremental = process_group is None and self._target is LOCAL and not self._writer.local_snapshots
+            incremental = process_group is None and not self._writer.local_snapshots
         self.incremental = bool(incremental)
         self.local_dir = self._writer._local.dir if self._writer.local_snapshots else None
         self.process_group = process_group

@@ -26,7 +26,7 @@ from .plan import plan_files
 from .format import build_index
 from .future import SaveFuture, SaveStats
 from .locate import resolve
-from .target import LOCAL, UnsupportedTargetError, check_path, url_scheme
+from .target import UnsupportedTargetError, check_path, url_scheme
 from .write import StripeWrite
 
 __all__ = ["Writer", "SaveFuture", "SaveStats", "StripeWrite", "default_writer", "save_async", "save"]
@@ -295,10 +295,9 @@ class Writer:
         snap = self._local
         planner, note = None, ""
         if incr:
-            note = _incremental.refusal(remote=target is not LOCAL, local_snapshots=snap is not None,
-                                        hf_model=hf_model is not None) or ""
+            note = _incremental.refusal(local_snapshots=snap is not None, hf_model=hf_model is not None) or ""
             if not note:
-                planner = _incremental.Planner(path, tmp, self._bases, self.copy_threads)
+                planner = _incremental.Planner(path, target.temp_dir_of(tmp), self._bases, self.copy_threads, target)
         if snap is not None:
             snap.before_save()
         try:
@@ -325,6 +324,7 @@ class Writer:
                 manifest = sw.wait_durable()
                 commit.finalize(tmp, path, manifest, build_index(manifest) if files is None else None, overwrite,
                                 extra=extra, encoded=files, target=target)
+                self._bases.committed(path)  # the next incremental save's base where directories are not scanned
                 if ls is not None:
                     ls.committed()
             finally:
