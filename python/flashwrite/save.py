@@ -62,8 +62,9 @@ class Writer:
     reserve: a state dict (or a size in bytes) to prepare the staging pool for now, in the
     background (``reserve()``), so the first save stalls no longer than later ones.
     incremental: stripes whose tensors did not change since the newest committed checkpoint
-    beside the target are hard-linked from it instead of written (``flashwrite.incremental``;
-    per save: ``save_async(incremental=)``). Not with local_snapshots.
+    beside the target (on nfs://: the last one this Writer committed there) are hard-linked
+    from it instead of written (``flashwrite.incremental``; per save:
+    ``save_async(incremental=)``). Not with local_snapshots.
     """
 
     def __init__(self, stripes: int | None = None, queue_depth: int | None = None,
@@ -261,7 +262,7 @@ class Writer:
         fsync'd before the manifest, so the directory never appears without them.
 
         incremental: overrides the Writer's ``incremental`` for this save. Where it cannot
-        apply (nfs://, local snapshots, hf_model=, multi-rank saves) the save writes every
+        apply (local snapshots, hf_model=, multi-rank saves) the save writes every
         stripe and ``SaveStats.incremental`` says why.
         """
         check_path(path, "save")  # a URL other than nfs:// is refused before anything else
