@@ -45,7 +45,7 @@ def frozen_base(n: int = 6) -> dict:
 def assert_same(a, b) -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b)
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     elif isinstance(a, dict):
         assert a.keys() == b.keys()
         for k in a:
@@ -243,6 +243,20 @@ def test_everything_changed_links_nothing_and_stops_comparing(tmp_path):
     assert all(s.compared_bytes == 0 for s in stats[2:5])
     for i in range(5):
         fw.verify(str(tmp_path / f"s{i}"))
+
+
+def test_a_tensor_that_stops_changing_is_linked_after_a_recheck(tmp_path):
+    """Hot stripes are compared again every RECHECK_HOT_EVERY saves: a tensor that froze
+    (an EMA copy, a layer unfrozen and then frozen again) is linked from then on."""
+    big = torch.randn(1 << 18)
+    with fw.Writer(stripes=2, chunk_bytes=CHUNK, incremental=True) as w:
+        stats = []
+        for i in range(incremental.RECHECK_HOT_EVERY + 3):
+            ema = big + min(i, 2)  # changes at the first three saves, then stays
+            stats.append(w.save({"ema": ema, "i": torch.tensor(i)}, str(tmp_path / f"s{i:02d}")))
+            assert_same(fw.load(str(tmp_path / f"s{i:02d}")), {"ema": ema, "i": torch.tensor(i)})
+    assert all(s.bytes_linked == 0 for s in stats[:incremental.RECHECK_HOT_EVERY])
+    assert stats[-1].bytes_linked >= big.nbytes
 
 
 def test_overwrite_the_base_itself(tmp_path):
