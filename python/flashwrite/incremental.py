@@ -306,8 +306,12 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     hot = [j for j in left if j not in sset]
     nbytes = columns.nbytes
     sb, hb = sum(nbytes[j] for j in stable), sum(nbytes[j] for j in hot)
-    n_stable = max(1, round(stripes * sb / (sb + hb))) if sb else 0
-    n_hot = max(1, stripes - n_stable) if hot else 0
+    # A load reads the stripes side by side, so the largest one sets its time: the stable
+    # tensors get the writer's stripe count (fewer could put two large tensors in one),
+    # the hot ones stripes no larger than a full save's (total / stripes).
+    per = max(1, -(-(sb + hb) // stripes))
+    n_stable = stripes if stable else 0
+    n_hot = max(1, -(-hb // per)) if hot else 0
     groups = [(stable, n_stable, "stable", None), (hot, n_hot, "hot", metadata)]
     for idx, n, kind, meta in groups:
         if not idx:
