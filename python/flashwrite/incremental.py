@@ -309,7 +309,7 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     # A load reads the stripes side by side, so the largest one sets its time: the stable
     # tensors get the writer's stripe count (fewer could put two large tensors in one),
     # the hot ones stripes no larger than a full save's (total / stripes).
-    per = max(1, -(-(sb + hb) // stripes))
+    per = max(1, -(-sum(nbytes) // stripes))  # of the whole state, linked stripes included
     n_stable = stripes if stable else 0
     n_hot = max(1, -(-hb // per)) if hot else 0
     groups = [(stable, n_stable, "stable", None), (hot, n_hot, "hot", metadata)]
