@@ -4,7 +4,6 @@ previous committed checkpoint; every checkpoint stays whole on its own."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import shutil
