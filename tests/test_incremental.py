@@ -298,11 +298,12 @@ def test_ls_and_inspect_show_written_and_linked(tmp_path, capsys):
 @pytest.mark.nfs
 def test_nfs_links_with_nfs_link(nfs_server, tmp_path, monkeypatch):
     """Over nfs:// the unchanged stripes are linked on the server (NFS LINK); the linked
-    checkpoint stays whole when the earlier one is deleted."""
+    checkpoint stays whole when the earlier one is deleted. (Ports in the URL: the shared
+    portmapper of a busy test machine may list another test's server.)"""
     monkeypatch.setenv("FLASHWRITE_NFS_STAGING", str(tmp_path))
     frozen = frozen_base(4)
     with fw.Writer(stripes=3, chunk_bytes=CHUNK, incremental=True) as w:
-        stats = [w.save(lora_state(step, frozen), nfs_server.url(f"ck/step-{step}")) for step in (1, 2, 3)]
+        stats = [w.save(lora_state(step, frozen), nfs_server.url_ports(f"ck/step-{step}")) for step in (1, 2, 3)]
     assert stats[0].incremental.startswith("on: no earlier") and stats[2].incremental == "on"
     assert stats[2].bytes_linked >= sum(t.nbytes for t in frozen.values()) and stats[2].link_fallbacks == 0
     disk = os.path.join(nfs_server.export, "ck")
@@ -310,15 +311,15 @@ def test_nfs_links_with_nfs_link(nfs_server, tmp_path, monkeypatch):
     linked = [f for f in b.values() if f.get("linked")]
     assert linked and all(f["ino"] in {x["ino"] for x in a.values()} for f in linked)
     shutil.rmtree(os.path.join(disk, "step-2"))
-    assert_same(fw.load(nfs_server.url("ck/step-3")), lora_state(3, frozen))
-    fw.verify(nfs_server.url("ck/step-3"))
-    with fw.CheckpointManager(nfs_server.url("m"), every_n_steps=1, keep_last=1,
+    assert_same(fw.load(nfs_server.url_ports("ck/step-3")), lora_state(3, frozen))
+    fw.verify(nfs_server.url_ports("ck/step-3"))
+    with fw.CheckpointManager(nfs_server.url_ports("m"), every_n_steps=1, keep_last=1,
                               writer=fw.Writer(stripes=3, chunk_bytes=CHUNK)) as mgr:
         assert mgr.incremental
         for step in (1, 2, 3):
             mgr.maybe_save(step, lora_state(step, frozen)).result()
             mgr.wait()
-    assert_same(fw.load(nfs_server.url("m/step-00000003")), lora_state(3, frozen))
+    assert_same(fw.load(nfs_server.url_ports("m/step-00000003")), lora_state(3, frozen))
     assert any(f.get("linked") for f in stripes_of(os.path.join(nfs_server.export, "m", "step-00000003")).values())
 
 
