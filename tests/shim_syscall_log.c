@@ -1,5 +1,5 @@
 /* LD_PRELOAD recorder for test_durability_order.py: appends one line per open, fsync,
- * fdatasync and rename (rename, renameat, renameat2, syscall(SYS_renameat2)) to the
+ * fdatasync, rename (rename, renameat, renameat2, syscall(SYS_renameat2)) and linkat to the
  * file named by FW_SYSCALL_LOG, with each fd resolved to its path when it is synced.
  * No root and no ptrace needed; appended to LD_PRELOAD, so it stacks on libasan.
  * FW_SYSCALL_SLOW_SUFFIX/FW_SYSCALL_SLOW_MS: fsyncs of paths ending so take that much
@@ -125,6 +125,13 @@ int renameat2(int da, const char* a, int db, const char* b, unsigned flags) {
   REAL(renameat2, renat2_t);
   int rc = real_renameat2(da, a, db, b, flags);
   if (rc == 0) record("rename", a, b, flags);
+  return rc;
+}
+typedef int (*linkat_t)(int, const char*, int, const char*, int);
+int linkat(int da, const char* a, int db, const char* b, int flags) {
+  REAL(linkat, linkat_t);
+  int rc = real_linkat(da, a, db, b, flags);
+  if (rc == 0) record("link", a, b, flags);
   return rc;
 }
 long syscall(long nr, ...) {

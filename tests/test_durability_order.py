@@ -51,13 +51,18 @@ _CHILD = textwrap.dedent("""
         elif how == "extra_files":
             w.save(sd, os.path.join(root, "ck"), extra_files={"trainer_state.json": b"{}", "tokenizer.json": b"[]"})
             returned(0)
+        elif how == "incremental":  # the second save links the stripes of a and b, writes n's
+            wi = fw.Writer(stripes=3, chunk_bytes=1 << 20, backend=backend, incremental=True)
+            wi.save(sd, os.path.join(root, "ck1")); returned(0)
+            wi.save(dict(sd, n=torch.arange(9) + 1), os.path.join(root, "ck2")); returned(1)
+            wi.close()
         elif how == "manager":
             with fw.CheckpointManager(os.path.join(root, "m"), every_n_steps=1, writer=w) as mgr:
                 mgr.maybe_save(1, sd); mgr.wait(); returned(0)
     w.close()
 """)
 
-SCENARIOS = ["save", "overwrite", "save_async", "fw.save", "manager", "extra_files"]
+SCENARIOS = ["save", "overwrite", "save_async", "fw.save", "manager", "extra_files", "incremental"]
 
 
 @pytest.fixture(scope="module", params=["threads", "auto"])
@@ -120,3 +125,18 @@ def test_extra_files_are_durable_before_the_manifest(traces):
     for name in ("trainer_state.json", "tokenizer.json"):
         path = os.path.join(tmp, name)
         assert any(what == "fsync" and a == path and i < m_open for i, (what, _, a, _) in enumerate(events)), name
+
+
+def test_incremental_links_are_durable_before_the_commit(traces):
+    """An incremental save's hard links are made in the temporary directory before the
+    fsync of that directory that precedes the rename: the committed checkpoint never
+    lacks a linked stripe after a crash."""
+    events = traces["incremental"]
+    _check_commit_order(events, 2)
+    renames = [i for i, (what, _, a, _) in enumerate(events) if what == "rename" and commit.TMP_MARK in a]
+    r = renames[1]
+    tmp = events[r][2]
+    links = [i for i, (what, _, _, b) in enumerate(events) if what == "link" and os.path.dirname(b) == tmp]
+    assert links, f"the second save linked nothing: {events}"
+    dir_syncs = [i for i, (what, _, a, _) in enumerate(events) if what == "fsync" and a == tmp and i < r]
+    assert dir_syncs and max(links) < max(dir_syncs)

@@ -50,6 +50,7 @@ void Client::mkdir(const std::string&) {}
 void Client::rmdir(const std::string&) {}
 void Client::unlink(const std::string&) {}
 void Client::rename(const std::string&, const std::string&) {}
+void Client::link(const std::string&, const std::string&) {}
 WriteResult Client::write_file(const std::string&, const char*, uint64_t, bool) { return {}; }
 uint64_t Client::read_file(const std::string&, char*, uint64_t, uint64_t) { return 0; }
 std::string Client::create(const std::string&, bool) { return {}; }
@@ -76,7 +77,7 @@ struct FhView {
   X(nfs_init_context) X(nfs_destroy_context) X(nfs_parse_url_dir) X(nfs_destroy_url) X(nfs_mount)         \
   X(nfs_get_error) X(nfs_get_fd) X(nfs_which_events) X(nfs_service) X(nfs_set_timeout)                    \
   X(nfs_set_autoreconnect) X(nfs_get_rpc_context) X(nfs_get_fh) X(nfs_create) X(nfs_close) X(nfs_stat64)  \
-  X(nfs_mkdir) X(nfs_rmdir) X(nfs_unlink) X(nfs_rename) X(nfs_opendir) X(nfs_readdir) X(nfs_closedir)     \
+  X(nfs_mkdir) X(nfs_rmdir) X(nfs_unlink) X(nfs_rename) X(nfs_link) X(nfs_opendir) X(nfs_readdir) X(nfs_closedir)     \
   X(nfs_get_readmax) X(nfs_get_writemax) X(rpc_nfs3_write_async) X(rpc_nfs3_commit_async)                 \
   X(rpc_nfs3_read_async) X(mount_getexports) X(mount_free_export_list) X(nfs_open)
 
@@ -493,6 +494,9 @@ void Client::unlink(const std::string& path) {
 }
 void Client::rename(const std::string& from, const std::string& to) {
   FW_NFS_META(L().nfs_rename(meta().ctx, from.c_str(), to.c_str()), "NFS RENAME to " + url(to), from);
+}
+void Client::link(const std::string& from, const std::string& to) {
+  FW_NFS_META(L().nfs_link(meta().ctx, from.c_str(), to.c_str()), "NFS LINK to " + url(to), from);
 }
 
 namespace {

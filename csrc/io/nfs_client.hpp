@@ -76,6 +76,8 @@ class Client {
   void rmdir(const std::string& path);
   void unlink(const std::string& path);
   void rename(const std::string& from, const std::string& to);
+  // A hard link: `to` names the file `from` names (NFS LINK; the server makes it stable before replying).
+  void link(const std::string& from, const std::string& to);
 
   // Creates `path` (exclusive=true: fails if it exists; else truncates), writes
   // buf[0, len) over the connections, COMMITs and checks the verifiers. The caller

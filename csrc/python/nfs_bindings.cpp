@@ -65,6 +65,8 @@ void register_nfs(py::module_& m) {
       .def("rmdir", &nfs::Client::rmdir, py::call_guard<py::gil_scoped_release>())
       .def("unlink", &nfs::Client::unlink, py::call_guard<py::gil_scoped_release>())
       .def("rename", &nfs::Client::rename, py::call_guard<py::gil_scoped_release>())
+      .def("link", &nfs::Client::link, py::arg("src"), py::arg("dst"), py::call_guard<py::gil_scoped_release>(),
+           "Make DST a hard link to the file SRC (NFS LINK).")
       .def("write_file",
            [](nfs::Client& c, const std::string& path, py::buffer data, bool exclusive) {
              py::buffer_info info = data.request();  // holds the buffer until we return

@@ -138,6 +138,17 @@ class SaveStats:
     pinned: bool = False
     pin_s: float = 0.0              # of the stall: page-locking the staging pool (GPU saves; 0 once pinned)
     settings: dict = field(default_factory=dict)  # stripes/queue_depth/chunk_bytes used, and where each came from
+    # Incremental saves (incremental=True): bytes is the checkpoint's size, bytes_written what
+    # this save wrote, bytes_linked what it hard-linked from the earlier checkpoint;
+    # link_fallbacks counts stripes written because the file system refused a link;
+    # compared_bytes what was hashed from the source to compare. incremental: "" when not
+    # asked, else "on", "on: no earlier checkpoint to link from", or "off: <why>".
+    bytes_written: int = 0
+    bytes_linked: int = 0
+    stripes_linked: int = 0
+    link_fallbacks: int = 0
+    compared_bytes: int = 0
+    incremental: str = ""
     extra: dict = field(default_factory=dict)
 
     @property

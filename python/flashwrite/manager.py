@@ -121,6 +121,11 @@ class CheckpointManager:
     field (default ``"step-{step:08d}"``; ``"checkpoint-{step}"`` is the Hugging Face
     Trainer's). Listing, retention, restore and the local tier all go by it; other names
     in root are not checkpoints to this manager.
+    incremental: hard-link the stripes that did not change since the previous checkpoint
+    instead of writing them (``flashwrite.incremental``); every checkpoint stays whole on
+    its own, so retention may delete any of them. Default: on for single-process saves
+    without local snapshots (where it cannot apply, saves write every stripe and
+    ``SaveStats.incremental`` says why).
     on_commit: ``on_commit(step, path)`` runs on the commit thread after each save has
     committed (and retention has run), before ``wait()`` returns; an error it raises is
     logged (the checkpoint itself is committed).
@@ -132,7 +137,8 @@ class CheckpointManager:
                  final_state: Callable[[], tuple[int, Any]] | None = None, allow_pickle: bool = False,
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None, keep_local: bool = False,
                  reserve: Any = None, process_group: Any = None, neighbour_copies: bool = False,
-                 name: str = DEFAULT_NAME, on_commit: Callable[[int, str], None] | None = None):
+                 name: str = DEFAULT_NAME, on_commit: Callable[[int, str], None] | None = None,
+                 incremental: bool | None = None):
         for arg, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
                         ("keep_every_n_steps", keep_every_n_steps)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -165,6 +171,9 @@ class CheckpointManager:
                                                                 neighbour_copies=neighbour_copies)
         self._tier = self._writer.local_tier
         self.keep_local = keep_local
+        if incremental is None:
+            incremental = process_group is None and not self._writer.local_snapshots
+        self.incremental = bool(incremental)
         self.local_dir = self._tier.dir if self._tier is not None else None
         self.process_group = process_group
         self._rank: tuple[int, int] | None = None  # (rank, size) in a multi-rank run
@@ -271,7 +280,7 @@ class CheckpointManager:
         self._last_start = time.monotonic()
         fut = self._writer.save_async(state_dict, path, overwrite=overwrite, allow_pickle=self.allow_pickle,
                                       metadata={"step": str(step)}, process_group=self.process_group,
-                                      **(save_options or {}))
+                                      incremental=self.incremental, **(save_options or {}))
         pending = _Pending(step, path, fut)
         with self._lock:
             self._inflight = pending

@@ -218,6 +218,22 @@ class NfsTarget(Target):
     def write_durable(self, path: str, data: bytes) -> None:
         self.client.write_file(path, data, True)
 
+    def link(self, src: str, dst: str) -> None:
+        self.client.link(src, dst)  # NFSv3 makes LINK stable before it replies
+
+    def read_at(self, path: str, offset: int, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        n = self.client.read_into(path, buf, offset)
+        return bytes(buf[:n])
+
+    def file_size(self, path: str) -> int | None:
+        exists, is_dir, size = self.client.stat(path)
+        return size if exists and not is_dir else None
+
+    def temp_dir_of(self, staging: str) -> str:
+        with self._lock:
+            return self._staging.get(staging, staging)
+
     def open_stripe(self, path: str, write: bool) -> int:
         raise UnsupportedTargetError(f"{self.show(path)}: stripes on nfs:// are sent by the NFS client, not opened",
                                      url=self.show(path), scheme="nfs")

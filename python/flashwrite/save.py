@@ -14,11 +14,12 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from . import _core, commit, defaults, distributed, hf, tuning
+from . import incremental as _incremental
 from . import write as _write
 from .flatten import flatten_columns
 from .future import SaveFuture, SaveStats
@@ -54,13 +55,17 @@ class Writer:
     must set it alike.
     reserve: a state dict (or a size in bytes) to prepare the staging pool for now, in the
     background (``reserve()``), so the first save stalls no longer than later ones.
+    incremental: stripes whose tensors did not change since the newest committed checkpoint
+    beside the target (on nfs://: the last one this Writer committed there) are hard-linked
+    from it instead of written (``flashwrite.incremental``; per save:
+    ``save_async(incremental=)``). Not with local_snapshots.
     """
 
     def __init__(self, stripes: int | None = None, queue_depth: int | None = None,
                  chunk_bytes: int | None = None, backend: str = "auto", direct: bool = True,
                  max_staging_bytes: int | None = None, copy_threads: int | None = None, *,
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None,
-                 neighbour_copies: bool = False, reserve: Any = None):
+                 neighbour_copies: bool = False, reserve: Any = None, incremental: bool = False):
         # Settings not given here come, per save, from a tuning saved for the target's
         # file system (`flashwrite tune --save`), else from defaults.py.
         self._explicit = {k for k, v in (("stripes", stripes), ("queue_depth", queue_depth),
@@ -87,6 +92,11 @@ class Writer:
         self.copy_threads = copy_threads or defaults.COPY_THREADS
         if neighbour_copies and not local_snapshots:
             raise ValueError("neighbour_copies=True needs local_snapshots=True")
+        if incremental and local_snapshots:
+            raise ValueError("incremental=True does not work with local_snapshots=True yet: a local snapshot "
+                             "keeps a whole staged state")
+        self.incremental = bool(incremental)
+        self._bases = _incremental.BaseCache()
         self._tier = LocalTier(local_dir, neighbour_copies) if local_snapshots else None
         self._engine = self._new_engine(chunk_bytes, max_staging_bytes or 0)
         self._engine_used = False
@@ -194,7 +204,8 @@ class Writer:
 
     def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
                       allow_pickle: bool = False, metadata: dict[str, str] | None = None,
-                      hf_model: str | None = None, hold_slots: bool = False) -> StripeWrite:
+                      hf_model: str | None = None, hold_slots: bool = False,
+                      incremental: Callable[..., Any] | None = None) -> StripeWrite:
         """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
         must exist; nothing is committed). The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
@@ -202,7 +213,7 @@ class Writer:
         sw = _write.start(self._engine, state_dict, directory, t0, stripes=settings["stripes"], backend=self.backend,
                           queue_depth=settings["queue_depth"], copy_threads=self.copy_threads, direct=self.direct,
                           prefix=prefix, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model,
-                          hold_slots=hold_slots)
+                          hold_slots=hold_slots, incremental=incremental)
         sw.stats.settings = settings
         return sw
 
@@ -223,7 +234,7 @@ class Writer:
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, overwrite: bool = False, block: bool = True,
                    allow_pickle: bool = False, metadata: dict[str, str] | None = None, process_group: Any = None,
                    coordination_group: Any = None, timeout: float | None = None, hf_model: str | None = None,
-                   hf_config: Any = None, extra_files: Any = None) -> SaveFuture:
+                   hf_config: Any = None, extra_files: Any = None, incremental: bool | None = None) -> SaveFuture:
         """Snapshot ``state_dict`` and write it to ``path`` in the background.
 
         Returns once every tensor is copied into the staging pool (block=True):
@@ -247,6 +258,10 @@ class Writer:
         atomic commit: ``{name: bytes or path of a file}`` (a path is read now). Names are
         plain file names (``trainer_state.json``, ``tokenizer.json``); they are written and
         fsync'd before the manifest, so the directory never appears without them.
+
+        incremental: overrides the Writer's ``incremental`` for this save. Where it cannot
+        apply (local snapshots, hf_model=, multi-rank saves) the save writes every
+        stripe and ``SaveStats.incremental`` says why.
         """
         check_path(path, "save")  # a URL other than nfs:// is refused before anything else
         if url_scheme(path) is not None and self._tier is not None:
@@ -261,7 +276,10 @@ class Writer:
         extra = {hf.CONFIG_NAME: config} if config is not None else {}
         if extra_files is not None:
             extra.update(commit.extra_files(extra_files, reserved=tuple(extra)))
+        incr = self.incremental if incremental is None else bool(incremental)
         if process_group is not None or coordination_group is not None:
+            if incr:
+                log.info("flashwrite: multi-rank saves are not incremental yet: every stripe is written")
             return distributed.save_async(self, state_dict, path, process_group=process_group,
                                           coordination_group=coordination_group, timeout=timeout,
                                           overwrite=overwrite, block=block, allow_pickle=allow_pickle,
@@ -272,9 +290,20 @@ class Writer:
         if self._closed:
             raise RuntimeError("Writer is closed")
         target, path = resolve(path, "save")
-        strategy = RenameCommit(path, target, overwrite, extra, lambda run: self._committer().submit(run))
+        planner: Callable[[str], Any] | None = None
+        note = ""
+        if incr:
+            note = _incremental.refusal(local_snapshots=self._tier is not None, hf_model=hf_model is not None) or ""
+            if not note:
+                planner = _incremental.planner_for(path, target, self._bases, self.copy_threads)
+        # The next incremental save's base, where directories are not scanned (nfs://).
+        strategy = RenameCommit(path, target, overwrite, extra, lambda run: self._committer().submit(run),
+                                on_committed=self._bases.committed)
         session = SaveSession(self, strategy, self._tier, t0)
-        session.stage(state_dict, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model)
+        sw = session.stage(state_dict, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model,
+                           incremental=planner)
+        if planner is None:
+            sw.stats.incremental = note
         return session.launch(block)
 
     def save(self, state_dict: Any, path: str | os.PathLike, **kwargs: Any) -> SaveStats:

@@ -70,9 +70,10 @@ class RenameCommit(Commit):
     """A single-process save: its own temporary directory, renamed into place."""
 
     def __init__(self, final: str, target: Target, overwrite: bool, extra: dict[str, bytes],
-                 submit: Callable[[Callable[[], None]], Any]):
+                 submit: Callable[[Callable[[], None]], Any], on_committed: Callable[[str], None] | None = None):
         super().__init__(final, target)
         self.overwrite, self.extra, self._submit = overwrite, extra, submit
+        self.on_committed = on_committed
         self.tmp: str | None = None
         self.encoded: dict[str, bytes] | None = None
 
@@ -97,6 +98,8 @@ class RenameCommit(Commit):
         assert self.tmp is not None
         commit.finalize(self.tmp, self.final, manifest, build_index(manifest) if self.encoded is None else None,
                         self.overwrite, extra=self.extra, encoded=self.encoded, target=self.target)
+        if self.on_committed is not None:
+            self.on_committed(self.final)
         return sw.stats
 
 
@@ -111,9 +114,14 @@ class SaveSession:
 
     def stage(self, state_dict: Any, *, rank: tuple[int, int] | None = None, **write_options: Any) -> StripeWrite:
         """Prepare the directory and start staging + writing the stripes. rank: (rank, world
-        size) of a multi-rank save. A failure here is the strategy's to clean up, then raised."""
+        size) of a multi-rank save. A failure here is the strategy's to clean up, then raised.
+        incremental (a write option): makes the incremental planner for the directory."""
+        make_planner = write_options.pop("incremental", None)
+        planner = None
         try:
             directory = self.strategy.prepare()
+            if make_planner is not None:
+                planner = write_options["incremental"] = make_planner(directory)
             if self.tier is not None:
                 self.tier.before_save()  # the slots of finished saves are reused: their headers go first
                 write_options["hold_slots"] = True
@@ -122,6 +130,8 @@ class SaveSession:
             self.strategy.abandon(e)
             raise
         sw.stats.path = self.strategy.target.show(self.strategy.final)
+        if planner is not None:
+            sw.stats.incremental = planner.note
         if rank is not None:
             sw.stats.extra.update(rank=rank[0], world_size=rank[1])
         self.sw = sw

@@ -16,6 +16,7 @@ picks one for a path.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -142,6 +143,24 @@ class Target:
         """How ``path`` is named to the user (a URL for remote targets)."""
         return path
 
+    # Incremental saves (``incremental.py``) link stripes of an earlier checkpoint.
+    def link(self, src: str, dst: str) -> None:
+        """Make ``dst`` a second name (hard link) of the file ``src``; durable with its
+        directory (``fsync_dir``). OSError (e.g. EXDEV, ENOTSUP) where it cannot."""
+        raise OSError(errno.ENOTSUP, "hard links are not supported on this target", self.show(dst))
+
+    def read_at(self, path: str, offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` of the regular file ``path`` from ``offset``."""
+        raise NotImplementedError
+
+    def file_size(self, path: str) -> int | None:
+        """The size of the regular file ``path``; None if there is none."""
+        raise NotImplementedError
+
+    def temp_dir_of(self, staging: str) -> str:
+        """The temporary directory on the target that ``staging_dir`` returned ``staging`` for."""
+        return staging
+
     # The native engine writes stripes into a local directory. Where the target is
     # itself local, that is the temporary directory; a remote target gives a local
     # staging directory instead and sends what is there at ``upload``.
@@ -215,6 +234,24 @@ class LocalTarget(Target):
     def open_stripe(self, path: str, write: bool) -> int:
         flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if write else os.O_RDONLY
         return os.open(path, flags | os.O_CLOEXEC, 0o644)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst, follow_symlinks=False)
+
+    def read_at(self, path: str, offset: int, nbytes: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            return os.pread(fd, nbytes, offset)
+        finally:
+            os.close(fd)
+
+    def file_size(self, path: str) -> int | None:
+        import stat
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 LOCAL = LocalTarget()

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -38,18 +38,27 @@ class StripeWriter(Protocol):
 def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: int, backend: str, queue_depth: int,
           copy_threads: int, direct: bool, prefix: str = "model", allow_pickle: bool = False,
           metadata: dict[str, str] | None = None, hf_model: str | None = None,
-          hold_slots: bool = False) -> StripeWrite:
+          hold_slots: bool = False, incremental: Callable[..., Any] | None = None) -> StripeWrite:
     """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
     must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses).
     hf_model: the key of a model state dict whose tensors get stripes of their own,
-    under their own names, for Hugging Face's index (see ``hf.py``)."""
+    under their own names, for Hugging Face's index (see ``hf.py``).
+    incremental: an ``incremental.Planner``: plans the stripes instead, linking into
+    ``directory`` those that did not change since the checkpoint it compares with; only
+    the others are staged and written."""
     with gcpause.paused():  # per-tensor work: see gcpause
         try:
             # Unchecked: a tensor with no plain bytes fails below (no data pointer, no
             # shape, a dtype we cannot name, a copy out of meta), and is named then.
             tree, aliases, columns = flatten_columns(state_dict, allow_pickle=allow_pickle)
             hf_section = None
-            if hf_model is None:
+            iplan = None
+            if incremental is not None and hf_model is None:
+                iplan = incremental(columns, stripes=stripes, prefix=prefix, metadata=metadata,
+                                    block=engine.chunk_bytes)
+            if iplan is not None:
+                files = iplan.files
+            elif hf_model is None:
                 files = plan_files(None, stripes, prefix=prefix, metadata=metadata, columns=columns)
             else:
                 model, rest = hf.split(state_dict, tree, columns.flat(), aliases, hf_model)
@@ -57,11 +66,14 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                 hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
                 if rest:
                     files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
-            keepalive, segments, host_files, streams = _stage_sources(files)
+            written = iplan.written if iplan is not None else files
+            keepalive, segments, host_files, streams = _stage_sources(written)
+            if iplan is not None:
+                columns.sources = None  # the linked stripes' tensors are not staged: not held either
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             diagnose(state_dict)  # the clear error naming the key, if that is what failed
             raise
-    job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in files], segments,
+    job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in written], segments,
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
                             hold_slots=hold_slots, host_files=host_files,
                             remote=nfs.remote_for(directory))  # nfs://: straight to the server
@@ -69,8 +81,13 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
         _warn_unpinned(engine.pin_error)
     stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(columns.keys),
                       stripes=len(files), pool_wait_s=job.pool_wait_s)
+    stats.bytes_written = sum(f.size for f in written)
     sw = StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
     sw.hf_section = hf_section
+    if iplan is not None:
+        sw.incremental = iplan
+        stats.bytes_linked, stats.stripes_linked = iplan.linked_bytes, len(iplan.linked)
+        stats.link_fallbacks, stats.compared_bytes = iplan.fallbacks, iplan.compared_bytes
     return sw
 
 
@@ -146,6 +163,7 @@ class StripeWrite:
         self.engine, self.job, self.files, self.tree = engine, job, files, tree
         self.aliases, self.metadata, self.stats, self.t0, self.direct = aliases, metadata, stats, t0, direct
         self.hf_section: dict | None = None  # which stripes Hugging Face's index lists (hf_model=)
+        self.incremental: Any = None  # the incremental.Plan when some stripes are linked, not written
         self._manifest: dict | None = None
 
     def wait_durable(self) -> dict:
@@ -180,10 +198,18 @@ class StripeWrite:
 
     def _build_manifest(self) -> dict:
         with gcpause.paused():
+            incr = self.incremental
             sums = iter(self.job.checksums())  # one list per non-empty tensor, in plan order
-            by_key = {p.key: (next(sums) if p.nbytes else []) for f in self.files for p in f.tensors}
-            return build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
-                                  _core.__version__, self.metadata, hf=self.hf_section)
+            written = self.files if incr is None else incr.written
+            by_key = {p.key: (next(sums) if p.nbytes else []) for f in written for p in f.tensors}
+            if incr is not None:
+                by_key.update(incr.checksums)
+            m = build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
+                               _core.__version__, self.metadata, hf=self.hf_section)
+            if incr is not None:
+                from .incremental import annotate
+                annotate(m, incr)
+            return m
 
     def stop(self) -> None:
         """Cancel the writes still running and wait for the job to end."""

@@ -46,11 +46,13 @@ def cmd_ls(a: argparse.Namespace) -> int:
     else:
         def owner(e: Any) -> str:
             return "-" if e.owner_pid is None else f"{e.owner_pid} {'alive' if e.owner_alive else 'dead'}"
-        print_table(["step", "tier", "status", "size", "tensors", "created", "verified", "owner", "path"],
-                    [[e.step, e.tier, e.status, fmt_bytes(e.bytes), e.tensors, _when(e.created_unix),
+        def linked(e: Any) -> str:
+            return fmt_bytes(e.linked_bytes) if e.linked_bytes else "-"
+        print_table(["step", "tier", "status", "size", "linked", "tensors", "created", "verified", "owner", "path"],
+                    [[e.step, e.tier, e.status, fmt_bytes(e.bytes), linked(e), e.tensors, _when(e.created_unix),
                       e.verified if e.tier == "storage" else "-", owner(e), e.path]
                      for e in sorted(entries + snaps, key=lambda e: (e.step is None, e.step or 0, e.tier))],
-                    right=(0, 3, 4))
+                    right=(0, 3, 4, 5))
         for e in snaps:
             if e.problem:
                 print(f"  {e.path}: {e.problem}", file=sys.stderr)
@@ -72,6 +74,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           f"on {_when(r['created_unix'])}\n  {t['tensors']} tensors, {fmt_bytes(t['bytes'])} of tensor data in "
           f"{s['stripes']} stripe(s) ({fmt_bytes(t['file_bytes'])} on disk), chunk {fmt_bytes(s['chunk_bytes'])}, "
           f"{r['checksum']['algorithm']} checksums" + (f", {s['world_size']} ranks" if s["world_size"] != 1 else ""))
+    if t["linked_bytes"]:
+        print(f"  incremental: {fmt_bytes(t['written_bytes'])} written, {fmt_bytes(t['linked_bytes'])} hard-linked "
+              f"from {t['base'] or 'an earlier checkpoint'}")
     if r["metadata"]:
         print("  metadata: " + ", ".join(f"{k}={v}" for k, v in r["metadata"].items()))
     print()

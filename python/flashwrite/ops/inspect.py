@@ -10,6 +10,7 @@ from typing import Any
 from ..format import Manifest, read_manifest
 from ..locate import local_view
 from ..target import url_scheme
+from ..incremental import SECTION, byte_counts
 from . import tree as _tree
 
 
@@ -45,6 +46,7 @@ def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
     aliases = {a: c for a, c in m.aliases.items() if match(a)}
     leaves = {p: v for p, v in _tree.leaves(m.tree).items() if match(p)}
     raw = m.raw
+    written, linked = byte_counts(raw)
     ranks = raw.get("ranks") if isinstance(raw.get("ranks"), dict) else None
     return {
         "path": path if url_scheme(path) else os.path.abspath(path),
@@ -59,7 +61,10 @@ def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
         "metadata": m.metadata,
         "stripes": [{"name": f.name, "bytes": f.size, "header_bytes": f.header_bytes} for f in m.files],
         "totals": {"tensors": len(m.tensors), "bytes": sum(e.nbytes for e in m.tensors.values()),
-                   "file_bytes": sum(f.size for f in m.files), "aliases": len(m.aliases)},
+                   "file_bytes": sum(f.size for f in m.files), "aliases": len(m.aliases),
+                   # incremental saves: of file_bytes, written by its save / hard-linked from base
+                   "written_bytes": written, "linked_bytes": linked,
+                   "base": raw[SECTION].get("base") if isinstance(raw.get(SECTION), dict) else None},
         "filter": pattern,
         "by_top_level": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_top.items())},
         "by_dtype": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_dtype.items())},

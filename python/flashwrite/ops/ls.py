@@ -24,6 +24,7 @@ from typing import Any
 from .. import _core, commit, local
 from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD
 from ..target import local_path
+from ..incremental import byte_counts
 
 VERIFIED_NAME = ".flashwrite-verified.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -46,6 +47,10 @@ class Entry:
     owner_pid: int | None = None     # memory: the process that staged it
     owner_alive: bool | None = None
     pool_bytes: int | None = None    # memory: size of the shared-memory pool file it lies in
+    # storage: of bytes, what its save wrote and what it hard-linked from an earlier
+    # checkpoint (incremental saves; a checkpoint without links wrote all of it)
+    written_bytes: int | None = None
+    linked_bytes: int | None = None
 
 
 def read_json_small(path: str, limit: int = MAX_MANIFEST_BYTES) -> Any:
@@ -128,6 +133,8 @@ def describe(path: str, name: str | None = None) -> Entry | None:
         e.bytes = sum(int(f["size"]) for f in files) if isinstance(files, list) else None
     except (TypeError, KeyError, ValueError):
         e.status, e.problem = "damaged", "manifest: bad file sizes"
+    else:
+        e.written_bytes, e.linked_bytes = byte_counts(raw) if e.bytes is not None else (None, None)
     packed = raw.get(PACKED_FIELD)
     if isinstance(packed, dict):  # format 4: the table is packed, its size recorded beside it
         count = packed.get("count")

@@ -1,0 +1,267 @@
+"""Incremental saves (issue 26) on a LoRA-shaped state, in one run:
+
+- a frozen bf16 base (``--base-gib``, default 2), trainable adapters (32 MiB fp32) and
+  their AdamW moments (exp_avg, exp_avg_sq: 64 MiB);
+- ten saves, each after ten AdamW steps of the adapters; each save goes, in turn, to
+  flashwrite full (``incremental=False``), flashwrite incremental, torch.save (+ fsync)
+  and DCP (``torch.distributed.checkpoint.save``, one process); per save: time to
+  durable, bytes written, stall (how long the training loop was blocked);
+- a cold-cache load (page cache dropped, root) of the last full and the last
+  incremental checkpoint, alternated ``--load-rounds`` times;
+- a full-training state (every tensor changes, ``--base-gib`` of fp32) saved with
+  incremental on and off, alternated ``--ab-rounds`` times: the comparison costs no
+  more than the feature's absence (incremental=False runs exactly the old path).
+
+Each contender keeps its last two checkpoints (so the incremental one has a base and
+the disk does not fill).
+
+    python benchmarks/incremental.py --base-gib 2 --dir /work/incr-bench --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+
+import torch
+
+import flashwrite as fw
+from flashwrite.bench.devicelimit import drop_caches
+
+ADAPTER_BYTES = 32 << 20
+
+
+def lora_model(base_gib: float) -> tuple[dict, list[torch.nn.Parameter]]:
+    g = torch.Generator().manual_seed(0)
+    per = 32 << 20  # 64 MiB bf16 tensors, like large frozen layers
+    n = int(base_gib * (1 << 30)) // 2
+    base = {f"base.{i}": torch.randn(min(per, n - i * per), generator=g).to(torch.bfloat16)
+            for i in range(-(-n // per))}
+    k = 16
+    adapters = [torch.nn.Parameter(torch.randn(ADAPTER_BYTES // 4 // k, generator=g) * 0.01) for _ in range(k)]
+    return base, adapters
+
+
+def state_of(base: dict, adapters: list, opt: torch.optim.Optimizer) -> dict:
+    return {"model": {**base, **{f"lora.{i}": p.detach() for i, p in enumerate(adapters)}},
+            "optim": opt.state_dict()}
+
+
+def dir_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FlashwriteRun:
+    def __init__(self, incremental: bool):
+        self.w = fw.Writer(incremental=incremental)
+        self.key = "flashwrite incremental" if incremental else "flashwrite full"
+
+    def save(self, state: dict, path: str) -> dict:
+        t0 = time.perf_counter()
+        fut = self.w.save_async(state, path)
+        stall = time.perf_counter() - t0
+        s = fut.result()
+        durable = time.perf_counter() - t0
+        return {"stall_s": stall, "durable_s": durable, "written": s.bytes_written, "linked": s.bytes_linked,
+                "compared": s.compared_bytes, "note": s.incremental}
+
+
+class TorchSaveRun:
+    key = "torch.save"
+
+    def save(self, state: dict, path: str) -> dict:
+        t0 = time.perf_counter()
+        torch.save(state, path)
+        fsync_path(path)
+        fsync_path(os.path.dirname(path))
+        t = time.perf_counter() - t0
+        return {"stall_s": t, "durable_s": t, "written": os.path.getsize(path), "linked": 0}
+
+
+class DcpRun:
+    key = "DCP save"
+
+    def save(self, state: dict, path: str) -> dict:
+        import torch.distributed.checkpoint as dcp
+        t0 = time.perf_counter()
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+        fsync_path(path)
+        t = time.perf_counter() - t0
+        return {"stall_s": t, "durable_s": t, "written": dir_bytes(path), "linked": 0}
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def lora_run(base_gib: float, saves: int, steps: int, root: str, log) -> dict:
+    base, adapters = lora_model(base_gib)
+    opt = torch.optim.AdamW(adapters, lr=1e-3)
+    runs = [FlashwriteRun(False), FlashwriteRun(True), TorchSaveRun(), DcpRun()]
+    rows: dict[str, list[dict]] = {r.key: [] for r in runs}
+    paths: dict[str, list[str]] = {r.key: [] for r in runs}
+    for i in range(1, saves + 1):
+        for _ in range(steps):
+            for p in adapters:
+                p.grad = torch.randn_like(p) * 1e-3
+            opt.step()
+        state = state_of(base, adapters, opt)
+        for r in runs:
+            name = r.key.replace(" ", "_").replace(".", "_")
+            path = os.path.join(root, name, f"step-{i:04d}" + (".pt" if isinstance(r, TorchSaveRun) else ""))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            res = r.save(state, path)
+            rows[r.key].append(res)
+            paths[r.key].append(path)
+            while len(paths[r.key]) > 2:
+                remove(paths[r.key].pop(0))
+            log(f"save {i:2d} {r.key:24s} stall {res['stall_s']:.3f} s durable {res['durable_s']:.3f} s "
+                f"written {res['written'] / 2**20:9.1f} MiB linked {res['linked'] / 2**20:9.1f} MiB")
+    total = sum(t.nbytes for t in state_of(base, adapters, opt)["model"].values())
+    changed = ADAPTER_BYTES * 3  # adapters + exp_avg + exp_avg_sq
+    # Cold loads of the last full and incremental checkpoints, alternated.
+    loads: dict[str, list[float]] = {"flashwrite full": [], "flashwrite incremental": []}
+    for _ in range(LOAD_ROUNDS):
+        for key in loads:
+            dropped = drop_caches()
+            t0 = time.perf_counter()
+            fw.load(paths[key][-1])
+            loads[key].append(time.perf_counter() - t0)
+            if dropped:
+                log(f"warning: page cache not dropped: {dropped}")
+    for r in runs:
+        if isinstance(r, FlashwriteRun):
+            r.w.close()
+    return {"base_gib": base_gib, "state_bytes": total, "changed_bytes": changed, "saves": rows,
+            "cold_load_s": loads}
+
+
+def full_training_ab(gib: float, rounds: int, root: str, log) -> dict:
+    """Everything changes between saves: incremental on vs off, alternated."""
+    g = torch.Generator().manual_seed(1)
+    per = 16 << 20
+    n = int(gib * (1 << 30)) // 4
+    state = {f"w{i}": torch.randn(min(per, n - i * per), generator=g) for i in range(-(-n // per))}
+    out: dict[str, list[dict]] = {"off": [], "on": []}
+    writers = {"off": fw.Writer(incremental=False), "on": fw.Writer(incremental=True)}
+    for i in range(rounds + 1):
+        for key, w in writers.items():
+            for t in state.values():
+                t.add_(1.0)
+            path = os.path.join(root, f"full-{key}", f"s{i:03d}")
+            t0 = time.perf_counter()
+            fut = w.save_async(state, path)
+            stall = time.perf_counter() - t0
+            s = fut.result()
+            res = {"stall_s": stall, "durable_s": time.perf_counter() - t0, "compared": s.compared_bytes}
+            if i:  # the first save of each writer sizes its pool: left out
+                out[key].append(res)
+            old = os.path.join(root, f"full-{key}", f"s{i - 2:03d}")
+            remove(old)
+            log(f"full-training {i} incremental={key}: stall {stall:.3f} s durable {res['durable_s']:.3f} s "
+                f"compared {s.compared_bytes / 2**20:.0f} MiB")
+    for w in writers.values():
+        w.close()
+    return out
+
+
+LOAD_ROUNDS = 3
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def markdown(res: dict) -> str:
+    lora = res["lora"]
+    gib = lora["base_gib"]
+    lines = [f"LoRA-shaped state: {gib:g} GiB frozen bf16 base + 32 MiB fp32 adapters + AdamW moments "
+             f"({lora['state_bytes'] / 2**30:.2f} GiB of tensors; {lora['changed_bytes'] / 2**20:.0f} MiB change "
+             "per save). Ten saves, each after ten AdamW steps; medians of saves 3-10 (the first has no base and sizes "
+             "flashwrite's pool; the second regroups the stripes the first mixed, see below):", "",
+             "| contender | durable s (median) | stall s (median) | written MiB per save (median) | "
+             "linked MiB (median) |", "|---|---:|---:|---:|---:|"]
+    for key, rows in lora["saves"].items():
+        rs = rows[2:]
+        lines.append(f"| {key} | {med([r['durable_s'] for r in rs]):.3f} | {med([r['stall_s'] for r in rs]):.3f} | "
+                     f"{med([r['written'] for r in rs]) / 2**20:.1f} | {med([r['linked'] for r in rs]) / 2**20:.1f} |")
+    lines += ["", "Per save (durable s / stall s / written MiB):", "",
+              "| save | " + " | ".join(lora["saves"]) + " |", "|---:|" + "---:|" * len(lora["saves"])]
+    n = len(next(iter(lora["saves"].values())))
+    for i in range(n):
+        cells = [f"{r[i]['durable_s']:.2f} / {r[i]['stall_s']:.3f} / {r[i]['written'] / 2**20:.0f}"
+                 for r in lora["saves"].values()]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    cl = lora["cold_load_s"]
+    lines += ["", "Cold load (page cache dropped) of the last checkpoint, median of "
+              f"{len(cl['flashwrite full'])}: full {med(cl['flashwrite full']):.3f} s, incremental "
+              f"{med(cl['flashwrite incremental']):.3f} s."]
+    ab = res.get("full_training")
+    if ab:
+        lines += ["", f"Full-training state ({res['full_training_gib']:g} GiB fp32, every tensor changes), "
+                  f"median of {len(ab['off'])} alternated saves:", "",
+                  "| incremental | durable s | stall s | hashed to compare, MiB per save (median) |",
+                  "|---|---:|---:|---:|"]
+        for key in ("off", "on"):
+            rs = ab[key]
+            lines.append(f"| {key} | {med([r['durable_s'] for r in rs]):.3f} | {med([r['stall_s'] for r in rs]):.3f} "
+                         f"| {med([r['compared'] for r in rs]) / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    global LOAD_ROUNDS
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-gib", type=float, default=2.0)
+    ap.add_argument("--saves", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--load-rounds", type=int, default=3)
+    ap.add_argument("--ab-rounds", type=int, default=4)
+    ap.add_argument("--full-gib", type=float, default=None, help="size of the full-training A/B (default: base-gib)")
+    ap.add_argument("--dir", default="/work/incr-bench")
+    ap.add_argument("--json")
+    ap.add_argument("--markdown")
+    a = ap.parse_args()
+    LOAD_ROUNDS = a.load_rounds
+    shutil.rmtree(a.dir, ignore_errors=True)
+    os.makedirs(a.dir)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    try:
+        res = {"lora": lora_run(a.base_gib, a.saves, a.steps, a.dir, log)}
+        if a.ab_rounds:
+            res["full_training_gib"] = a.full_gib or a.base_gib
+            res["full_training"] = full_training_ab(res["full_training_gib"], a.ab_rounds, a.dir, log)
+    finally:
+        shutil.rmtree(a.dir, ignore_errors=True)
+    md = markdown(res)
+    print("\n" + md)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+    if a.markdown:
+        with open(a.markdown, "w") as fh:
+            fh.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

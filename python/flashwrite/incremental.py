@@ -1,0 +1,404 @@
+"""Incremental saves: stripes whose bytes did not change are hard-linked, not written.
+
+A save with ``incremental=True`` into a directory whose siblings hold a committed
+checkpoint (the *base*: the newest by its manifest's time) plans in three parts:
+
+- **linked**: a stripe of the base whose every tensor is still in the state, with the
+  same dtype and shape and the same content, is hard-linked into the new checkpoint
+  under a new name. Its bytes, header and checksums are the base's, so it is
+  byte-identical to what a write would produce at those offsets, and the load checks
+  it against the manifest like any other stripe.
+- **stable**: tensors whose content matched the base at the last save but that share a
+  stripe with a changed tensor: planned into stripes of their own (so the next save
+  can link them whole), written.
+- **hot**: changed, new, and tensors of stripes marked hot in the base (not compared
+  again, except every ``RECHECK_HOT_EVERY`` saves, so a tensor that stops changing
+  moves to the stable stripes): planned apart, written, marked hot.
+
+Content is compared before ``save_async`` returns, straight from the source tensors
+(XXH3 of each checksummed piece against the base manifest, on the copy threads, GIL
+released): for a linked stripe that pass replaces the copy into the staging pool, so
+the stall does not grow. A first pass hashes only each tensor's smallest piece, so a
+stripe with a changed tensor costs little to reject; only stripes that pass are hashed
+whole. The links are made right there too, before anything is staged: a link that the
+file system refuses (EXDEV across file systems, EPERM, ENOTSUP, a base deleted
+meanwhile) turns its stripe back into bytes to write, counted in ``SaveStats``.
+
+Every checkpoint directory stays whole on its own: a hard link is a second name of the
+same inode, so deleting the base (by hand or by a manager's retention) leaves this
+checkpoint's files in place. The links sit in the temporary directory and are made
+durable by the directory fsync that precedes the manifest (``commit.finalize``); the
+linked inodes' bytes were durable since the base committed.
+
+On nfs:// the links are NFS LINK calls made in the temporary directory on the server
+(stable before the server replies), and the base is the last checkpoint this Writer
+committed in that directory (a directory listing with a manifest read per entry would
+cost round trips at every save); a new process's first save there writes everything.
+
+Not covered (the save then writes everything and ``SaveStats.incremental`` says why):
+GPU tensors (they are not compared: their content would have to be copied to the host
+first), multi-rank and DCP saves, ``hf_model=``, and local snapshots (a snapshot in the
+memory tier is the staging pool's copy of the whole state; keeping the previous
+snapshot's unchanged pages would need the pool to hand slots from one save to the next).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import _core, dtypes
+from .commit import parse_temp_name
+from .errors import FlashwriteError
+from .flatten import Columns
+from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, piece_ranges, read_manifest
+from .plan import PlannedFile, plan_files, stripe_name
+from .target import LOCAL, Target
+
+log = logging.getLogger("flashwrite")
+
+SECTION = "incremental"        # the manifest's top-level section
+RECHECK_HOT_EVERY = 8          # compare hot stripes again every this many incremental saves
+HEADER_META = {"format": "pt", "writer": "flashwrite"}  # what linkable stripes carry: no per-save metadata
+
+# Errors of os.link that mean "this file system cannot link here": write the bytes instead.
+LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EACCES,
+                errno.ENOSYS}
+
+
+@dataclass
+class Base:
+    """The committed checkpoint a save compares with."""
+    path: str
+    manifest: Manifest
+
+
+@dataclass
+class Plan:
+    """What an incremental save writes and what it links."""
+    files: list[PlannedFile]                       # every stripe of the new checkpoint, in manifest order
+    linked: set[int] = field(default_factory=set)  # indices into files made by a link
+    hot: set[int] = field(default_factory=set)     # indices into files planned from changed tensors
+    checksums: dict[str, list[int]] = field(default_factory=dict)  # of the linked stripes' tensors
+    base: str | None = None                        # name of the base checkpoint
+    seq: int = 0                                   # incremental saves in a row, this one included
+    fallbacks: int = 0                             # stripes written because their link was refused
+    fallback_reason: str = ""
+    compared_bytes: int = 0                        # bytes hashed from the source to compare
+
+    @property
+    def written(self) -> list[PlannedFile]:
+        return [f for i, f in enumerate(self.files) if i not in self.linked]
+
+    @property
+    def linked_bytes(self) -> int:
+        return sum(self.files[i].size for i in self.linked)
+
+
+# ------------------------------------------------------------------ the base
+
+
+def find_base(final: str) -> str | None:
+    """The newest committed checkpoint beside ``final`` (``final`` itself included, for
+    overwrite=True), by the time its manifest was written; None if there is none."""
+    parent = os.path.dirname(os.path.abspath(final))
+    best: tuple[int, str] | None = None
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return None
+    for e in entries:
+        if parse_temp_name(e.name) is not None:
+            continue
+        try:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            st = os.stat(os.path.join(e.path, MANIFEST_NAME))
+        except OSError:
+            continue
+        if best is None or st.st_mtime_ns > best[0]:
+            best = (st.st_mtime_ns, e.path)
+    return best[1] if best else None
+
+
+class BaseCache:
+    """The last base read, kept while its manifest file is the same (one per Writer):
+    a manifest of 100,000 tensors is not parsed again at every save. Also where the
+    Writer notes the last checkpoint it committed in each directory (the base on targets
+    that cannot be scanned cheaply: nfs://)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple | None = None
+        self._base: Base | None = None
+        self._last: dict[str, str] = {}
+
+    def committed(self, final: str) -> None:
+        with self._lock:
+            self._last[os.path.dirname(final)] = final
+
+    def last_committed(self, final: str) -> str | None:
+        with self._lock:
+            return self._last.get(os.path.dirname(final))
+
+    def get(self, path: str, target: Target = LOCAL) -> Base:
+        if target is not LOCAL:  # read afresh: a remote file's identity is not cheap to check
+            mpath = os.path.join(path, MANIFEST_NAME)
+            size = target.file_size(mpath)
+            if size is None:
+                raise FileNotFoundError(errno.ENOENT, "no manifest", target.show(mpath))
+            if size > MAX_MANIFEST_BYTES:
+                raise ValueError(f"{target.show(mpath)} is larger than {MAX_MANIFEST_BYTES} bytes")
+            return Base(path, parse_manifest(target.read_at(mpath, 0, size), sealed=True))
+        st = os.stat(os.path.join(path, MANIFEST_NAME))
+        key = (path, st.st_ino, st.st_mtime_ns, st.st_size)
+        with self._lock:
+            if self._key == key and self._base is not None:
+                return self._base
+        base = Base(path, read_manifest(path))
+        with self._lock:
+            self._key, self._base = key, base
+        return base
+
+
+def unusable(m: Manifest, block: int) -> str | None:
+    """Why the checkpoint of manifest ``m`` cannot be a base for a save with checksum
+    blocks of ``block`` bytes, or None."""
+    if m.block_bytes != block:
+        return f"its checksum block ({m.block_bytes}) is not this writer's chunk size ({block})"
+    for section in ("ranks", "dcp", "hf"):
+        if m.raw.get(section):
+            return f"it is a {section} checkpoint"
+    return None
+
+
+# ------------------------------------------------------------------ planning
+
+
+def _subset(c: Columns, idx: list[int]) -> Columns:
+    return Columns([c.keys[j] for j in idx], [c.sources[j] for j in idx], [c.dtypes[j] for j in idx],
+                   [c.shapes[j] for j in idx], [c.nbytes[j] for j in idx], [c.ptrs[j] for j in idx],
+                   [c.devices[j] for j in idx])
+
+
+def _read_header(target: Target, path: str, nbytes: int, size: int) -> bytes | None:
+    """The first ``nbytes`` of stripe ``path`` if it is a regular file of ``size`` bytes, else None."""
+    try:
+        if target.file_size(path) != size:
+            return None
+        data = target.read_at(path, 0, nbytes)
+    except OSError:
+        return None
+    return data if len(data) == nbytes else None
+
+
+def _header_meta(header: bytes) -> Any:
+    try:
+        return json.loads(header[8:]).get("__metadata__")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _compare(pieces: list[tuple[int, int, int]], threads: int) -> set[int]:
+    """Hash [(address, nbytes, expected)] on ``threads`` threads; the indices that differ."""
+    bad = _core.copy_verify([(0, a, n, e) for a, n, e in pieces], True, threads)
+    return {i for i, _ in bad}
+
+
+def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
+         threads: int, target: Target = LOCAL) -> Plan:
+    """Compare the state of ``columns`` with ``base``, link the stripes that did not change
+    into ``tmp`` (the save's temporary directory on ``target``), and plan the rest."""
+    m = base.manifest
+    section = m.raw.get(SECTION) if isinstance(m.raw.get(SECTION), dict) else {}
+    prev_seq = section.get("seq", 0) if isinstance(section.get("seq"), int) else 0
+    seq = prev_seq + 1
+    recheck = seq % RECHECK_HOT_EVERY == 0
+    where = {k: j for j, k in enumerate(columns.keys)}
+    by_file: list[list[Any]] = [[] for _ in m.files]
+    for te in m.tensors.values():
+        by_file[te.file].append(te)
+    hot_files = {f.get("name") for f in m.raw.get("files", []) if isinstance(f, dict) and f.get("hot")}
+
+    # Candidates: base stripes whose tensors are all in the state alike (host memory).
+    cands: list[int] = []
+    for fi, entries in enumerate(by_file):
+        if not entries or (m.files[fi].name in hot_files and not recheck):
+            continue
+        ok = True
+        for te in entries:
+            j = where.get(te.key)
+            if (j is None or columns.devices[j] != "cpu" or columns.nbytes[j] != te.nbytes
+                    or dtypes.dtype_name(columns.dtypes[j]) != te.dtype
+                    or columns.shapes[j] != ",".join(map(str, te.shape))):
+                ok = False
+                break
+        if ok:
+            cands.append(fi)
+
+    # Pass 1: each candidate tensor's smallest piece.
+    first: list[tuple[int, int, int]] = []
+    owner: list[tuple[int, str]] = []
+    rest: dict[int, list[tuple[tuple[int, int, int], str]]] = {}
+    for fi in cands:
+        for te in by_file[fi]:
+            j = where[te.key]
+            ranges = piece_ranges(te.offset, te.nbytes, m.block_bytes)
+            pieces = [(columns.ptrs[j] + off - te.offset, n, int(h, 16))
+                      for (off, n), h in zip(ranges, te.checksums)]
+            if not pieces:
+                continue
+            k = min(range(len(pieces)), key=lambda i: pieces[i][1])
+            first.append(pieces[k])
+            owner.append((fi, te.key))
+            rest.setdefault(fi, []).extend((p, te.key) for i, p in enumerate(pieces) if i != k)
+    changed = {owner[i][1] for i in _compare(first, threads)}
+    compared = sum(p[1] for p in first)
+    # Pass 2: whole stripes whose tensors all passed pass 1.
+    whole = [fi for fi in cands if not any(te.key in changed for te in by_file[fi])]
+    second = [(p, key) for fi in whole for p, key in rest.get(fi, [])]
+    changed |= {second[i][1] for i in _compare([p for p, _ in second], threads)}
+    compared += sum(p[1] for p, _ in second)
+    unchanged_files = [fi for fi in whole if not any(te.key in changed for te in by_file[fi])]
+    # "Unchanged at the last save": tensors of candidate stripes that passed.
+    looked = {te.key for fi in cands for te in by_file[fi]}
+
+    out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared)
+    claimed: set[int] = set()
+    linkable = []
+    for fi in unchanged_files:
+        fe = m.files[fi]
+        src = os.path.join(base.path, fe.name)
+        header = _read_header(target, src, fe.header_bytes, fe.size)
+        if header is not None and _header_meta(header) == HEADER_META:
+            linkable.append((fi, src, header))
+        # else damaged, or carrying a save's metadata: planned as stable instead
+    # Names are final here (a link is never renamed): <prefix>-linked-K-of-N, -stable-, -hot-.
+    for k, (fi, src, header) in enumerate(linkable):
+        fe = m.files[fi]
+        name = stripe_name(f"{prefix}-linked", k, len(linkable))
+        if out.fallback_reason:
+            out.fallbacks += 1
+            continue
+        try:
+            target.link(src, os.path.join(tmp, name))
+        except OSError as e:
+            out.fallbacks += 1
+            out.fallback_reason = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror} (linking {src})"
+            log.info("flashwrite: incremental save writes the stripes it could not link: %s", out.fallback_reason)
+            continue
+        entries = sorted(by_file[fi], key=lambda te: te.offset)
+        members = [where[te.key] for te in entries]
+        out.files.append(PlannedFile(name, header, fe.size, columns, members, [te.offset for te in entries]))
+        out.linked.add(len(out.files) - 1)
+        for te in entries:
+            out.checksums[te.key] = [int(h, 16) for h in te.checksums]
+        claimed.update(members)
+
+    left = [j for j in range(len(columns.keys)) if j not in claimed]
+    stable = [j for j in left if columns.keys[j] in looked and columns.keys[j] not in changed]
+    sset = set(stable)
+    hot = [j for j in left if j not in sset]
+    nbytes = columns.nbytes
+    hb = sum(nbytes[j] for j in hot)
+    # A load reads the stripes side by side, so the largest one sets its time: the stable
+    # tensors get the writer's stripe count (fewer could put two large tensors in one),
+    # the hot ones stripes no larger than a full save's (total / stripes).
+    per = max(1, -(-sum(nbytes) // stripes))  # of the whole state, linked stripes included
+    n_stable = stripes if stable else 0
+    n_hot = max(1, -(-hb // per)) if hot else 0
+    groups = [(stable, n_stable, "stable", None), (hot, n_hot, "hot", metadata)]
+    for idx, n, kind, meta in groups:
+        if not idx:
+            continue
+        for f in plan_files(None, n, prefix=f"{prefix}-{kind}", metadata=meta, columns=_subset(columns, idx)):
+            if kind == "hot":
+                out.hot.add(len(out.files))
+            out.files.append(f)
+    return out
+
+
+def annotate(manifest: dict, p: Plan) -> dict:
+    """Mark the linked and hot stripes in ``manifest`` and add its incremental section."""
+    for i, fe in enumerate(manifest["files"]):
+        if i in p.linked:
+            fe["linked"] = True
+        elif i in p.hot:
+            fe["hot"] = True
+    manifest[SECTION] = {"base": p.base, "seq": p.seq, "linked_bytes": p.linked_bytes,
+                         "written_bytes": sum(f.size for f in p.written), "link_fallbacks": p.fallbacks}
+    return manifest
+
+
+def byte_counts(raw: dict) -> tuple[int, int]:
+    """(bytes written, bytes linked) of the checkpoint whose manifest is ``raw``: a
+    checkpoint without an incremental section wrote all of its stripes."""
+    files = raw.get("files") if isinstance(raw.get("files"), list) else []
+    total = linked = 0
+    for f in files:
+        if isinstance(f, dict) and isinstance(f.get("size"), int):
+            total += f["size"]
+            if f.get("linked") is True:
+                linked += f["size"]
+    return total - linked, linked
+
+
+# ------------------------------------------------------------------ the hook a save calls
+
+
+class Planner:
+    """One save's incremental planning, called by ``write.start`` with the flattened state
+    (the hook between a save and this module). ``note`` says what happened, for SaveStats:
+    "on", "on: no earlier checkpoint", or "off: <why>"."""
+
+    def __init__(self, final: str, tmp: str, cache: BaseCache, threads: int, target: Target = LOCAL):
+        self.final, self.tmp, self.cache, self.threads, self.target = final, tmp, cache, threads, target
+        self.note = "on"
+
+    def base_path(self) -> str | None:
+        """The newest committed checkpoint beside the target (local: found by a scan, so a
+        restarted run links from its predecessor's); elsewhere the last one this Writer
+        committed in that directory, if it is still there."""
+        if self.target is LOCAL:
+            return find_base(self.final)
+        last = self.cache.last_committed(self.final)
+        if last is not None and self.target.file_size(os.path.join(last, MANIFEST_NAME)) is not None:
+            return last
+        return None
+
+    def __call__(self, columns: Columns, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
+                 block: int) -> Plan | None:
+        path = self.base_path()
+        if path is None:
+            self.note = "on: no earlier checkpoint to link from"
+            return None
+        try:
+            base = self.cache.get(path, self.target)
+        except (OSError, ValueError, FlashwriteError) as e:  # a damaged base is not linked from; the save writes everything
+            self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be read: {e}"[:300]
+            return None
+        why = unusable(base.manifest, block)
+        if why:
+            self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be linked from: {why}"
+            return None
+        return plan(columns, base, self.tmp, stripes=stripes, prefix=prefix, metadata=metadata, threads=self.threads,
+                    target=self.target)
+
+
+def refusal(*, local_snapshots: bool, hf_model: bool) -> str | None:
+    """Why an incremental save falls back to writing everything here, or None."""
+    if local_snapshots:
+        return "off: local snapshots keep a whole staged state (the save writes every stripe)"
+    if hf_model:
+        return "off: hf_model= saves are not incremental yet (the save writes every stripe)"
+    return None
+
+
+def planner_for(final: str, target: Target, cache: BaseCache, threads: int) -> Callable[[str], Planner]:
+    """What a save session calls with its temporary directory, once made: the save's Planner."""
+    return lambda tmp: Planner(final, target.temp_dir_of(tmp), cache, threads, target)
