@@ -22,6 +22,7 @@ from . import defaults as _defaults
 from .flatten import diagnose, flatten_columns
 from .format import build_manifest
 from .future import SaveStats
+from .incremental import annotate
 from .plan import PlannedFile, plan_files
 
 log = logging.getLogger("flashwrite")
@@ -207,7 +208,6 @@ class StripeWrite:
             m = build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
                                _core.__version__, self.metadata, hf=self.hf_section)
             if incr is not None:
-                from .incremental import annotate
                 annotate(m, incr)
             return m
 
