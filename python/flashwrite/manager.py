@@ -14,28 +14,8 @@ Layout: one committed checkpoint per step, ``root/step-00001000`` (``name=`` set
 directory only ever appears whole (see ``commit``), so listing the directory is
 the truth about which checkpoints exist, also across processes and restarts.
 
-Policies, stated once:
-
-* At most one save is in flight. When the next one is due before the previous
-  one is durable, ``if_busy="wait"`` (default) blocks until it is, then saves,
-  so no due checkpoint is lost; ``if_busy="skip"`` skips this one and logs it,
-  so the loop never waits for the disk. ``save()`` always waits.
-* A failed save (no space, I/O error) is logged at ERROR when it happens and the
-  loop keeps training; its future raises the error, and so does the next
-  ``wait()`` or ``close()`` (once) while it is the latest save, so a run cannot end
-  on a lost last checkpoint unawares. A later save that succeeds supersedes it.
-* Retention runs only after a new checkpoint has committed, deletes only
-  committed checkpoints outside the policy (``keep_last`` newest, plus every
-  multiple of ``keep_every_n_steps``) and never the newest one. A deletion first
-  renames the directory to a temporary name and removes its manifest, so a crash
-  mid-deletion never leaves something that looks like a checkpoint.
-* At start-up, temporary directories left by crashed saves or deletions in
-  ``root`` are removed (names carrying ``commit.TMP_MARK``/``commit.OLD_MARK``;
-  nothing else is touched). A save's temporary directory whose process is still
-  alive on this host is left alone. A checkpoint that was moved aside to be
-  replaced when the process died, and whose replacement never appeared, is put
-  back. One manager per root: on shared storage the manager cannot tell another
-  host's live save from a crashed one.
+The policies (one save in flight, failed saves, retention, clean-up at start-up) are stated
+once, in docs/manager.md.
 """
 
 from __future__ import annotations
@@ -51,25 +31,16 @@ import torch.distributed as dist
 
 from . import local
 from .future import SaveFuture, SaveStats
+from .manager_setup import check_save_options, check_schedule, manager_writer
 from .preempt import Preemption
 from .restore import TierRestore
 from .save import Writer
 from .sizes import fmt_bytes
 from .steps import DEFAULT_NAME, StepDirs
-from .target import UnsupportedTargetError
 
 log = logging.getLogger("flashwrite")
 
 StateSource = Any  # a (nested) state dict, or a callable returning one (called only when a save is due)
-
-
-_SAVE_OPTIONS = ("hf_model", "hf_config", "extra_files")
-
-
-def _check_save_options(options: dict) -> None:
-    unknown = sorted(set(options) - set(_SAVE_OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown save options {unknown}: the manager passes on only {list(_SAVE_OPTIONS)}")
 
 
 class _Pending:
@@ -139,36 +110,20 @@ class CheckpointManager:
                  reserve: Any = None, process_group: Any = None, neighbour_copies: bool = False,
                  name: str = DEFAULT_NAME, on_commit: Callable[[int, str], None] | None = None,
                  incremental: bool | None = None):
-        for arg, v in (("every_n_steps", every_n_steps), ("keep_last", keep_last),
-                        ("keep_every_n_steps", keep_every_n_steps)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{arg} must be a positive integer or None, not {v!r}")
-        if every_n_seconds is not None and not every_n_seconds > 0:
-            raise ValueError(f"every_n_seconds must be positive or None, not {every_n_seconds!r}")
-        if if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
+        check_schedule(every_n_steps, every_n_seconds, keep_last, keep_every_n_steps, if_busy)
         self.on_commit = on_commit
         self.name = name
         self._steps = StepDirs(root, name)
         self.root = self._steps.root
-        if not self._steps.local and (local_snapshots or neighbour_copies or
-                                      (writer is not None and writer.local_snapshots)):
-            raise UnsupportedTargetError(f"CheckpointManager root {self.root!r}: local snapshots with nfs:// "
-                                         "are not supported yet", url=self.root, scheme="nfs")
+        self._owns_writer = writer is None
+        self._writer = manager_writer(self.root, self._steps.local, writer, local_snapshots, local_dir,
+                                      neighbour_copies)
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.keep_last = keep_last
         self.keep_every_n_steps = keep_every_n_steps
         self.if_busy = if_busy
         self.allow_pickle = allow_pickle
-        self._owns_writer = writer is None
-        if writer is not None and local_snapshots and not writer.local_snapshots:
-            raise ValueError("local_snapshots=True needs a writer made with local_snapshots=True")
-        if writer is not None and neighbour_copies and (writer.local_tier is None or
-                                                        writer.local_tier.neighbours is None):
-            raise ValueError("neighbour_copies=True needs a writer made with neighbour_copies=True")
-        self._writer = writer if writer is not None else Writer(local_snapshots=local_snapshots, local_dir=local_dir,
-                                                                neighbour_copies=neighbour_copies)
         self._tier = self._writer.local_tier
         self.keep_local = keep_local
         if incremental is None:
@@ -233,7 +188,7 @@ class CheckpointManager:
         A step that already has a checkpoint is not saved again. save_options: hf_model,
         hf_config and extra_files of ``Writer.save_async``."""
         self._check_step(step)
-        _check_save_options(save_options)
+        check_save_options(save_options)
         if not self.is_due(step):
             if not callable(state_dict):
                 self._prepare_pool(state_dict)
@@ -258,7 +213,7 @@ class CheckpointManager:
         future once staged, as ``flashwrite.save_async`` does. save_options: as for
         ``maybe_save``."""
         self._check_step(step)
-        _check_save_options(save_options)
+        check_save_options(save_options)
         with self._sigterm.call():
             fut = self._start(step, state_dict, overwrite=overwrite, policy="wait", save_options=save_options)
             assert fut is not None

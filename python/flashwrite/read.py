@@ -22,19 +22,18 @@ devices get a copy.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import stat
 import time
 from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _core, defaults, dtypes, foreign, gcpause, nfs
+from . import _core, defaults, dtypes, foreign, gcpause, nfs, read_plan
 from . import cuda as _cuda
-from .errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
+from .errors import CorruptCheckpointError
 from .flatten import FlatTensor, flatten, unflatten
-from .format import Manifest, TensorEntry, check_stripe_header, piece_ranges, read_manifest, select_rank
+from .format import Manifest, TensorEntry, read_manifest, select_rank
+from .read_plan import stored_dtype
 from .target import local_path
 
 __all__ = ["LoadResult", "CheckpointDir", "read_tensors", "load_state", "tensor_placer"]
@@ -135,96 +134,26 @@ class CheckpointDir:
               queue_depth: int, device_targets: dict[str, torch.Tensor], zero_copy: bool,
               host_targets: dict[str, torch.Tensor]) -> LoadResult:
         with gcpause.paused():  # per-tensor work on both sides of the wait: see gcpause
-            m, path, base = self.manifest, self.path, self.base
+            m = self.manifest
             wanted = set(m.tensors) if keys is None else keys
             file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
             slot = {fi: i for i, fi in enumerate(file_ids)}
-            specs = []
-            for fi in file_ids:
-                fe = m.files[fi]
-                full = os.path.join(base, fe.name)
-                try:
-                    st = os.lstat(full)
-                except FileNotFoundError:
-                    raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
-                if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
-                    raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
-                size = st.st_size
-                if size != fe.size:
-                    what = "truncated" if size < fe.size else "longer than recorded"
-                    raise CorruptCheckpointError(f"stripe {fe.name} is {size} bytes, the manifest says {fe.size} "
-                                                 f"({what})", file=fe.name)
-                specs.append((full, fe.size))
-            pieces: list[tuple[int, int, int, int]] = []
-            owners: list[str] = []
-            if verify:
-                for k in wanted:
-                    e = m.tensors[k]
-                    if len(e.checksums) == 1:  # most tensors: one piece, the whole tensor
-                        pieces.append((slot[e.file], e.offset, e.nbytes, int(e.checksums[0], 16)))
-                        owners.append(k)
-                        continue
-                    for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums):
-                        pieces.append((slot[e.file], off, n, int(h, 16)))
-                        owners.append(k)
+            specs = read_plan.stripe_specs(m, file_ids, self.base, self.path)
+            pieces, owners = read_plan.checksum_pieces(m, wanted, slot) if verify else ([], [])
             targets = {k: t for k, t in device_targets.items() if k in wanted}
-            # _core.Placement: (file, offset, nbytes, device, address); device -1 is host memory.
-            placements: list[tuple[int, int, int, int, int]] = []
-            on_gpu: list[_cuda.Item] = []
-            for k, t in targets.items():
-                e = m.tensors[k]
-                if t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() != e.nbytes:
-                    raise ValueError(f"device target for {k!r} must be a contiguous CUDA tensor of {e.nbytes} bytes")
-                if e.nbytes:
-                    on_gpu.append((t, e.nbytes, slot[e.file], e.offset, t.device.index))
-            # Small targets side by side in a stripe land in one device buffer each run
-            # (one copy per chunk), scattered into them once the load is verified.
-            if on_gpu:
-                _cuda.refuse_capture("a load to GPU tensors")
-            scatter = _cuda.Scatter(on_gpu, defaults.GATHER_TENSOR_BYTES, defaults.GATHER_RUN_BYTES)
-            placements.extend(scatter.placements)
-            streams = _cuda.current_streams(p[3] for p in placements) if placements else []
             hosted = {k: t for k, t in host_targets.items() if k in wanted and k not in targets}
-            for k, t in hosted.items():
-                e = m.tensors[k]
-                if (t.device.type != "cpu" or not t.is_contiguous() or t.dtype != _dtype(e.dtype)
-                        or t.numel() * t.element_size() != e.nbytes):
-                    raise ValueError(f"host target for {k!r} must be a contiguous CPU tensor of {e.nbytes} bytes")
-                if e.nbytes:
-                    placements.append((slot[e.file], e.offset, e.nbytes, -1, t.data_ptr()))
+            scatter, placements = read_plan.target_placements(m, slot, targets, hosted)
+            gpu = scatter.placements  # the device placements come first
+            streams = _cuda.current_streams(p[3] for p in gpu) if gpu else []
             # Owned CPU tensors, and each stripe's header (checked against the manifest below),
             # are placed too: a stripe whose every byte is placed is never held whole.
             owned: dict[str, torch.Tensor] = {}
             headers: dict[int, torch.Tensor] = {}
             stripes: dict[int, torch.Tensor] = {}
             if zero_copy:
-                # Whole-stripe buffers, filled like owned tensors: each byte not placed
-                # elsewhere is placed at its own offset in its stripe's buffer. The reads
-                # go to the job's huge-page bounce slots, so they reach the disk as large
-                # requests; read straight into 4 KiB pages they are cut at the device's
-                # segment limit (254 pages on virtio-blk: ~1 MiB requests), which cost
-                # zero_copy more than the copy out of the slots costs owned loads.
-                taken: dict[int, list[tuple[int, int]]] = {}
-                for p in placements:
-                    taken.setdefault(p[0], []).append((p[1], p[1] + p[2]))
-                for fi in file_ids:
-                    size = m.files[fi].size
-                    buf = stripes[fi] = torch.empty(size, dtype=torch.uint8)
-                    pos = 0
-                    for a, b in sorted(taken.get(slot[fi], [])) + [(size, size)]:
-                        if a > pos:
-                            placements.append((slot[fi], pos, a - pos, -1, buf.data_ptr() + pos))
-                        pos = max(pos, b)
+                read_plan.place_stripes(m, file_ids, slot, placements, stripes)
             else:
-                for k in wanted:
-                    if k not in targets and k not in hosted:
-                        e = m.tensors[k]
-                        t = owned[k] = _host_empty(e)
-                        if e.nbytes:
-                            placements.append((slot[e.file], e.offset, e.nbytes, -1, t.data_ptr()))
-                for fi in file_ids:
-                    headers[fi] = torch.empty(m.files[fi].header_bytes, dtype=torch.uint8)
-                    placements.append((slot[fi], 0, m.files[fi].header_bytes, -1, headers[fi].data_ptr()))
+                read_plan.place_owned(m, wanted, file_ids, slot, targets, hosted, placements, owned, headers)
             t0 = time.perf_counter()
             # `targets`, `hosted`, `owned`, `headers` and `stripes` keep the destinations alive until the job
             # is done.
@@ -236,33 +165,10 @@ class CheckpointDir:
             job.rethrow()
             bad = job.mismatches()
             if bad:
-                pi, actual = bad[0]
-                fi, off, n, expected = pieces[pi]
-                key = owners[pi]
-                fe = m.files[file_ids[fi]]
-                e = m.tensors[key]
-                more = f" ({len(bad) - 1} more damaged pieces)" if len(bad) > 1 else ""
-                raise ChecksumMismatchError(
-                    f"checksum mismatch in {fe.name}, tensor {key!r}, bytes {off - e.offset}..{off - e.offset + n} of "
-                    f"the tensor (file offset {off}): expected {expected:016x}, got {actual:016x}{more}",
-                    file=fe.name, tensor=key, offset=off, expected=f"{expected:016x}", actual=f"{actual:016x}")
-            buffers = job.buffers()  # None for a stripe wholly placed
-            bases = {}
-            by_file: dict[int, list[TensorEntry]] = {fi: [] for fi in file_ids}
-            for e in m.tensors.values():
-                if e.file in by_file:
-                    by_file[e.file].append(e)
-            for i, fi in enumerate(file_ids):
-                fe = m.files[fi]
-                held = headers.get(fi, stripes.get(fi))
-                header = memoryview(held.numpy()) if held is not None else memoryview(buffers[i])
-                check_stripe_header(header[: fe.header_bytes], fe, by_file[fi])
-                if fi in stripes:
-                    bases[fi] = stripes[fi]
-                elif buffers[i] is not None:
-                    bases[fi] = torch.frombuffer(buffers[i], dtype=torch.uint8)
+                raise read_plan.mismatch(m, file_ids, pieces, owners, bad)
+            bases = read_plan.checked_bases(m, file_ids, job.buffers(), headers, stripes)
             backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
-            del job, buffers  # from here the bases own the read buffers
+            del job  # from here the bases own the read buffers
             tensors = {}
             scatter.finish()
             for k, t in (*targets.items(), *hosted.items()):
@@ -275,7 +181,7 @@ class CheckpointDir:
                 if t is None:
                     e = m.tensors[k]
                     raw = bases[e.file][e.offset:e.offset + e.nbytes] if e.nbytes else torch.empty(0, dtype=torch.uint8)
-                    t = raw.view(_dtype(e.dtype)).view(e.shape)
+                    t = raw.view(stored_dtype(e.dtype)).view(e.shape)
                 tensors[k] = t
         return LoadResult(shown_manifest, tensors, time.perf_counter() - t0, backend_used, direct_used)
 
@@ -362,20 +268,6 @@ def tensor_placer(res: LoadResult, map_location: Any = "cpu") -> Callable[[str],
     return tensor_for
 
 
-_dtype = functools.lru_cache(maxsize=None)(dtypes.dtype_from_name)  # per tensor of 100,000: no lookup twice
-_TYPED_EMPTY = frozenset(dt for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                                       torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-                                       torch.complex128))
-
-
-def _host_empty(e: TensorEntry) -> torch.Tensor:
-    """A new CPU tensor owning exactly the bytes of stored entry ``e`` (offset 0)."""
-    dt = _dtype(e.dtype)
-    if dt in _TYPED_EMPTY:
-        return torch.empty(e.shape, dtype=dt)
-    return torch.empty(e.nbytes, dtype=torch.uint8).view(dt).view(e.shape)
-
-
 def _device_empty(e: TensorEntry, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor for stored entry ``e`` on ``device``, allocated as bytes and
     viewed as its dtype, so dtypes with no CUDA kernels (bits8, uint3, ...) work too."""
@@ -425,7 +317,7 @@ def _into_host_targets(dst_flat: list[FlatTensor], m: Manifest, keys: set[str] |
         if tuple(d.shape) != tuple(e.shape):  # before any byte moves
             raise ValueError(f"load(into=...): {ft.key} has shape {tuple(e.shape)} in the checkpoint, "
                              f"{tuple(d.shape)} in the destination")
-        if (not e.nbytes or d.dtype != _dtype(e.dtype) or not d.is_contiguous() or d.is_conj()
+        if (not e.nbytes or d.dtype != stored_dtype(e.dtype) or not d.is_contiguous() or d.is_conj()
                 or d.is_neg() or type(d) not in (torch.Tensor, torch.nn.Parameter)):
             continue
         out[ft.key] = d

@@ -145,81 +145,11 @@ def _encode_metadata(md: Metadata, storage_meta: StorageMeta | None, index: list
 
 def decode_metadata(d: Any, manifest: Manifest) -> Metadata:
     """DCP's Metadata from the dcp section ``d`` of ``manifest`` (hostile input: checked throughout)."""
-    bad = lambda msg: CorruptCheckpointError(f"manifest: dcp: {msg}", file=MANIFEST_NAME)  # noqa: E731
     if not isinstance(d, dict) or d.get("section_version") != SECTION_VERSION:
-        raise bad(f"section version {str(d.get('section_version') if isinstance(d, dict) else d)[:20]!r} "
-                  f"is not supported (this flashwrite reads {SECTION_VERSION})")
-
-    def ints(v: Any, what: str) -> list[int]:
-        if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-            raise bad(f"{what} must be a list of non-negative integers")
-        return v
-
-    sdm: dict[str, Any] = {}
-    raw = d.get("state_dict_metadata")
-    if not isinstance(raw, dict):
-        raise bad("state_dict_metadata must be an object")
-    for fqn, m in raw.items():
-        if not isinstance(m, dict):
-            raise bad(f"{fqn!r} is not an object")
-        if m.get("type") == "bytes":
-            sdm[fqn] = BytesStorageMetadata()
-            continue
-        if m.get("type") != "tensor":
-            raise bad(f"{fqn!r} has unknown type")
-        try:
-            dt = dtypes.dtype_from_name(m.get("dtype"))
-        except ValueError as e:
-            raise bad(f"{fqn!r}: {e}") from None
-        mf = _MEMORY_FORMATS.get(m.get("memory_format"))
-        if mf is None:
-            raise bad(f"{fqn!r}: unknown memory format")
-        size = ints(m.get("size"), f"{fqn}.size")
-        chunks = m.get("chunks")
-        if not isinstance(chunks, list):
-            raise bad(f"{fqn!r}: chunks must be a list")
-        cs = []
-        for c in chunks:
-            if not isinstance(c, list) or len(c) != 2:
-                raise bad(f"{fqn!r}: a chunk must be [offsets, sizes]")
-            off, sz = ints(c[0], f"{fqn}.chunk.offsets"), ints(c[1], f"{fqn}.chunk.sizes")
-            if len(off) != len(size) or len(sz) != len(size) or any(o + s > n for o, s, n in zip(off, sz, size)):
-                raise bad(f"{fqn!r}: chunk {off}+{sz} does not fit in {size}")
-            cs.append(ChunkStorageMetadata(torch.Size(off), torch.Size(sz)))
-        props = TensorProperties(dtype=dt, layout=torch.strided, requires_grad=bool(m.get("requires_grad")),
-                                 memory_format=mf, pin_memory=bool(m.get("pin_memory")))
-        sdm[fqn] = TensorStorageMetadata(props, torch.Size(size), cs)
-
-    inline: dict[str, bytes] = {}
-    tree = manifest.tree
-    if not isinstance(tree, dict) or tree.get("t") != "dict" or not isinstance(tree.get("items"), list):
-        raise bad("the tree of a DCP checkpoint must be a flat dict")
-    for it in tree["items"]:
-        if isinstance(it, list) and len(it) == 2 and isinstance(it[1], dict) and it[1].get("t") == "bytes":
-            key = it[0].get("v") if isinstance(it[0], dict) else None
-            try:
-                inline[key] = base64.b64decode(it[1].get("v"), validate=True)
-            except (ValueError, TypeError):
-                raise bad(f"inline item {str(key)[:80]!r} is not base64") from None
-
-    storage_data: dict[MetadataIndex, Any] = {}
-    index = d.get("index")
-    if not isinstance(index, list):
-        raise bad("index must be a list")
-    for row in index:
-        if not isinstance(row, list) or len(row) != 3 or not isinstance(row[0], str) or not isinstance(row[2], str):
-            raise bad("index rows must be [fqn, offsets, key]")
-        fqn, off, key = row
-        if off is not None:
-            off = ints(off, f"{fqn}.offset")
-        mi = MetadataIndex(fqn, off)
-        if key in inline:
-            storage_data[mi] = InlineItem(key, inline[key])
-            continue
-        e = manifest.tensors.get(manifest.aliases.get(key, key))
-        if e is None:
-            raise bad(f"index names unknown item {key!r}")
-        storage_data[mi] = StoredChunk(key, manifest.files[e.file].name, e.offset, e.nbytes)
+        raise _bad(f"section version {str(d.get('section_version') if isinstance(d, dict) else d)[:20]!r} "
+                   f"is not supported (this flashwrite reads {SECTION_VERSION})")
+    sdm = _decode_storage_metadata(d.get("state_dict_metadata"))
+    storage_data = _decode_index(d.get("index"), _inline_items(manifest), manifest)
     sm = d.get("storage_meta") if isinstance(d.get("storage_meta"), dict) else {}
     modules = sm.get("modules") if isinstance(sm.get("modules"), list) else []
     storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id") if isinstance(sm.get("checkpoint_id"), str)
@@ -227,8 +157,94 @@ def decode_metadata(d: Any, manifest: Manifest) -> Metadata:
                                modules=[m for m in modules if isinstance(m, str)])
     version = d.get("version")
     def no_tensors(key: str) -> Any:
-        raise bad("planner_data refers to a tensor")
+        raise _bad("planner_data refers to a tensor")
 
     planner_data = unflatten(d.get("planner_data"), no_tensors)
     return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage_data,
                     storage_meta=storage_meta, version=version if isinstance(version, str) else None)
+
+
+def _bad(msg: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"manifest: dcp: {msg}", file=MANIFEST_NAME)
+
+
+def _ints(v: Any, what: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise _bad(f"{what} must be a list of non-negative integers")
+    return v
+
+
+def _decode_storage_metadata(raw: Any) -> dict[str, Any]:
+    """The section's state_dict_metadata as DCP's tensor and bytes storage metadata, by fqn."""
+    sdm: dict[str, Any] = {}
+    if not isinstance(raw, dict):
+        raise _bad("state_dict_metadata must be an object")
+    for fqn, m in raw.items():
+        if not isinstance(m, dict):
+            raise _bad(f"{fqn!r} is not an object")
+        if m.get("type") == "bytes":
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        if m.get("type") != "tensor":
+            raise _bad(f"{fqn!r} has unknown type")
+        try:
+            dt = dtypes.dtype_from_name(m.get("dtype"))
+        except ValueError as e:
+            raise _bad(f"{fqn!r}: {e}") from None
+        mf = _MEMORY_FORMATS.get(m.get("memory_format"))
+        if mf is None:
+            raise _bad(f"{fqn!r}: unknown memory format")
+        size = _ints(m.get("size"), f"{fqn}.size")
+        chunks = m.get("chunks")
+        if not isinstance(chunks, list):
+            raise _bad(f"{fqn!r}: chunks must be a list")
+        cs = []
+        for c in chunks:
+            if not isinstance(c, list) or len(c) != 2:
+                raise _bad(f"{fqn!r}: a chunk must be [offsets, sizes]")
+            off, sz = _ints(c[0], f"{fqn}.chunk.offsets"), _ints(c[1], f"{fqn}.chunk.sizes")
+            if len(off) != len(size) or len(sz) != len(size) or any(o + s > n for o, s, n in zip(off, sz, size)):
+                raise _bad(f"{fqn!r}: chunk {off}+{sz} does not fit in {size}")
+            cs.append(ChunkStorageMetadata(torch.Size(off), torch.Size(sz)))
+        props = TensorProperties(dtype=dt, layout=torch.strided, requires_grad=bool(m.get("requires_grad")),
+                                 memory_format=mf, pin_memory=bool(m.get("pin_memory")))
+        sdm[fqn] = TensorStorageMetadata(props, torch.Size(size), cs)
+    return sdm
+
+
+def _inline_items(manifest: Manifest) -> dict[str, bytes]:
+    """The bytes items stored inline in the (flat dict) tree of a DCP checkpoint, by key."""
+    inline: dict[str, bytes] = {}
+    tree = manifest.tree
+    if not isinstance(tree, dict) or tree.get("t") != "dict" or not isinstance(tree.get("items"), list):
+        raise _bad("the tree of a DCP checkpoint must be a flat dict")
+    for it in tree["items"]:
+        if isinstance(it, list) and len(it) == 2 and isinstance(it[1], dict) and it[1].get("t") == "bytes":
+            key = it[0].get("v") if isinstance(it[0], dict) else None
+            try:
+                inline[key] = base64.b64decode(it[1].get("v"), validate=True)
+            except (ValueError, TypeError):
+                raise _bad(f"inline item {str(key)[:80]!r} is not base64") from None
+    return inline
+
+
+def _decode_index(index: Any, inline: dict[str, bytes], manifest: Manifest) -> dict[MetadataIndex, Any]:
+    """The section's index as DCP's storage_data: each row an inline item or a stored chunk."""
+    storage_data: dict[MetadataIndex, Any] = {}
+    if not isinstance(index, list):
+        raise _bad("index must be a list")
+    for row in index:
+        if not isinstance(row, list) or len(row) != 3 or not isinstance(row[0], str) or not isinstance(row[2], str):
+            raise _bad("index rows must be [fqn, offsets, key]")
+        fqn, off, key = row
+        if off is not None:
+            off = _ints(off, f"{fqn}.offset")
+        mi = MetadataIndex(fqn, off)
+        if key in inline:
+            storage_data[mi] = InlineItem(key, inline[key])
+            continue
+        e = manifest.tensors.get(manifest.aliases.get(key, key))
+        if e is None:
+            raise _bad(f"index names unknown item {key!r}")
+        storage_data[mi] = StoredChunk(key, manifest.files[e.file].name, e.offset, e.nbytes)
+    return storage_data
