@@ -210,22 +210,11 @@ def _compare(pieces: list[tuple[int, int, int]], threads: int) -> set[int]:
     return {i for i, _ in bad}
 
 
-def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
-         threads: int, target: Target = LOCAL) -> Plan:
-    """Compare the state of ``columns`` with ``base``, link the stripes that did not change
-    into ``tmp`` (the save's temporary directory on ``target``), and plan the rest."""
-    m = base.manifest
-    section = m.raw.get(SECTION) if isinstance(m.raw.get(SECTION), dict) else {}
-    prev_seq = section.get("seq", 0) if isinstance(section.get("seq"), int) else 0
-    seq = prev_seq + 1
-    recheck = seq % RECHECK_HOT_EVERY == 0
-    where = {k: j for j, k in enumerate(columns.keys)}
-    by_file: list[list[Any]] = [[] for _ in m.files]
-    for te in m.tensors.values():
-        by_file[te.file].append(te)
+def _candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int],
+                recheck: bool) -> list[int]:
+    """Base stripes whose tensors are all in the state alike (host memory, same dtype and
+    shape); stripes marked hot last time only every RECHECK_HOT_EVERY saves."""
     hot_files = {f.get("name") for f in m.raw.get("files", []) if isinstance(f, dict) and f.get("hot")}
-
-    # Candidates: base stripes whose tensors are all in the state alike (host memory).
     cands: list[int] = []
     for fi, entries in enumerate(by_file):
         if not entries or (m.files[fi].name in hot_files and not recheck):
@@ -240,8 +229,13 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
                 break
         if ok:
             cands.append(fi)
+    return cands
 
-    # Pass 1: each candidate tensor's smallest piece.
+
+def _changed(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int], cands: list[int],
+             threads: int) -> tuple[set[str], int, list[int]]:
+    """(keys that changed, bytes hashed, candidate stripes with no changed tensor). Pass 1
+    hashes each tensor's smallest piece; pass 2 the rest of the stripes that passed it."""
     first: list[tuple[int, int, int]] = []
     owner: list[tuple[int, str]] = []
     rest: dict[int, list[tuple[tuple[int, int, int], str]]] = {}
@@ -259,16 +253,19 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
             rest.setdefault(fi, []).extend((p, te.key) for i, p in enumerate(pieces) if i != k)
     changed = {owner[i][1] for i in _compare(first, threads)}
     compared = sum(p[1] for p in first)
-    # Pass 2: whole stripes whose tensors all passed pass 1.
     whole = [fi for fi in cands if not any(te.key in changed for te in by_file[fi])]
     second = [(p, key) for fi in whole for p, key in rest.get(fi, [])]
     changed |= {second[i][1] for i in _compare([p for p, _ in second], threads)}
     compared += sum(p[1] for p, _ in second)
-    unchanged_files = [fi for fi in whole if not any(te.key in changed for te in by_file[fi])]
-    # "Unchanged at the last save": tensors of candidate stripes that passed.
-    looked = {te.key for fi in cands for te in by_file[fi]}
+    return changed, compared, [fi for fi in whole if not any(te.key in changed for te in by_file[fi])]
 
-    out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared)
+
+def _link(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], where: dict[str, int],
+          unchanged_files: list[int], tmp: str, prefix: str, target: Target) -> set[int]:
+    """Hard-link the unchanged stripes into ``tmp`` under their final names
+    (<prefix>-linked-K-of-N: a link is never renamed); the columns they cover. After the
+    first link that fails, the rest are written (counted in ``out.fallbacks``)."""
+    m = base.manifest
     claimed: set[int] = set()
     linkable = []
     for fi in unchanged_files:
@@ -278,7 +275,6 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
         if header is not None and _header_meta(header) == HEADER_META:
             linkable.append((fi, src, header))
         # else damaged, or carrying a save's metadata: planned as stable instead
-    # Names are final here (a link is never renamed): <prefix>-linked-K-of-N, -stable-, -hot-.
     for k, (fi, src, header) in enumerate(linkable):
         fe = m.files[fi]
         name = stripe_name(f"{prefix}-linked", k, len(linkable))
@@ -299,9 +295,13 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
         for te in entries:
             out.checksums[te.key] = [int(h, 16) for h in te.checksums]
         claimed.update(members)
+    return claimed
 
-    left = [j for j in range(len(columns.keys)) if j not in claimed]
-    stable = [j for j in left if columns.keys[j] in looked and columns.keys[j] not in changed]
+
+def _plan_rest(out: Plan, columns: Columns, left: list[int], stable: list[int], *, stripes: int, prefix: str,
+               metadata: dict[str, str] | None) -> None:
+    """Plan what is to be written: the tensors unchanged at this save in stripes of their
+    own (the next save links them whole), the changed ("hot") ones in others."""
     sset = set(stable)
     hot = [j for j in left if j not in sset]
     nbytes = columns.nbytes
@@ -312,14 +312,36 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     per = max(1, -(-sum(nbytes) // stripes))  # of the whole state, linked stripes included
     n_stable = stripes if stable else 0
     n_hot = max(1, -(-hb // per)) if hot else 0
-    groups = [(stable, n_stable, "stable", None), (hot, n_hot, "hot", metadata)]
-    for idx, n, kind, meta in groups:
+    for idx, n, kind, meta in ((stable, n_stable, "stable", None), (hot, n_hot, "hot", metadata)):
         if not idx:
             continue
         for f in plan_files(None, n, prefix=f"{prefix}-{kind}", metadata=meta, columns=_subset(columns, idx)):
             if kind == "hot":
                 out.hot.add(len(out.files))
             out.files.append(f)
+
+
+def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
+         threads: int, target: Target = LOCAL) -> Plan:
+    """Compare the state of ``columns`` with ``base``, link the stripes that did not change
+    into ``tmp`` (the save's temporary directory on ``target``), and plan the rest."""
+    m = base.manifest
+    section = m.raw.get(SECTION) if isinstance(m.raw.get(SECTION), dict) else {}
+    prev_seq = section.get("seq", 0) if isinstance(section.get("seq"), int) else 0
+    seq = prev_seq + 1
+    where = {k: j for j, k in enumerate(columns.keys)}
+    by_file: list[list[Any]] = [[] for _ in m.files]
+    for te in m.tensors.values():
+        by_file[te.file].append(te)
+    cands = _candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
+    changed, compared, unchanged_files = _changed(columns, m, by_file, where, cands, threads)
+    # "Unchanged at the last save": tensors of candidate stripes that passed.
+    looked = {te.key for fi in cands for te in by_file[fi]}
+    out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared)
+    claimed = _link(out, columns, base, by_file, where, unchanged_files, tmp, prefix, target)
+    left = [j for j in range(len(columns.keys)) if j not in claimed]
+    stable = [j for j in left if columns.keys[j] in looked and columns.keys[j] not in changed]
+    _plan_rest(out, columns, left, stable, stripes=stripes, prefix=prefix, metadata=metadata)
     return out
 
 

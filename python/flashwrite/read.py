@@ -159,7 +159,7 @@ class CheckpointDir:
             # is done.
             job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
                                    defaults.VERIFY_THREADS, direct, placements=placements,
-                                   streams=streams, remote=nfs.reader_for(path))  # nfs://: from the server
+                                   streams=streams, remote=nfs.reader_for(self.path))  # nfs://: from the server
         job.wait()
         with gcpause.paused():
             job.rethrow()
