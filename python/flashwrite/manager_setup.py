@@ -3,12 +3,18 @@ it saves with."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 from .save import Writer
 from .target import UnsupportedTargetError
 
-SAVE_OPTIONS = ("hf_model", "hf_config", "extra_files")
+# What a caller may pass per save: Writer.save_async's keyword options, less those the
+# manager sets itself (derived, so a new save option reaches the manager with no edit here).
+_MANAGER_SETS = {"overwrite", "block", "allow_pickle", "metadata", "process_group", "coordination_group",
+                 "timeout", "incremental"}
+SAVE_OPTIONS = tuple(k for k, p in inspect.signature(Writer.save_async).parameters.items()
+                     if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in _MANAGER_SETS)
 
 
 def check_save_options(options: dict) -> None:
