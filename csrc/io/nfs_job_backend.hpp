@@ -130,6 +130,9 @@ class WriteBackend : public IoBackend {
   // (kind) of s: the reply when both are OK, else nullptr after failing s's request.
   template <class Res>
   Res* reply_ok(WLoop& lp, const SubOp& s, int status, void* data, const char* kind);
+  // Under mu_: op's WRITE or READ moved only part of it; drops op and sends the rest
+  // (mu_ released meanwhile).
+  void send_rest(WLoop& lp, WOp& op, const SubOp& rest);
   void report(WLoop& lp, WReq* q, int64_t res);  // under mu_
   void send_commits(WLoop& lp, std::vector<WFile*>& files);  // under mu_
   void abandon(WLoop& lp, int err, const std::string& why);

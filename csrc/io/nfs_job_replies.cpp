@@ -191,6 +191,13 @@ Res* WriteBackend::reply_ok(WLoop& lp, const SubOp& s, int status, void* data, c
   return res;
 }
 
+void WriteBackend::send_rest(WLoop& lp, WOp& op, const SubOp& rest) {
+  lp.ops.erase(op.self);
+  mu_.unlock();
+  send_write(lp, rest);
+  mu_.lock();
+}
+
 void WriteBackend::on_write(WOp& op, int status, void* data) {
   WLoop& lp = *op.loop;
   lp.inflight--;
@@ -206,11 +213,7 @@ void WriteBackend::on_write(WOp& op, int status, void* data) {
     if (ok.count == 0) {
       fail_req(q, EIO, "NFS WRITE wrote nothing", static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
     } else if (ok.count < s.len && !q->failed) {  // a short write: send the rest from here
-      SubOp rest{q, s.off + ok.count, s.len - ok.count};
-      lp.ops.erase(op.self);
-      mu_.unlock();
-      send_write(lp, rest);
-      mu_.lock();
+      send_rest(lp, op, SubOp{q, s.off + ok.count, s.len - ok.count});
       return;
     }
   }
@@ -234,11 +237,7 @@ void WriteBackend::on_read(WOp& op, int status, void* data) {
       if (ok.eof || n == 0) {
         q->eof_at = std::min(q->eof_at, s.off + n);
       } else {  // a short read: ask for the rest from here
-        SubOp rest{q, s.off + n, s.len - n};
-        lp.ops.erase(op.self);
-        mu_.unlock();
-        send_write(lp, rest);
-        mu_.lock();
+        send_rest(lp, op, SubOp{q, s.off + n, s.len - n});
         return;
       }
     }
