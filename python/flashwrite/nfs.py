@@ -13,7 +13,7 @@
   default 10): the longest wait for the server without progress before an
   operation fails with an error naming the server and the operation.
 
-The transfers run in the native core (``_core.NfsClient``, io/nfs_client.cpp) on
+The transfers run in the native core (``_core.NfsClient``, csrc/io/nfs_*.cpp) on
 libnfs, loaded at run time. A save stages and checksums its stripes exactly as a
 local save does, into the staging pool, and sends each chunk from its pool slot
 straight to the server with UNSTABLE WRITEs over the connections (no local copy);

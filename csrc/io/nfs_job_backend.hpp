@@ -1,0 +1,225 @@
+// The save and load jobs' NFS backend behind RemoteFiles (make_remote_files): the
+// files of a job (NfsFiles) and the backend that carries its requests (WriteBackend).
+// Internal to nfs_job_backend.cpp (life cycle, queue, poll loops) and
+// nfs_job_replies.cpp (WRITE/READ/COMMIT sent and answered).
+//
+// NfsFiles (RemoteFiles) creates a save's stripes (or opens a load's); its backend,
+// WriteBackend, carries the save job's chunk writes straight from their staging
+// slots (and a load job's reads straight into its slots and destinations: each
+// request cut into READs of at most rsize bytes, reported once all have replied). Each request (one
+// chunk) is cut into WRITEs of at most wsize bytes, taken from one queue by every
+// connection's loop (a thread each, `depth` RPCs in flight). A request whose WRITEs
+// have all replied waits on its file's uncommitted list until a COMMIT of the file
+// (sent when the file is fully written, when a lot is uncommitted, or when nothing
+// else is left to send: a bounded staging pool waits for these slots). A COMMIT whose
+// verifier differs from a request's WRITE verifier sends the request again (the
+// server restarted and may have lost it); a request is reported to the job only once
+// committed under its own verifier, so its slot stays untouched until then.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core/error.hpp"
+#include "io/backend.hpp"
+#include "io/nfs_lib.hpp"
+#include "io/remote_files.hpp"
+
+namespace fw::nfs::detail {
+
+constexpr unsigned kMaxRounds = 5;              // commit rounds before a request fails
+constexpr uint64_t kCommitBytes = 256ull << 20;  // uncommitted bytes per file that trigger a COMMIT
+
+struct WFile;
+
+struct WReq {
+  IoRequest* r = nullptr;
+  WFile* file = nullptr;
+  uint64_t off = 0, len = 0;  // cut at the file's size
+  unsigned outstanding = 0;   // WRITEs not yet replied
+  bool have_verf = false, mixed = false, failed = false;
+  unsigned char verf[NFS3_WRITEVERFSIZE] = {};
+  int err = 0;
+  std::string msg;
+  int64_t err_off = -1, err_len = -1;
+  unsigned rounds = 0;
+  uint64_t eof_at = UINT64_MAX;  // reads: where the file ended, if inside the request
+};
+
+struct WFile {
+  std::string path, fh;
+  uint64_t size = 0;
+  uint64_t submitted = 0;  // bytes of requests the job has sent (first time)
+  unsigned open = 0;       // requests with WRITEs not yet all replied
+  std::vector<WReq*> uncommitted;
+  uint64_t uncommitted_bytes = 0;
+  uint64_t durable = 0;
+};
+
+struct SubOp {
+  WReq* q = nullptr;
+  uint64_t off = 0, len = 0;
+};
+
+struct WLoop;
+
+struct WOp {
+  WLoop* loop = nullptr;
+  bool abandoned = false;
+  bool commit = false;
+  SubOp sub;
+  WFile* file = nullptr;
+  std::vector<WReq*> list;  // a COMMIT's requests
+  WRITE3args wargs{};
+  READ3args rargs{};
+  COMMIT3args cargs{};
+  std::list<WOp>::iterator self;
+};
+
+class WriteBackend;
+
+struct WLoop {
+  WriteBackend* be = nullptr;
+  std::unique_ptr<Client::Conn> conn;
+  int efd = -1;
+  std::thread th;
+  unsigned inflight = 0;
+  Clock::time_point progress = Clock::now();
+  bool dead = false;
+  int dead_err = 0;
+  std::string dead_msg;
+  std::list<WOp> ops;
+  std::vector<std::pair<IoRequest*, int64_t>> done;  // to report once out of nfs_service
+};
+
+struct ErrInfo {
+  std::string msg;
+  int64_t off = -1, len = -1;
+};
+
+class NfsFiles;
+
+class WriteBackend : public IoBackend {
+ public:
+  WriteBackend(NfsFiles* files, std::shared_ptr<Client> client, IoCallback cb);
+  ~WriteBackend() override;
+  void submit(IoRequest* req) override;
+  void resubmit(IoRequest* req) override { submit(req); }
+  void drain() override;
+  const char* name() const override { return "nfs"; }
+
+  void run(WLoop& lp);
+  void on_write(WOp& op, int status, void* data);
+  void on_read(WOp& op, int status, void* data);
+  void on_commit(WOp& op, int status, void* data);
+
+ private:
+  void fill(WLoop& lp);
+  void send_write(WLoop& lp, const SubOp& s);
+  void sub_done(WLoop& lp, WReq* q, std::vector<WFile*>& commit);  // under mu_
+  void fail_req(WReq* q, int err, const std::string& msg, int64_t off, int64_t len);  // under mu_
+  // Under mu_: the transport's and then the server's verdict on a WRITE or READ reply
+  // (kind) of s: the reply when both are OK, else nullptr after failing s's request.
+  template <class Res>
+  Res* reply_ok(WLoop& lp, const SubOp& s, int status, void* data, const char* kind);
+  // Under mu_: op's WRITE or READ moved only part of it; drops op and sends the rest
+  // (mu_ released meanwhile).
+  void send_rest(WLoop& lp, WOp& op, const SubOp& rest);
+  void report(WLoop& lp, WReq* q, int64_t res);  // under mu_
+  void send_commits(WLoop& lp, std::vector<WFile*>& files);  // under mu_
+  void abandon(WLoop& lp, int err, const std::string& why);
+  void flush(WLoop& lp);
+  void wake();
+
+  NfsFiles* files_;
+  std::shared_ptr<Client> client_;
+  IoCallback cb_;
+  const Options& o_;
+  uint64_t wmax_, rmax_;
+  int pause_ms_ = 0;
+  std::mutex mu_;
+  std::condition_variable drained_;
+  std::deque<SubOp> queue_;
+  std::unordered_map<IoRequest*, std::unique_ptr<WReq>> reqs_;
+  unsigned open_ = 0;      // requests with WRITEs not yet all replied
+  uint64_t pending_ = 0;   // requests not yet reported (or their callback still running)
+  bool stop_ = false;
+  std::vector<std::unique_ptr<WLoop>> loops_;
+};
+
+class NfsFiles : public RemoteFiles {
+ public:
+  NfsFiles(std::shared_ptr<Client> c, std::string dir) : client_(std::move(c)), dir_(std::move(dir)) {}
+  int open(const std::string& path, uint64_t* size) override {
+    auto f = std::make_unique<WFile>();
+    f->path = dir_.empty() ? path : dir_ + "/" + path.substr(path.rfind('/') + 1);
+    f->fh = client_->lookup(f->path, size);
+    f->size = *size;
+    std::lock_guard<std::mutex> g(mu_);
+    files_.push_back(std::move(f));
+    return static_cast<int>(files_.size() - 1);
+  }
+  int create(const std::string& path, uint64_t size) override {
+    auto f = std::make_unique<WFile>();
+    f->path = path;
+    f->size = size;
+    f->fh = client_->create(path, true);
+    std::lock_guard<std::mutex> g(mu_);
+    files_.push_back(std::move(f));
+    return static_cast<int>(files_.size() - 1);
+  }
+  std::unique_ptr<IoBackend> backend(unsigned, IoCallback cb) override {
+    return std::make_unique<WriteBackend>(this, client_, std::move(cb));
+  }
+  void finish(int h) override {
+    WFile& f = file(h);
+    std::lock_guard<std::mutex> g(mu_);
+    if (f.durable != f.size)
+      throw IoError(EIO, "NFS COMMIT: " + std::to_string(f.durable) + " of " + std::to_string(f.size) +
+                    " bytes committed (server " + client_->options().server + ")", client_->url(f.path));
+  }
+  std::exception_ptr error(const IoRequest* r, int64_t res) override {
+    ErrInfo e;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = errors_.find(r);
+      if (it != errors_.end()) e = it->second;
+    }
+    if (e.msg.empty()) e.msg = r->write ? "NFS WRITE" : "NFS READ";
+    WFile& f = file(r->fd);
+    return std::make_exception_ptr(IoError(static_cast<int>(-res), e.msg + " (server " + client_->options().server + ")",
+                                           client_->url(f.path), e.off >= 0 ? e.off : static_cast<int64_t>(r->offset),
+                                           e.len >= 0 ? e.len : static_cast<int64_t>(r->len)));
+  }
+  const char* name() const override { return "nfs"; }
+
+  WFile& file(int h) {
+    std::lock_guard<std::mutex> g(mu_);
+    return *files_.at(static_cast<size_t>(h));
+  }
+  void note_error(const IoRequest* r, ErrInfo e) {
+    std::lock_guard<std::mutex> g(mu_);
+    errors_.emplace(r, std::move(e));
+  }
+  void add_durable(WFile& f, uint64_t n) {
+    std::lock_guard<std::mutex> g(mu_);
+    f.durable += n;
+  }
+
+ private:
+  std::shared_ptr<Client> client_;
+  std::string dir_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<WFile>> files_;
+  std::unordered_map<const IoRequest*, ErrInfo> errors_;
+};
+
+}  // namespace fw::nfs::detail
