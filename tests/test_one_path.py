@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import flashwrite as fw
 from flashwrite import commit
-from flashwrite import format as fmt
+from flashwrite.format import validate as fmt  # where read_manifest finds parse_manifest
 
 from conftest import assert_same
 from dist_helpers import Cluster
