@@ -7,7 +7,7 @@ import torch
 import flashwrite as fw
 from fuse_util import fuse_faults_exe, fuse_mount  # noqa: F401  (fixtures of the FUSE fault tests)
 
-from nfs_fixtures import nfs_server  # noqa: F401  (a real NFS server, for tests marked nfs)
+from nfs_fixtures import nfs_server, nfs_staging  # noqa: F401  (a real NFS server, for tests marked nfs)
 
 # Bounds what one test may write (see disk_guard.py): a runaway test fails alone.
 pytest_plugins = ["disk_guard", "pytester"]

@@ -33,3 +33,14 @@ def serving(workdir: str, exports: list[Export] | None = None):
 def nfs_server(tmp_path):
     with serving(str(tmp_path / "nfs")) as server:
         yield server
+
+
+@pytest.fixture
+def nfs_staging(tmp_path, monkeypatch):
+    """Where nfs:// loads put their stand-in directories (FLASHWRITE_NFS_STAGING): this
+    test's own; none may be left behind."""
+    d = tmp_path / "staging"
+    d.mkdir()
+    monkeypatch.setenv("FLASHWRITE_NFS_STAGING", str(d))
+    yield d
+    assert os.listdir(d) == [], f"staging copies left behind: {os.listdir(d)}"

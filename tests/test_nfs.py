@@ -23,18 +23,10 @@ from flashwrite import _core, nfs
 from nfs_fixtures import serving
 from nfs_server import Export
 
-pytestmark = pytest.mark.nfs
+pytestmark = [pytest.mark.nfs, pytest.mark.usefixtures("nfs_staging")]
 PAUSE_ENV = "FLASHWRITE_NFS_TEST_PAUSE_BEFORE_COMMIT_MS"
 
 
-@pytest.fixture(autouse=True)
-def staging(tmp_path, monkeypatch):
-    """Stage in a directory of this test's, and check that every staging copy is gone after."""
-    d = tmp_path / "staging"
-    d.mkdir()
-    monkeypatch.setenv("FLASHWRITE_NFS_STAGING", str(d))
-    yield d
-    assert os.listdir(d) == [], f"staging copies left behind: {os.listdir(d)}"
 
 
 def _big_state(mib: int, seed: int = 0) -> dict:
@@ -293,11 +285,11 @@ def _one_rank_fails(url: str, bad: int) -> str:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ranks_save_to_one_nfs_root(nfs_server, world, staging):
+def test_ranks_save_to_one_nfs_root(nfs_server, world, nfs_staging):
     from dist_helpers import Cluster
     url = nfs_server.url("run") + "?connections=2&timeout=30"
     with Cluster(world) as cluster:
-        assert cluster.run(_ranks_save, url, 2, 2, str(staging)) == [[r] for r in range(world)]
+        assert cluster.run(_ranks_save, url, 2, 2, str(nfs_staging)) == [[r] for r in range(world)]
         whole = fw.load(os.path.join(nfs_server.export, "run", "step-2"))
         assert list(whole) == list(range(world))
         for r in range(world):

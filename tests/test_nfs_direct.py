@@ -17,17 +17,9 @@ from conftest import assert_same
 from fault_util import make_state, temp_entries
 from flashwrite import cli, nfs
 
-pytestmark = pytest.mark.nfs
+pytestmark = [pytest.mark.nfs, pytest.mark.usefixtures("nfs_staging")]
 
 
-@pytest.fixture(autouse=True)
-def staging(tmp_path, monkeypatch):
-    """The load's stand-in directories go here; none may be left behind."""
-    d = tmp_path / "staging"
-    d.mkdir()
-    monkeypatch.setenv("FLASHWRITE_NFS_STAGING", str(d))
-    yield d
-    assert os.listdir(d) == [], f"staging copies left behind: {os.listdir(d)}"
 
 
 def _state(mib: int, seed: int = 0) -> dict:
@@ -52,7 +44,7 @@ def test_a_pool_smaller_than_the_save_commits_to_free_its_slots(nfs_server):
     assert_same(fw.load(local), state)
 
 
-def test_a_load_reads_the_stripes_from_the_server_not_a_local_copy(nfs_server, staging):
+def test_a_load_reads_the_stripes_from_the_server_not_a_local_copy(nfs_server, nfs_staging):
     """The stand-in directory holds the small files and, per stripe, a sparse placeholder
     with its header only; the bytes come over the connections, and a stripe damaged on the
     server is caught (the placeholder's zeros are never read)."""
