@@ -2,8 +2,13 @@
 
 #include <sys/mman.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
+#include <ctime>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
 #include <utility>
 
 #include "core/error.hpp"
@@ -56,6 +61,100 @@ void AlignedBuffer::prefault(size_t offset, size_t len) const noexcept {
   len = std::min(len, cap_ - offset);
   if (madvise(ptr_ + offset, len, MADV_POPULATE_WRITE) == 0) return;
   for (size_t i = 0; i < len; i += kAlign) *static_cast<volatile char*>(ptr_ + offset + i) = 0;
+}
+
+namespace {
+
+enum class HugeMode { Auto, On, Off };
+
+HugeMode huge_mode() {
+  const char* v = std::getenv("FLASHWRITE_HUGE_PAGES");
+  if (!v || !*v || !std::strcmp(v, "auto")) return HugeMode::Auto;
+  if (!std::strcmp(v, "on") || !std::strcmp(v, "1")) return HugeMode::On;
+  if (!std::strcmp(v, "off") || !std::strcmp(v, "0")) return HugeMode::Off;
+  throw std::invalid_argument(std::string("FLASHWRITE_HUGE_PAGES=") + v + ": expected auto, on or off");
+}
+
+bool thp_never() {
+  FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+  if (!f) return true;
+  char line[128] = {};
+  const bool read = std::fgets(line, sizeof line, f) != nullptr;
+  std::fclose(f);
+  return !read || std::strstr(line, "[never]") != nullptr;
+}
+
+std::string ms(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.2f ms", v);
+  return b;
+}
+
+double thread_cpu_ms() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec * 1e3 + t.tv_nsec * 1e-6;
+}
+
+constexpr size_t kHugePage = 2 << 20;
+
+}  // namespace
+
+void HugePageWatch::check_setting() { huge_mode(); }
+
+HugePageWatch::HugePageWatch(const AlignedBuffer& buf) : buf_(buf) {
+  const HugeMode mode = huge_mode();
+  char* p = buf.data();
+  const size_t cap = buf.capacity();
+  if (!p) return;
+  if (mode == HugeMode::Off || thp_never()) {
+    madvise(p, cap, MADV_NOHUGEPAGE);
+    small_ = true;
+    why_ = mode == HugeMode::Off ? "4 KiB pages (FLASHWRITE_HUGE_PAGES=off)" : "4 KiB pages (transparent huge pages are off)";
+    return;
+  }
+  if (mode == HugeMode::On) {
+    why_ = "2 MiB pages (FLASHWRITE_HUGE_PAGES=on)";
+    return;
+  }
+  if (cap < 8 * kHugePage) {
+    why_ = "2 MiB pages (too small a buffer to watch)";
+    return;
+  }
+  const size_t probe = cap - 2 * kHugePage;
+  madvise(p + probe, 2 * kHugePage, MADV_NOHUGEPAGE);
+  const double t0 = thread_cpu_ms();
+  buf.prefault(probe, 2 * kHugePage);
+  small_ms_ = (thread_cpu_ms() - t0) / 2;
+  watch_ = true;
+}
+
+void HugePageWatch::fault_in(size_t offset, size_t len) {
+  constexpr size_t kStep = 4 * kHugePage;
+  const size_t end = std::min(offset + len, buf_.capacity());
+  while (offset < end) {
+    const size_t n = std::min(kStep, end - offset);
+    if (!watch_ || small_.load() || n < kHugePage) {
+      buf_.prefault(offset, end - offset);
+      return;
+    }
+    const double t0 = thread_cpu_ms();
+    buf_.prefault(offset, n);
+    const double per_page = (thread_cpu_ms() - t0) / (static_cast<double>(n) / kHugePage);
+    offset += n;
+    std::lock_guard<std::mutex> lk(mu_);
+    worst_ms_ = std::max(worst_ms_, per_page);
+    if (per_page > 3 * small_ms_ && !small_.exchange(true)) {
+      madvise(buf_.data(), buf_.capacity(), MADV_NOHUGEPAGE);  // what is already huge stays so
+      why_ = "4 KiB pages: faulting in a 2 MiB page took " + ms(per_page) + " of CPU, 2 MiB of 4 KiB pages " + ms(small_ms_);
+    }
+  }
+}
+
+std::string HugePageWatch::why() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!watch_ || small_.load()) return why_;
+  return "2 MiB pages: at most " + ms(worst_ms_) + " of CPU per page to fault in, 2 MiB of 4 KiB pages " + ms(small_ms_);
 }
 
 bool AlignedBuffer::dont_fork() const noexcept { return map_ && madvise(map_, map_len_, MADV_DONTFORK) == 0; }

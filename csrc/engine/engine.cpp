@@ -40,6 +40,7 @@ static int numa_node_from_env() {
 
 Engine::Engine(uint64_t chunk_bytes, uint64_t max_staging_bytes)
     : pool_(std::make_shared<StagingPool>(chunk_bytes, max_staging_bytes)) {
+  HugePageWatch::check_setting();  // a bad FLASHWRITE_HUGE_PAGES fails here, not at a save
   const int node = numa_node_from_env();
   if (node != -2) {
     numa_given_ = true;

@@ -57,6 +57,8 @@ class Engine {
   // why placing the last one failed (empty if it did not).
   int pool_numa_node() const { return pool_->numa_node(); }
   std::string pool_numa_error() const { return pool_->numa_error(); }
+  // The page size of the newest slab and why (2 MiB unless they fault in slowly here).
+  std::string pool_pages() const { return pool_->pages(); }
   uint64_t trim() { return pool_->trim(); }
 
  private:

@@ -241,6 +241,9 @@ void register_engine(py::module_& m) {
                              "FLASHWRITE_STAGING_NUMA_NODE), or -1 for the kernel's default.")
       .def_property_readonly("pool_numa_error", none_if_empty(&Engine::pool_numa_error),
                              "Why the last slab could not be placed on that node, or None.")
+      .def_property_readonly("pool_pages", none_if_empty(&Engine::pool_pages),
+                             "The page size the newest slab got and why (FLASHWRITE_HUGE_PAGES=auto|on|off), "
+                             "or None before the first.")
       .def_property_readonly("pin_error", none_if_empty(&Engine::pin_error),
                              "Why the pool could not be page-locked, or None.")
       .def("trim", without_gil(&Engine::trim));

@@ -10,6 +10,7 @@ HostPlacer::HostPlacer(PlacementMap map, uint64_t slot_bytes, size_t slots)
     : map_(std::move(map)),
       slot_bytes_(slot_bytes),
       mem_(AlignedBuffer::huge_pages(slot_bytes * slots)),
+      pages_(mem_),
       faulted_(slots, 0) {
   for (size_t i = slots; i-- > 0;) free_.push_back(mem_.data() + i * slot_bytes_);
 }
@@ -33,7 +34,7 @@ char* HostPlacer::acquire(const std::atomic<bool>* cancel) {
   // On the reading thread while earlier reads are in flight, not in the
   // kernel's direct-I/O path where a fault stalls the request. Small loads
   // touch only the slots they use.
-  if (fault) mem_.prefault(static_cast<size_t>(slot - mem_.data()), slot_bytes_);
+  if (fault) pages_.fault_in(static_cast<size_t>(slot - mem_.data()), slot_bytes_);
   return slot;
 }
 

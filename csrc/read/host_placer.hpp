@@ -18,7 +18,8 @@ class HostPlacer final : public ChunkPlacer {
  public:
   // Every placement is in host memory (device -1). `slots` bounce slots of
   // slot_bytes (the load's chunk size) are mapped now, in transparent huge pages where
-  // the kernel gives them (AlignedBuffer::huge_pages), and faulted in on first use.
+  // the kernel gives them and they fault in fast (HugePageWatch), and faulted
+  // in on first use.
   HostPlacer(PlacementMap map, uint64_t slot_bytes, size_t slots);
 
   void begin() override {}
@@ -36,6 +37,7 @@ class HostPlacer final : public ChunkPlacer {
   const PlacementMap map_;
   const uint64_t slot_bytes_;
   AlignedBuffer mem_;
+  HugePageWatch pages_;  // after mem_: it watches mem_
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<char*> free_;  // last in, first out: a warm slot is reused first

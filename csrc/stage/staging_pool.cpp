@@ -120,9 +120,9 @@ AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
   // slots, in requests that 4 KiB pages would cut at the device's segment limit
   // (254 pages on virtio-blk), and the kernel pins 512x fewer pages per write.
   // 2 GiB on the benchmark VM: stall 0.24-0.27 s against 0.30-0.33 s, durable
-  // 2.8-3.0 s against 3.1-3.5 s. Faulting them in costs more once (1.0 s
-  // against 0.45 s for 2 GiB the host had taken back): reserve() does it
-  // before the first save, in the background when asked to.
+  // 2.8-3.0 s against 3.1-3.5 s. Unless they fault in slowly: fill_slab()
+  // watches (HugePageWatch; 2 GiB there took 10-15 s in huge pages, 0.6 s in
+  // 4 KiB pages), and reserve() faults in before the first save when asked to.
   return AlignedBuffer::huge_pages(bytes);
 }
 
@@ -139,6 +139,11 @@ bool StagingPool::pinned() const {
   for (auto& s : slabs_)
     if (!s->pinned) return false;
   return true;
+}
+
+std::string StagingPool::pages() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return pages_;
 }
 
 double StagingPool::pin_seconds() const {
@@ -165,24 +170,30 @@ std::string prefer_node(void* p, size_t n, int node) {
 
 }  // namespace
 
-double StagingPool::fill_slab(Slab& s, const PinHooks& hooks, int node, std::string& numa_err) {
+double StagingPool::fill_slab(Slab& s, const PinHooks& hooks, int node, std::string& numa_err, std::string& pages) {
   numa_err = prefer_node(s.mem.data(), s.mem.capacity(), node);
   // Faulted in now, in parallel: every slot is then resident for good, so
   // later saves neither pay for page faults nor grow the process (slots are
-  // reused last-in-first-out, and a save may touch only some of them).
+  // reused last-in-first-out, and a save may touch only some of them). Private
+  // slabs keep huge pages unless they fault in slowly here (HugePageWatch); a
+  // shared file's pages are the file system's.
+  std::unique_ptr<HugePageWatch> watch;
+  if (s.file_offset < 0) watch = std::make_unique<HugePageWatch>(s.mem);
+  auto fault = [&](size_t off, size_t len) { watch ? watch->fault_in(off, len) : s.mem.prefault(off, len); };
   const size_t bytes = s.mem.capacity();
   const unsigned n = defaults::cpu_threads(defaults::kPrefaultMaxThreads);
   const size_t part = round_up((bytes + n - 1) / n, kAlign);
   std::vector<std::thread> faulters;
   unsigned i = 0;
   try {
-    for (; i < n && i * part < bytes; ++i) faulters.emplace_back([&, i] { s.mem.prefault(i * part, part); });
+    for (; i < n && i * part < bytes; ++i) faulters.emplace_back([&, i] { fault(i * part, part); });
   } catch (const std::system_error&) {
     // No thread to spare: fault the rest in here (a joinable thread must not
     // be destroyed, so never leave this block without the joins below).
-    for (; i < n && i * part < bytes; ++i) s.mem.prefault(i * part, part);
+    for (; i < n && i * part < bytes; ++i) fault(i * part, part);
   }
   for (auto& t : faulters) t.join();
+  if (watch) pages = watch->why();
   if (!hooks.pin) return 0;
   const auto t0 = std::chrono::steady_clock::now();
   s.pinned = hooks.pin(s.mem.data(), s.mem.capacity());
@@ -221,12 +232,12 @@ bool StagingPool::reserve(size_t slots, bool hold) {
   // jobs running on this pool acquire and release their slots meanwhile.
   const PinHooks hooks = hooks_;
   const int node = numa_node_;
-  std::string numa_err;
+  std::string numa_err, pages;
   double pin_s = 0;
   busy_ = true;
   lk.unlock();
   try {
-    pin_s = fill_slab(*slab, hooks, node, numa_err);
+    pin_s = fill_slab(*slab, hooks, node, numa_err, pages);
   } catch (...) {
     lk.lock();
     busy_ = false;
@@ -237,6 +248,7 @@ bool StagingPool::reserve(size_t slots, bool hold) {
   busy_ = false;
   pin_s_ += pin_s;
   if (node >= 0) numa_error_ = numa_err;
+  if (!pages.empty()) pages_ = pages;
   for (size_t i = 0; i < add; ++i) free_.push_back(slab->mem.data() + i * slot_bytes_);
   total_slots_ += add;
   slabs_.push_back(std::move(slab));

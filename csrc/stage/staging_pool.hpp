@@ -80,6 +80,9 @@ class StagingPool {
   void set_pin_hooks(PinHooks hooks);
   // Seconds spent page-locking slabs so far (the pin hook's calls).
   double pin_seconds() const;
+  // The page size the newest private slab got, and why (AlignedBuffer::
+  // HugePageWatch), or empty before the first one.
+  std::string pages() const;
   // Slabs created from now on prefer this NUMA node (mbind MPOL_PREFERRED before
   // they are faulted in): the GPU's node, so DMA does not cross the socket
   // link. -1: the kernel's default (first touch). numa_error() says why the
@@ -109,7 +112,8 @@ class StagingPool {
   bool owns(const char* slot) const;  // under mu_
   // Faults in (on numa_node_ when set) and pins a new slab; called with mu_
   // released while busy_ is set. Returns the seconds spent pinning.
-  double fill_slab(Slab& s, const PinHooks& hooks, int node, std::string& numa_err);
+  // pages: what its HugePageWatch chose for a private slab.
+  double fill_slab(Slab& s, const PinHooks& hooks, int node, std::string& numa_err, std::string& pages);
   AlignedBuffer new_slab_memory(size_t bytes, int64_t& file_offset);
 
   const size_t slot_bytes_;
@@ -128,6 +132,7 @@ class StagingPool {
   double pin_s_ = 0;
   int numa_node_ = -1;
   std::string numa_error_;
+  std::string pages_;
   // A slab is being faulted in, pinned or unpinned with mu_ released (seconds
   // for tens of GiB): acquire() and release() of running jobs go on meanwhile;
   // reserve(), set_pin_hooks() and trim() wait for it (cv_), so one slab at a

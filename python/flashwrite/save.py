@@ -191,6 +191,13 @@ class Writer:
         """Bytes of staging memory this writer holds (kept for the next save)."""
         return self._engine.pool_bytes
 
+    @property
+    def pool_pages(self) -> str | None:
+        """The page size of the pool's newest slab and why: 2 MiB pages unless they fault in
+        over 3x slower than 4 KiB pages on this host (``FLASHWRITE_HUGE_PAGES=auto``, the
+        default; ``on`` or ``off`` decides instead), or None before the pool exists."""
+        return self._engine.pool_pages
+
     def _committer(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._closed:
