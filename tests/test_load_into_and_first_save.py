@@ -8,6 +8,7 @@ from conftest import assert_same
 
 import flashwrite as fw
 from flashwrite import read as _read
+from flashwrite.save import default_writer
 from flashwrite.errors import ChecksumMismatchError
 from fault_util import flip_byte
 
@@ -163,6 +164,24 @@ def test_manager_prepares_the_pool_from_a_state_that_was_not_due(tmp_path):
         st = mgr.maybe_save(2, sd).result()
         assert mgr._writer.pool_bytes == ready
     assert st.pool_wait_s < 0.5 * st.stall_s or st.pool_wait_s < 1e-3
+
+
+def test_module_prepare_readies_the_pool_that_save_async_then_uses(tmp_path):
+    # The README's recipe: fw.prepare(state, path) once before the loop, then fw.save_async.
+    # A chunk size of its own names a shared writer no other test uses.
+    sd, opts = _big(4), {"chunk_bytes": 3 << 20}
+    fut = fw.prepare(sd, tmp_path / "ck", **opts)
+    assert fut is not None
+    ready = fut.result()
+    assert ready >= 32 << 20
+    assert fw.prepare(sd, tmp_path / "ck", **opts) is None  # prepared once
+    writer = default_writer(tmp_path / "ck", **opts)
+    st = fw.save_async(sd, tmp_path / "ck" / "step-1", **opts).result()
+    assert writer.pool_bytes == ready  # the save found the pool prepared, and grew nothing
+    assert st.pool_wait_s < 1e-3
+    assert_same(fw.load(tmp_path / "ck" / "step-1"), sd)
+    with pytest.raises(TypeError, match="Writer options only"):
+        fw.prepare(sd, tmp_path / "ck", overwrite=True)
 
 
 def test_manager_prepares_the_pool_from_the_state_it_restores(tmp_path):

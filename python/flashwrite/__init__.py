@@ -12,7 +12,7 @@ from .future import CheckpointFuture, LoadFuture, LoadStats, SaveFuture, SaveSta
 from .info import backend_info
 from .load import load, load_async, verify
 from .manager import CheckpointManager
-from .save import Writer, save, save_async
+from .save import Writer, prepare, save, save_async
 from .target import UnsupportedTargetError
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "backend_info",
     "save",
     "save_async",
+    "prepare",
     "load",
     "load_async",
     "verify",
