@@ -101,8 +101,8 @@ def test_manager_root_refuses_url(in_empty_dir):
     _refused(ei, "s3://bucket/run", "CheckpointManager root")
 
 
-def test_dcp_writer_and_reader_refuse_urls(in_empty_dir):
-    url = "nfs://server/export/dcp"
+@pytest.mark.parametrize("url", URLS[:2])
+def test_dcp_writer_and_reader_refuse_urls(in_empty_dir, url):
     with pytest.raises(fw.UnsupportedTargetError):
         FlashwriteStorageWriter(url)
     w = FlashwriteStorageWriter(stripes=2)
@@ -115,6 +115,21 @@ def test_dcp_writer_and_reader_refuse_urls(in_empty_dir):
     with pytest.raises(fw.UnsupportedTargetError):
         r.reset(url)
     assert not FlashwriteStorageReader.validate_checkpoint_id(url)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_writer_and_reader_take_nfs_urls_and_name_the_server(in_empty_dir):
+    """nfs:// is taken (tests/test_nfs_ops.py runs DCP against a real server); with no
+    server there, save and load fail naming it and create nothing locally."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP wraps what the storage raises
+    url = NFS_URLS[0]
+    assert FlashwriteStorageWriter.validate_checkpoint_id(url)
+    assert not FlashwriteStorageReader.validate_checkpoint_id(url)  # nothing there to read
+    with pytest.raises((OSError, CheckpointException), match="127.0.0.1"):
+        dcp.save({"w": torch.arange(4.0)}, storage_writer=FlashwriteStorageWriter(url, stripes=1), no_dist=True)
+    with pytest.raises((OSError, CheckpointException), match="127.0.0.1"):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=FlashwriteStorageReader(url), no_dist=True)
 
 
 @pytest.mark.parametrize("argv", [["ls", "{u}"], ["inspect", "{u}"], ["verify", "{u}"], ["diff", "{u}", "{c}"],
