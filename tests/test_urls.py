@@ -3,8 +3,9 @@
 Before, ``fw.save(state, "nfs://server/export/ck")`` wrote a local directory named
 ``nfs:`` under the current directory. Each entry point now refuses such a path with
 ``UnsupportedTargetError`` naming the operation and the URL, and creates nothing;
-save, load and verify take nfs:// (tests/test_nfs.py runs them against a real server),
-and here fail against a server that is not there, creating nothing either.
+save, load, verify, DCP and the commands take nfs:// (tests/test_nfs.py and
+tests/test_nfs_ops.py run them against a real server), and here fail against a server
+that is not there, naming the URL and creating nothing either.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def test_dcp_writer_and_reader_take_nfs_urls_and_name_the_server(in_empty_dir):
 
 @pytest.mark.parametrize("argv", [["ls", "{u}"], ["inspect", "{u}"], ["verify", "{u}"], ["diff", "{u}", "{c}"],
                                   ["diff", "{c}", "{u}"], ["convert", "{c}", "{u}"], ["convert", "{u}", "{o}"]])
-def test_cli_refuses_urls(tmp_path, monkeypatch, capsys, argv):
+def test_cli_names_an_unreachable_nfs_url_and_creates_nothing(tmp_path, monkeypatch, capsys, argv):
     ck = str(tmp_path / "ck")
     fw.save({"w": torch.arange(4.0)}, ck, stripes=1)
     work = tmp_path / "cwd"

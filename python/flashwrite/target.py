@@ -59,7 +59,8 @@ def url_scheme(path: Any) -> str | None:
 def _refusal(path: str, scheme: str, what: str) -> UnsupportedTargetError:
     if scheme == "nfs":
         msg = (f"{what}: {path!r}: nfs:// targets are not supported here yet (fw.save, fw.save_async, "
-               "Writer.save, fw.load, fw.load_async, fw.verify and CheckpointManager take them). Mount the export "
+               "Writer.save, fw.load, fw.load_async, fw.verify, CheckpointManager, the DCP writer and reader and "
+               "the flashwrite commands take them). Mount the export "
                "(mount -t nfs -o vers=3,nconnect=16 SERVER:/EXPORT /mnt/ck) and pass the mounted path.")
     elif scheme == "file":
         msg = f"{what}: {path!r} is a file:// URL; pass the local path itself (without 'file://')."

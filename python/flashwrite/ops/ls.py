@@ -1,9 +1,10 @@
 """``flashwrite ls ROOT``: every checkpoint under ROOT, from manifests only.
 
-Cost on NFS: one directory listing of ROOT and one open of each candidate's
-manifest (plus its small verification record when there is one). No stripe is
-opened or stat'ed: sizes, tensor counts and times come from the manifest, which
-is written last, so a directory with a manifest is a committed checkpoint.
+Cost on NFS (a mount, or an nfs:// ROOT read through its ``Target``): one directory
+listing of ROOT and one open of each candidate's manifest (plus its small
+verification record when there is one). No stripe is opened or stat'ed: sizes,
+tensor counts and times come from the manifest, which is written last, so a
+directory with a manifest is a committed checkpoint.
 
 Local snapshots (``CheckpointManager(local_snapshots=True)``) of checkpoints in
 ROOT are listed too, as rows of tier "memory": one listing of the local
