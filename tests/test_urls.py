@@ -3,8 +3,9 @@
 Before, ``fw.save(state, "nfs://server/export/ck")`` wrote a local directory named
 ``nfs:`` under the current directory. Each entry point now refuses such a path with
 ``UnsupportedTargetError`` naming the operation and the URL, and creates nothing;
-save, load and verify take nfs:// (tests/test_nfs.py runs them against a real server),
-and here fail against a server that is not there, creating nothing either.
+save, load, verify, DCP and the commands take nfs:// (tests/test_nfs.py and
+tests/test_nfs_ops.py run them against a real server), and here fail against a server
+that is not there, naming the URL and creating nothing either.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def test_manager_root_refuses_url(in_empty_dir):
     _refused(ei, "s3://bucket/run", "CheckpointManager root")
 
 
-def test_dcp_writer_and_reader_refuse_urls(in_empty_dir):
-    url = "nfs://server/export/dcp"
+@pytest.mark.parametrize("url", URLS[:2])
+def test_dcp_writer_and_reader_refuse_urls(in_empty_dir, url):
     with pytest.raises(fw.UnsupportedTargetError):
         FlashwriteStorageWriter(url)
     w = FlashwriteStorageWriter(stripes=2)
@@ -117,9 +118,24 @@ def test_dcp_writer_and_reader_refuse_urls(in_empty_dir):
     assert not FlashwriteStorageReader.validate_checkpoint_id(url)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_writer_and_reader_take_nfs_urls_and_name_the_server(in_empty_dir):
+    """nfs:// is taken (tests/test_nfs_ops.py runs DCP against a real server); with no
+    server there, save and load fail naming it and create nothing locally."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP wraps what the storage raises
+    url = NFS_URLS[0]
+    assert FlashwriteStorageWriter.validate_checkpoint_id(url)
+    assert not FlashwriteStorageReader.validate_checkpoint_id(url)  # nothing there to read
+    with pytest.raises((OSError, CheckpointException), match="127.0.0.1"):
+        dcp.save({"w": torch.arange(4.0)}, storage_writer=FlashwriteStorageWriter(url, stripes=1), no_dist=True)
+    with pytest.raises((OSError, CheckpointException), match="127.0.0.1"):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=FlashwriteStorageReader(url), no_dist=True)
+
+
 @pytest.mark.parametrize("argv", [["ls", "{u}"], ["inspect", "{u}"], ["verify", "{u}"], ["diff", "{u}", "{c}"],
                                   ["diff", "{c}", "{u}"], ["convert", "{c}", "{u}"], ["convert", "{u}", "{o}"]])
-def test_cli_refuses_urls(tmp_path, monkeypatch, capsys, argv):
+def test_cli_names_an_unreachable_nfs_url_and_creates_nothing(tmp_path, monkeypatch, capsys, argv):
     ck = str(tmp_path / "ck")
     fw.save({"w": torch.arange(4.0)}, ck, stripes=1)
     work = tmp_path / "cwd"

@@ -149,19 +149,10 @@ void submit(Op& op) {
   rpc_context* rpc = L().nfs_get_rpc_context(lp.ctx);
   int rc;
   if (t.write) {
-    op.wargs.file.data.data_len = static_cast<u_int>(t.fh.size());
-    op.wargs.file.data.data_val = const_cast<char*>(t.fh.data());
-    op.wargs.offset = op.off;
-    op.wargs.count = static_cast<count3>(op.len);
-    op.wargs.stable = UNSTABLE;
-    op.wargs.data.data_len = static_cast<u_int>(op.len);
-    op.wargs.data.data_val = const_cast<char*>(t.wbuf + op.off);
+    fill_write_args(op.wargs, t.fh, op.off, op.len, t.wbuf + op.off);
     rc = L().rpc_nfs3_write_async(rpc, on_write, &op.wargs, &op);
   } else {
-    op.rargs.file.data.data_len = static_cast<u_int>(t.fh.size());
-    op.rargs.file.data.data_val = const_cast<char*>(t.fh.data());
-    op.rargs.offset = op.off;
-    op.rargs.count = static_cast<count3>(op.len);
+    fill_read_args(op.rargs, t.fh, op.off, op.len);
     rc = L().rpc_nfs3_read_async(rpc, on_read, &op.rargs, &op);
   }
   if (rc != 0) {

@@ -89,10 +89,7 @@ void WriteBackend::send_write(WLoop& lp, const SubOp& s) {
   op.sub = s;
   WFile& f = *s.q->file;
   if (!s.q->r->write) {
-    op.rargs.file.data.data_len = static_cast<u_int>(f.fh.size());
-    op.rargs.file.data.data_val = const_cast<char*>(f.fh.data());
-    op.rargs.offset = s.off;
-    op.rargs.count = static_cast<count3>(s.len);
+    fill_read_args(op.rargs, f.fh, s.off, s.len);
     if (lp.inflight == 0) lp.progress = Clock::now();
     if (L().rpc_nfs3_read_async(L().nfs_get_rpc_context(lp.conn->ctx), wb_on_read, &op.rargs, &op) != 0) {
       std::string why = std::string("NFS READ not queued: ") + L().nfs_get_error(lp.conn->ctx);
@@ -106,13 +103,7 @@ void WriteBackend::send_write(WLoop& lp, const SubOp& s) {
     lp.inflight++;
     return;
   }
-  op.wargs.file.data.data_len = static_cast<u_int>(f.fh.size());
-  op.wargs.file.data.data_val = const_cast<char*>(f.fh.data());
-  op.wargs.offset = s.off;
-  op.wargs.count = static_cast<count3>(s.len);
-  op.wargs.stable = UNSTABLE;
-  op.wargs.data.data_len = static_cast<u_int>(s.len);
-  op.wargs.data.data_val = s.q->r->buf + (s.off - s.q->r->offset);
+  fill_write_args(op.wargs, f.fh, s.off, s.len, s.q->r->buf + (s.off - s.q->r->offset));
   if (lp.inflight == 0) lp.progress = Clock::now();
   if (L().rpc_nfs3_write_async(L().nfs_get_rpc_context(lp.conn->ctx), wb_on_write, &op.wargs, &op) != 0) {
     std::string why = std::string("NFS WRITE not queued: ") + L().nfs_get_error(lp.conn->ctx);

@@ -4,6 +4,7 @@
 // only where FLASHWRITE_HAVE_LIBNFS_HEADERS is set.
 #pragma once
 #include <chrono>
+#include <cstdint>
 #include <string>
 
 #include "io/nfs_client.hpp"
@@ -52,6 +53,28 @@ const char* rpc_status_name(int status);
 int errno_of_rpc(int status);
 
 using Clock = std::chrono::steady_clock;
+
+// The arguments of one UNSTABLE WRITE of `len` bytes at `off` of the file whose handle
+// is `fh`, sent from `data`. Both are borrowed, not copied: they must stay alive and
+// unchanged until the RPC's reply (the bulk loop and the save job keep them in their
+// per-request state).
+inline void fill_write_args(WRITE3args& a, const std::string& fh, uint64_t off, uint64_t len, const char* data) {
+  a.file.data.data_len = static_cast<u_int>(fh.size());
+  a.file.data.data_val = const_cast<char*>(fh.data());
+  a.offset = off;
+  a.count = static_cast<count3>(len);
+  a.stable = UNSTABLE;
+  a.data.data_len = static_cast<u_int>(len);
+  a.data.data_val = const_cast<char*>(data);
+}
+
+// The arguments of one READ of `len` bytes at `off` (`fh` borrowed, as above).
+inline void fill_read_args(READ3args& a, const std::string& fh, uint64_t off, uint64_t len) {
+  a.file.data.data_len = static_cast<u_int>(fh.size());
+  a.file.data.data_val = const_cast<char*>(fh.data());
+  a.offset = off;
+  a.count = static_cast<count3>(len);
+}
 
 }  // namespace detail
 

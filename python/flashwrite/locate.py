@@ -22,8 +22,18 @@ def resolve(path: str | os.PathLike, what: str) -> tuple[Target, str]:
     naming ``what``."""
     s = check_path(path, what)
     if url_scheme(s) == "nfs":
-        return nfs.target_for(s, what)
+        with _naming(s, what):
+            return nfs.target_for(s, what)
     return LOCAL, os.path.abspath(s)
+
+
+@contextlib.contextmanager
+def _naming(url: str, what: str) -> Iterator[None]:
+    """OSErrors name what the user gave (the URL, with the operation), not the server's side of it."""
+    try:
+        yield
+    except OSError as e:
+        raise type(e)(e.errno, f"{what} {url}: {e.strerror or e}", e.filename) from None
 
 
 @contextlib.contextmanager
@@ -35,11 +45,9 @@ def local_view(path: str | os.PathLike, what: str) -> Iterator[str]:
     if url_scheme(s) != "nfs":
         yield s
         return
-    try:
-        target, inner = resolve(s, what)
+    target, inner = resolve(s, what)
+    with _naming(s, what):
         local = target.download(inner)
-    except OSError as e:  # name what the user gave, not the server's side of it
-        raise type(e)(e.errno, f"{what} {s}: {e.strerror or e}", e.filename) from None
     try:
         yield local
     finally:

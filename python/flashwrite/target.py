@@ -20,12 +20,14 @@ import errno
 import os
 import re
 import shutil
+import stat
 from typing import Any
 
 from . import _core
 from .errors import FlashwriteError
 
-__all__ = ["UnsupportedTargetError", "url_scheme", "local_path", "check_path", "Target", "LocalTarget", "LOCAL"]
+__all__ = ["UnsupportedTargetError", "url_scheme", "local_path", "check_path", "shown", "Target", "LocalTarget",
+           "LOCAL"]
 
 # RFC 3986 scheme, then "://". "C:\\x" or "a:b" are not URLs; "nfs://h/e" and "s3://b/k" are.
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -57,7 +59,8 @@ def url_scheme(path: Any) -> str | None:
 def _refusal(path: str, scheme: str, what: str) -> UnsupportedTargetError:
     if scheme == "nfs":
         msg = (f"{what}: {path!r}: nfs:// targets are not supported here yet (fw.save, fw.save_async, "
-               "Writer.save, fw.load, fw.load_async, fw.verify and CheckpointManager take them). Mount the export "
+               "Writer.save, fw.load, fw.load_async, fw.verify, CheckpointManager, the DCP writer and reader and "
+               "the flashwrite commands take them). Mount the export "
                "(mount -t nfs -o vers=3,nconnect=16 SERVER:/EXPORT /mnt/ck) and pass the mounted path.")
     elif scheme == "file":
         msg = f"{what}: {path!r} is a file:// URL; pass the local path itself (without 'file://')."
@@ -85,6 +88,12 @@ def check_path(path: str | os.PathLike, what: str) -> str:
     return local_path(s, what)
 
 
+def shown(path: str | os.PathLike) -> str:
+    """How a user's path is reported back: a URL as given, a local path made absolute."""
+    s = os.fspath(path)
+    return s if url_scheme(s) is not None else os.path.abspath(s)
+
+
 class Target:
     """Where checkpoints live: the operations save, commit and clean-up use.
 
@@ -104,6 +113,16 @@ class Target:
 
     def list(self, path: str) -> list[str]:
         """The names in directory ``path``."""
+        raise NotImplementedError
+
+    def list_dirs(self, path: str) -> list[str]:
+        """The names of the directories (not links to them) in directory ``path``."""
+        return [n for n in self.list(path) if self.is_dir(os.path.join(path, n))]
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        """The whole of the small regular file ``path``, read as hostile input: another kind
+        of file or one over ``limit`` bytes raises ValueError (before anything sized by it is
+        allocated); a missing one FileNotFoundError."""
         raise NotImplementedError
 
     def make_dirs(self, path: str) -> None:
@@ -198,6 +217,24 @@ class LocalTarget(Target):
     def list(self, path: str) -> list[str]:
         return os.listdir(path)
 
+    def list_dirs(self, path: str) -> list[str]:
+        with os.scandir(path) as it:  # the kind of each entry comes with the listing: no stat per name
+            return [e.name for e in it if e.is_dir(follow_symlinks=False)]
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        # O_NONBLOCK: a FIFO planted in a checkpoint must not hang the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as fh:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{path} is not a regular file")
+            if st.st_size > limit:
+                raise ValueError(f"{path} is larger than {limit} bytes")
+            data = fh.read(st.st_size + 1)  # read(n) allocates n up front: ask for what is there
+        if len(data) > limit:
+            raise ValueError(f"{path} is larger than {limit} bytes")
+        return data
+
     def make_dirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
@@ -246,7 +283,6 @@ class LocalTarget(Target):
             os.close(fd)
 
     def file_size(self, path: str) -> int | None:
-        import stat
         try:
             st = os.stat(path, follow_symlinks=False)
         except OSError:

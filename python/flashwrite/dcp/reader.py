@@ -17,7 +17,8 @@ from .. import defaults
 from ..errors import CorruptCheckpointError
 from ..format import MANIFEST_NAME, read_manifest
 from ..read import CheckpointDir
-from ..target import local_path, url_scheme
+from ..locate import local_view, resolve
+from ..target import check_path, shown, url_scheme
 from .section import InlineItem, StoredChunk, decode_metadata
 
 __all__ = ["FlashwriteStorageReader", "DEFAULT_MAX_READ_BYTES"]
@@ -30,13 +31,15 @@ class FlashwriteStorageReader(StorageReader):
 
     Reads with the native engine (O_DIRECT, many requests in flight), verifying
     every chunk's checksums (verify=False skips that), whole stripe files at a time,
-    at most about ``max_read_bytes`` of them in host memory at once.
+    at most about ``max_read_bytes`` of them in host memory at once. ``path`` may be an
+    nfs:// URL: the manifest is fetched, the stripes are read from the server (as
+    ``flashwrite.load`` of it does).
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, verify: bool = True, backend: str = "auto",
                  direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
         super().__init__()
-        self.path = None if path is None else local_path(path, "DCP reader")
+        self.path = None if path is None else check_path(path, "DCP reader")
         self.verify = verify
         self.backend = backend
         self.direct = direct
@@ -47,14 +50,15 @@ class FlashwriteStorageReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = local_path(checkpoint_id, "DCP reader")
+            self.path = check_path(checkpoint_id, "DCP reader")
         self.storage_data = {}
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
             raise ValueError("no checkpoint path: pass it to FlashwriteStorageReader or as checkpoint_id")
-        m = read_manifest(self.path)
+        with local_view(self.path, "DCP reader") as local:
+            m = read_manifest(local, shown=shown(self.path))
         if "dcp" not in m.raw:
             raise CorruptCheckpointError(f"{self.path} was not written through DCP (no dcp section): load it "
                                          "with flashwrite.load", file=MANIFEST_NAME)
@@ -83,7 +87,7 @@ class FlashwriteStorageReader(StorageReader):
             by_file.setdefault(sd.file, []).append((req, sd))
         if by_file:
             # One manifest read per call, and every batch read through the same directory handle.
-            with CheckpointDir(self.path) as ck:
+            with local_view(self.path, "DCP reader") as local, CheckpointDir(local) as ck:
                 sizes = {fe.name: fe.size for fe in ck.manifest.files}
                 batch: list[str] = []
                 held = 0
@@ -122,8 +126,9 @@ class FlashwriteStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            if url_scheme(checkpoint_id) is not None:
+            if url_scheme(checkpoint_id) not in (None, "nfs"):
                 return False
-            return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MANIFEST_NAME))
-        except TypeError:
+            target, path = resolve(checkpoint_id, "DCP reader")
+            return target.is_file(os.path.join(path, MANIFEST_NAME))
+        except (TypeError, OSError, ValueError):
             return False

@@ -34,7 +34,8 @@ from ..future import SaveStats
 from ..plan import rank_prefix
 from ..save import default_writer
 from ..session import Commit, SaveSession
-from ..target import LOCAL, local_path
+from ..locate import resolve
+from ..target import Target, check_path, shown, url_scheme
 from ..write import StripeWrite
 from .section import InlineItem, StoredChunk, build_manifest, item_key, stored_chunks
 
@@ -119,24 +120,34 @@ class DcpCommit(Commit):
     agreed on; DCP's ``finish`` (on the coordinator) commits the manifest it built from
     every rank's results."""
 
-    def __init__(self, final: str, tmp: str, overwrite: bool):
-        super().__init__(final, LOCAL)
+    def __init__(self, final: str, tmp: str, overwrite: bool, target: Target):
+        super().__init__(final, target)
         self.tmp, self.overwrite = tmp, overwrite
+        self.staging = tmp
 
     def prepare(self) -> str:
-        os.makedirs(self.tmp, exist_ok=True)
-        return self.tmp
+        self.target.make_dirs(self.tmp)  # every rank: the name is agreed, so whoever comes first creates it
+        self.staging = self.target.staging_dir(self.tmp)  # nfs://: this rank's stripes go to the server
+        return self.staging
 
     def abandon(self, error: BaseException) -> None:
-        pass  # the ranks agree on a failure (stage) or DCP reports it; the next save removes the directory
+        # The ranks agree on a failure (stage) or DCP reports it; the next save removes the directory.
+        self.target.drop_staging(self.staging)
 
     def discard(self) -> None:
-        commit.discard(self.tmp)
+        commit.discard(self.tmp, self.target)
+
+    def durable(self, sw: StripeWrite, gate: Any) -> dict:
+        try:
+            return super().durable(sw, gate)
+        finally:
+            self.target.drop_staging(self.staging)  # nfs://: this rank's stripes were committed by its save job
 
     def commit(self, sw: StripeWrite | None, manifest: dict) -> SaveStats | None:
         try:
             parse_manifest(json.dumps(manifest).encode())  # what a reader will check, before it is visible
-            commit.finalize(self.tmp, self.final, manifest, build_index(manifest), self.overwrite)
+            commit.finalize(self.tmp, self.final, manifest, build_index(manifest), self.overwrite,
+                            target=self.target)
         except BaseException:
             self.discard()
             raise
@@ -146,7 +157,9 @@ class DcpCommit(Commit):
 class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     """DCP ``StorageWriter`` (and ``AsyncStager``) writing through flashwrite's native engine.
 
-    path: the checkpoint directory (or pass ``checkpoint_id`` to dcp.save).
+    path: the checkpoint directory (or pass ``checkpoint_id`` to dcp.save); a local path or
+    an nfs:// URL (the stripes then go from the staging pool straight to the server, as a
+    ``flashwrite.save`` to it does).
     overwrite: replace an existing checkpoint atomically. False by default, as everywhere in
     flashwrite (``save``, ``Writer.save``, ``CheckpointManager.save``): a save that would
     replace a committed checkpoint raises ``CheckpointExistsError`` unless asked to, since
@@ -166,7 +179,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                  process_group: Any = None, coordination_group: Any = None, timeout: float | None = None,
                  **writer_options: Any):
         super().__init__()
-        self._fixed_path = os.path.abspath(local_path(path, "DCP writer")) if path is not None else None
+        self._fixed_path = shown(check_path(path, "DCP writer")) if path is not None else None
         self.path: str | None = self._fixed_path
         self.overwrite = overwrite
         self.writer = writer if writer is not None else default_writer(**writer_options)
@@ -194,13 +207,13 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         if dist.is_available() and dist.is_initialized():
             coord = coordinator(self.process_group, self.timeout, self.coordination_group)
             rank, size = coord.rank, coord.size
-        final = self._fixed_path
+        target, final = resolve(self._fixed_path, "DCP writer")
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict, None, rank == 0)
         local = planner.create_local_plan()
         mine_sizes = [(it.index, _chunk_bytes(it)) for it in local.items]
         proposal = commit.temp_dir_for(final)
-        refuse = commit.target_problem(final, self.overwrite)
+        refuse = commit.target_problem(final, self.overwrite, target)
 
         def exchange(obj: Any) -> list:
             if coord is None:
@@ -213,7 +226,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         if len({g[1] for g in gathered}) != 1:
             raise ValueError(f"ranks stage into different paths: {sorted({g[1] for g in gathered})}")
         if gathered[0][3]:
-            raise CheckpointExistsError(17, gathered[0][3], final)
+            raise CheckpointExistsError(17, gathered[0][3], target.show(final))
         owner = _assign_owners([g[0] for g in gathered])
         tmp = gathered[0][2]
         sw, tensors, inline, error = None, {}, {}, None
@@ -226,7 +239,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                     inline[item_key(it.index)] = data.getvalue()
                 else:
                     tensors[item_key(it.index)] = data
-            session = SaveSession(self.writer, DcpCommit(final, tmp, self.overwrite), None, t0)
+            session = SaveSession(self.writer, DcpCommit(final, tmp, self.overwrite, target), None, t0)
             if tensors:
                 sw = session.stage(tensors, prefix=rank_prefix(rank))
                 session.wait_staged()
@@ -242,11 +255,11 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
             if sw is not None:
                 sw.stop()
             if rank == 0:
-                commit.discard(tmp)
+                commit.discard(tmp, target)
             if error is not None:
                 raise error
             raise FlashwriteError("staging failed on " + "; ".join(f"rank {r}: {t}" for r, t in failed.items()))
-        self._pending.append(_Staged(final, tmp, session, sw, owner, set(tensors), inline, t0))
+        self._pending.append(_Staged(self._fixed_path, tmp, session, sw, owner, set(tensors), inline, t0))
         return _copy_containers(state_dict)
 
     def _copy_stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -269,7 +282,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = os.path.abspath(local_path(checkpoint_id, "DCP writer"))
+            self.path = shown(check_path(checkpoint_id, "DCP writer"))
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -296,16 +309,17 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         if len(staged) != 1:
             raise FlashwriteError("some ranks staged this save and others did not")
         tmp = staged.pop()
-        final = self.path
+        target, final = resolve(self.path, "DCP writer")
         with _unfinished_lock:
-            for old in _unfinished.pop(final, set()) - {tmp}:
-                commit.discard(old)
+            for old in _unfinished.pop(self.path, set()) - {tmp}:
+                commit.discard(old, target)
         if tmp is None:
-            tmp = commit.prepare(final, self.overwrite)
+            tmp = target.temp_dir_of(commit.prepare(final, self.overwrite, target))
+            target.drop_staging(tmp)  # each rank's write_data sends its own stripes (DcpCommit.prepare)
         else:
-            commit.check_target(final, self.overwrite)
+            commit.check_target(final, self.overwrite, target)
         with _unfinished_lock:
-            _unfinished[final].add(tmp)
+            _unfinished[self.path].add(tmp)
         if self._current is not None:
             plans = self._move_to_owners(plans, self._current.owner)
         return [dataclasses.replace(p, storage_data=_GlobalData(tmp, rank_prefix(i))) for i, p in enumerate(plans)]
@@ -343,7 +357,8 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                     else:
                         tensors[item_key(it.index)] = data
                 if tensors:
-                    session = SaveSession(self.writer, DcpCommit(self.path, g.tmp, self.overwrite), None,
+                    target, final = resolve(self.path, "DCP writer")
+                    session = SaveSession(self.writer, DcpCommit(final, g.tmp, self.overwrite, target), None,
                                           time.perf_counter())
                     sw = session.stage(tensors, prefix=g.prefix)
             stored: dict[str, StoredChunk] = {}
@@ -362,11 +377,11 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                     s = stored[key]
                     results.append(WriteResult(index=it.index, size_in_bytes=s.length, storage_data=s))
         except BaseException:
-            if sw is not None:
+            if sw is not None and session is not None:
                 sw.stop()
                 for f in sw.files:
                     try:
-                        os.unlink(os.path.join(g.tmp, f.name))
+                        session.strategy.target.remove_file(os.path.join(g.tmp, f.name))
                     except OSError:
                         pass
             raise
@@ -375,9 +390,10 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        tmp, final = self._tmp, self.path
+        tmp = self._tmp
         try:
-            strategy = DcpCommit(final, tmp, self.overwrite)
+            target, final = resolve(self.path, "DCP writer")
+            strategy = DcpCommit(final, tmp, self.overwrite, target)
             try:
                 manifest = build_manifest(metadata, results, self.storage_meta())
             except BaseException:
@@ -386,7 +402,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
             strategy.commit(None, manifest)
         finally:
             with _unfinished_lock:
-                _unfinished.get(final, set()).discard(tmp)
+                _unfinished.get(self.path, set()).discard(tmp)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -398,4 +414,4 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         s = os.fspath(checkpoint_id)
-        return isinstance(s, str) and "://" not in s
+        return isinstance(s, str) and url_scheme(s) in (None, "nfs")

@@ -24,7 +24,8 @@ from .. import _core, commit, defaults, dtypes
 from ..flatten import FlatTensor, unflatten
 from ..format import build_index, build_manifest, piece_ranges
 from ..plan import PlannedFile, plan_files
-from ..target import local_path
+from ..locate import resolve
+from ..target import LOCAL, Target, check_path, shown, url_scheme
 from .common import UsageError
 from .sources import FORMATS, META_KEY, SIDECAR, Item, Source, detect, flat_tree, open_source
 
@@ -63,17 +64,48 @@ def _plan(src: Source, stripes: int, metadata: dict | None = None) -> list[Plann
     return files
 
 
+class _OutFile:
+    """One output file, created new. Locally its bytes are written as they come and fsync'd
+    at the end; on another target (nfs://, whose client sends a file in one call) they are
+    gathered, one file at a time, and written durable at the end."""
+
+    def __init__(self, target: Target, path: str):
+        self.target, self.path = target, path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644) \
+            if target is LOCAL else None
+        self.buf = bytearray()
+
+    def write(self, data: Any) -> None:
+        if self.fd is None:
+            self.buf += data
+            return
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def close(self, ok: bool) -> None:
+        if self.fd is None:
+            if ok:
+                self.target.write_durable(self.path, self.buf)
+            return
+        try:
+            if ok:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
 def _write_files(directory: str, files: list[PlannedFile], src: Source, progress: Any,
-                 block: int | None) -> dict[str, list[int]]:
-    """Write planned files from the source, sequentially per file, fsync'd. With a
-    block, returns every tensor's per-piece checksums (the flashwrite manifest's)."""
+                 block: int | None, target: Target = LOCAL) -> dict[str, list[int]]:
+    """Write planned files from the source into ``directory`` on ``target``, sequentially
+    per file, durable. With a block, returns every tensor's per-piece checksums (the
+    flashwrite manifest's)."""
     items = {i.key: i for i in src.items}
     sums: dict[str, list[int]] = {}
     for f in files:
-        path = os.path.join(directory, f.name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        out, ok = _OutFile(target, os.path.join(directory, f.name)), False
         try:
-            os.write(fd, f.header)
+            out.write(f.header)
             for p in sorted(f.tensors, key=lambda p: p.offset):
                 pieces = piece_ranges(p.offset, p.nbytes, block) if block else []
                 hashes, pending, got = [], bytearray(), 0
@@ -81,9 +113,7 @@ def _write_files(directory: str, files: list[PlannedFile], src: Source, progress
                     got += len(chunk)
                     if got > p.nbytes:
                         break
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view):]
+                    out.write(chunk)
                     if block:
                         pending += chunk
                         while len(hashes) < len(pieces) and len(pending) >= pieces[len(hashes)][1]:
@@ -95,30 +125,29 @@ def _write_files(directory: str, files: list[PlannedFile], src: Source, progress
                     raise OSError(5, f"source gave {got} bytes for tensor {p.key!r}, expected {p.nbytes}", src.path)
                 if block:
                     sums[p.key] = hashes
-            os.fsync(fd)
+            ok = True
         finally:
-            os.close(fd)
+            out.close(ok)
     return sums
 
 
-def _new_dir(dst: str, overwrite: bool) -> str:
-    if os.path.lexists(dst) and not overwrite:
-        raise FileExistsError(17, "already exists (pass --overwrite to replace a flashwrite checkpoint)", dst)
-    return commit.prepare(dst, overwrite)
-
-
 def to_flashwrite(src: Source, dst: str, progress: Any, *, stripes: int, overwrite: bool) -> None:
+    """``dst`` may be an nfs:// URL: the checkpoint is committed there as a save commits it."""
     block = defaults.CHUNK_BYTES
     files = _plan(src, stripes)
-    tmp = _new_dir(dst, overwrite)
+    target, final = resolve(dst, "convert")
+    if target.exists(final) and not overwrite:
+        raise FileExistsError(17, "already exists (pass --overwrite to replace a flashwrite checkpoint)",
+                              target.show(final))
+    tmp = commit.prepare(final, overwrite, target)
     try:
-        sums = _write_files(tmp, files, src, progress, block)
+        sums = _write_files(tmp, files, src, progress, block, target)
         tree = src.tree if src.tree is not None else flat_tree([i.key for i in src.items])
         manifest = build_manifest(files, sums, src.aliases, tree, block, _core.__version__,
                                   {**src.metadata, "converted_from": src.kind})
-        commit.finalize(tmp, dst, manifest, build_index(manifest), overwrite)
+        commit.finalize(tmp, final, manifest, build_index(manifest), overwrite, target=target)
     except BaseException:
-        commit.discard(tmp)
+        commit.discard(tmp, target)
         raise
 
 
@@ -268,15 +297,27 @@ def to_dcp(src: Source, dst: str, progress: Any, *, allow_pickle: bool) -> None:
         raise
 
 
+def _check_remote(src: str, kind: str, dst: str, out_kind: str) -> None:
+    """nfs:// on either side: flashwrite checkpoints only (read piece by piece from the
+    server, or committed there as a save is); the other formats go through local paths."""
+    if url_scheme(src) and kind != "flashwrite":
+        raise UsageError(f"{src}: from nfs:// convert reads flashwrite checkpoints, not {kind}; copy the {kind} "
+                         "input to a local (or mounted) path first")
+    if url_scheme(dst) and out_kind != "flashwrite":
+        raise UsageError(f"{dst}: to nfs:// convert writes flashwrite checkpoints (--to flashwrite), not "
+                         f"{out_kind}; write {out_kind} to a local (or mounted) path")
+
+
 def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_format: str | None = None,
             allow_pickle: bool = False, stripes: int | None = None, shards: int | None = None,
             overwrite: bool = False, progress: Any) -> dict:
-    src_path, dst = local_path(src_path, "convert"), local_path(dst, "convert")
+    src_path, dst = check_path(src_path, "convert"), check_path(dst, "convert")
     if src_format and src_format not in FORMATS:
         raise UsageError(f"unknown --from {src_format!r}; choose from {', '.join(FORMATS)}")
-    kind = src_format or detect(src_path)
+    kind = src_format or ("flashwrite" if url_scheme(src_path) else detect(src_path))
     out_kind = target_format(kind, dst, dst_format)
-    if os.path.abspath(src_path) == os.path.abspath(dst):
+    _check_remote(src_path, kind, dst, out_kind)
+    if shown(src_path) == shown(dst):
         raise UsageError("source and destination are the same path")
     src = open_source(src_path, kind, allow_pickle)
     try:
@@ -296,7 +337,7 @@ def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_forma
         progress.finish()
     finally:
         src.close()
-    return {"source": os.path.abspath(src_path), "from": kind, "destination": os.path.abspath(dst), "to": out_kind,
+    return {"source": shown(src_path), "from": kind, "destination": shown(dst), "to": out_kind,
             "tensors": len(src.items), "bytes": src.nbytes, "notes": src.notes}
 
 

@@ -14,7 +14,8 @@ import os
 from typing import Any
 
 from ..format import Manifest, TensorEntry, read_manifest
-from ..target import local_path
+from ..locate import local_view, resolve
+from ..target import Target, shown
 from . import tree as _tree
 from .inspect import key_matcher
 
@@ -30,26 +31,18 @@ def _comparable(a: Manifest, ea: TensorEntry, b: Manifest, eb: TensorEntry) -> b
 
 
 class _Stripes:
-    """Open stripe files of one checkpoint, opened lazily and without following links."""
+    """The stripe files of one checkpoint on its target (local, or read from an nfs:// server)."""
 
-    def __init__(self, root: str, m: Manifest):
-        self.root, self.m, self.fds = root, m, {}
+    def __init__(self, target: Target, root: str, m: Manifest):
+        self.target, self.root, self.m = target, root, m
 
     def read(self, e: TensorEntry, pos: int, n: int) -> bytes:
-        fd = self.fds.get(e.file)
-        if fd is None:
-            name = self.m.files[e.file].name  # a plain name: checked by the manifest parser
-            fd = self.fds[e.file] = os.open(os.path.join(self.root, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        data = os.pread(fd, n, e.offset + pos)
+        path = os.path.join(self.root, self.m.files[e.file].name)  # a plain name: checked by the manifest parser
+        data = self.target.read_at(path, e.offset + pos, n)
         if len(data) != n:
             raise OSError(5, f"{self.m.files[e.file].name} is shorter than its manifest says (tensor {e.key})",
-                          os.path.join(self.root, self.m.files[e.file].name))
+                          self.target.show(path))
         return data
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
 
 
 def _same_bytes(sa: _Stripes, ea: TensorEntry, sb: _Stripes, eb: TensorEntry, progress: Any = None) -> bool:
@@ -67,11 +60,14 @@ def _same_bytes(sa: _Stripes, ea: TensorEntry, sb: _Stripes, eb: TensorEntry, pr
 
 
 def diff(a: str, b: str, *, deep: bool = False, pattern: str | None = None, progress: Any = None) -> dict[str, Any]:
+    """Either checkpoint may be an nfs:// URL: its manifest is fetched as ``inspect`` does,
+    and ``deep`` reads its stripes from the server."""
     match = key_matcher(pattern)
-    ma, mb = read_manifest(local_path(a, "diff")), read_manifest(local_path(b, "diff"))
+    with local_view(a, "diff") as la, local_view(b, "diff") as lb:
+        ma, mb = read_manifest(la, shown=shown(a)), read_manifest(lb, shown=shown(b))
     ka = {k for k in ma.tensors if match(k)}
     kb = {k for k in mb.tensors if match(k)}
-    out: dict[str, Any] = {"a": os.path.abspath(a), "b": os.path.abspath(b), "deep": deep,
+    out: dict[str, Any] = {"a": shown(a), "b": shown(b), "deep": deep,
                            "added": sorted(kb - ka), "removed": sorted(ka - kb),
                            "changed_meta": [], "changed_content": [], "unknown": [], "same": 0, "leaves": []}
     common = sorted(ka & kb)
@@ -91,7 +87,7 @@ def diff(a: str, b: str, *, deep: bool = False, pattern: str | None = None, prog
         else:
             out["unknown"].append(k)
     if to_read:
-        sa, sb = _Stripes(a, ma), _Stripes(b, mb)
+        sa, sb = _Stripes(*resolve(a, "diff"), ma), _Stripes(*resolve(b, "diff"), mb)
         if progress is not None:
             progress.start(sum(ma.tensors[k].nbytes for k in to_read), "comparing")
         try:
@@ -101,8 +97,6 @@ def diff(a: str, b: str, *, deep: bool = False, pattern: str | None = None, prog
                 else:
                     out["changed_content"].append(k)
         finally:
-            sa.close()
-            sb.close()
             if progress is not None:
                 progress.finish()
     la = {p: n for p, n in _tree.walk(ma.tree) if n.get("t") != "tensor" and match(p)}

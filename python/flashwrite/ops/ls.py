@@ -1,9 +1,10 @@
 """``flashwrite ls ROOT``: every checkpoint under ROOT, from manifests only.
 
-Cost on NFS: one directory listing of ROOT and one open of each candidate's
-manifest (plus its small verification record when there is one). No stripe is
-opened or stat'ed: sizes, tensor counts and times come from the manifest, which
-is written last, so a directory with a manifest is a committed checkpoint.
+Cost on NFS (a mount, or an nfs:// ROOT read through its ``Target``): one directory
+listing of ROOT and one open of each candidate's manifest (plus its small
+verification record when there is one). No stripe is opened or stat'ed: sizes,
+tensor counts and times come from the manifest, which is written last, so a
+directory with a manifest is a committed checkpoint.
 
 Local snapshots (``CheckpointManager(local_snapshots=True)``) of checkpoints in
 ROOT are listed too, as rows of tier "memory": one listing of the local
@@ -16,14 +17,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .. import _core, commit, local
 from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD
-from ..target import local_path
+from ..locate import resolve
+from ..target import LOCAL, Target, local_path, url_scheme
 from ..incremental import byte_counts
 
 VERIFIED_NAME = ".flashwrite-verified.json"
@@ -53,19 +54,11 @@ class Entry:
     linked_bytes: int | None = None
 
 
-def read_json_small(path: str, limit: int = MAX_MANIFEST_BYTES) -> Any:
-    """A JSON file read as hostile: regular file only, bounded size, no hang on a FIFO.
-    Returns (parsed, raw bytes); raises FileNotFoundError / OSError / ValueError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb") as fh:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path} is not a regular file")
-        if st.st_size > limit:
-            raise ValueError(f"{path} is larger than {limit} bytes")
-        data = fh.read(st.st_size + 1)
-    if len(data) > limit:
-        raise ValueError(f"{path} is larger than {limit} bytes")
+def read_json_small(path: str, limit: int = MAX_MANIFEST_BYTES, target: Target = LOCAL) -> Any:
+    """A JSON file read as hostile (``Target.read_small``: regular file only, bounded size,
+    no hang on a FIFO). Returns (parsed, raw bytes); raises FileNotFoundError / OSError /
+    ValueError."""
+    data = target.read_small(path, limit)
     try:
         return json.loads(data), data
     except (ValueError, RecursionError) as e:
@@ -80,20 +73,20 @@ def record_verified(ckpt: str) -> bool:
     """Note in the checkpoint that ``verify`` passed (for ``ls``). Best effort: a
     read-only checkpoint simply stays "not verified". True when recorded."""
     try:
-        _, data = read_json_small(os.path.join(ckpt, MANIFEST_NAME))
+        target, path = resolve(ckpt, "verify")
+        _, data = read_json_small(os.path.join(path, MANIFEST_NAME), target=target)
         body = json.dumps({"verified_unix": time.time(), "manifest_xxh3": manifest_digest(data)}).encode()
-        tmp = os.path.join(ckpt, f"{VERIFIED_NAME}.{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            fh.write(body)
-        os.replace(tmp, os.path.join(ckpt, VERIFIED_NAME))
+        tmp = os.path.join(path, f"{VERIFIED_NAME}.{os.getpid()}")
+        target.write_durable(tmp, body)
+        target.rename(tmp, os.path.join(path, VERIFIED_NAME))
         return True
     except (OSError, ValueError):
         return False
 
 
-def _verified(path: str, manifest_bytes: bytes) -> tuple[str, float | None]:
+def _verified(target: Target, path: str, manifest_bytes: bytes) -> tuple[str, float | None]:
     try:
-        rec, _ = read_json_small(os.path.join(path, VERIFIED_NAME), 1 << 16)
+        rec, _ = read_json_small(os.path.join(path, VERIFIED_NAME), 1 << 16, target)
     except (OSError, ValueError):
         return "no", None
     if not isinstance(rec, dict):
@@ -107,27 +100,32 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def describe(path: str, name: str | None = None) -> Entry | None:
-    """The entry for one directory, or None when it is not a checkpoint at all."""
+def describe(path: str, name: str | None = None, target: Target = LOCAL) -> Entry | None:
+    """The entry for the directory ``path`` on ``target``, or None when it is not a
+    checkpoint at all. The entry's path is as ``target`` shows it (a URL for nfs://)."""
     name = name or os.path.basename(os.path.normpath(path))
     m = _STEP_RE.match(name)
     step = int(m.group(1)) if m else None
     if commit.is_temp_name(name):
+        if target is not LOCAL:  # its owner's pid is another host's, maybe: alive or dead cannot be told
+            return Entry(target.show(path), name, "temporary", step,
+                         problem="a save in progress, or left by a crashed save or deletion")
         alive = commit.TMP_MARK in name and commit.temp_owner_alive(name, path)
         return Entry(path, name, "in-progress" if alive else "temporary", step,
                      problem=None if alive else "left by a crashed save or deletion; CheckpointManager removes it")
+    shown = target.show(path)
     try:
-        raw, data = read_json_small(os.path.join(path, MANIFEST_NAME))
+        raw, data = read_json_small(os.path.join(path, MANIFEST_NAME), target=target)
     except FileNotFoundError:
         if step is not None:
-            return Entry(path, name, "incomplete", step, problem=f"no {MANIFEST_NAME}: not a whole checkpoint")
+            return Entry(shown, name, "incomplete", step, problem=f"no {MANIFEST_NAME}: not a whole checkpoint")
         return None
     except (OSError, ValueError) as e:
-        return Entry(path, name, "damaged", step, problem=str(e.strerror if isinstance(e, OSError) and e.strerror
+        return Entry(shown, name, "damaged", step, problem=str(e.strerror if isinstance(e, OSError) and e.strerror
                                                               else e))
     if not isinstance(raw, dict) or raw.get("format") != "flashwrite":
-        return Entry(path, name, "damaged", step, problem="manifest is not a flashwrite manifest")
-    e = Entry(path, name, "complete", step)
+        return Entry(shown, name, "damaged", step, problem="manifest is not a flashwrite manifest")
+    e = Entry(shown, name, "complete", step)
     files, tensors = raw.get("files"), raw.get("tensors")
     try:
         e.bytes = sum(int(f["size"]) for f in files) if isinstance(files, list) else None
@@ -149,40 +147,42 @@ def describe(path: str, name: str | None = None) -> Entry | None:
     meta = raw.get("metadata")
     if e.step is None and isinstance(meta, dict) and isinstance(meta.get("step"), str) and meta["step"].isdigit():
         e.step = int(meta["step"])
-    e.verified, e.verified_unix = _verified(path, data)
+    e.verified, e.verified_unix = _verified(target, path, data)
     return e
 
 
 def list_checkpoints(root: str, recursive: bool = False) -> list[Entry]:
     """Checkpoints in ``root`` (ROOT itself when it is one, else its children;
-    with ``recursive``, every directory below that is not inside a checkpoint)."""
-    root = local_path(root, "ls")
-    if not os.path.exists(root):
-        raise FileNotFoundError(2, "no such directory", root)
-    if not os.path.isdir(root):
-        raise NotADirectoryError(20, "not a directory", root)
-    here = describe(root)
+    with ``recursive``, every directory below that is not inside a checkpoint).
+    ROOT may be an nfs:// URL: the listings and manifests are then read from the server."""
+    target, top = resolve(root, "ls")
+    if not target.exists(top):
+        raise FileNotFoundError(2, "no such directory", target.show(top))
+    if not target.is_dir(top):
+        raise NotADirectoryError(20, "not a directory", target.show(top))
+    here = describe(top, None, target)
     if here is not None and here.status != "incomplete":
         return [here]
     out: list[Entry] = []
-    todo = [root]
+    todo = [top]
     while todo:
         d = todo.pop()
-        with os.scandir(d) as it:
-            children = sorted((c for c in it if c.is_dir(follow_symlinks=False)), key=lambda c: c.name)
-        for c in children:
-            e = describe(c.path, c.name)
+        for name in sorted(target.list_dirs(d)):
+            e = describe(os.path.join(d, name), name, target)
             if e is not None:
                 out.append(e)
             elif recursive:
-                todo.append(c.path)
+                todo.append(os.path.join(d, name))
     out.sort(key=lambda e: (e.step is None, e.step if e.step is not None else 0, e.path))
     return out
 
 
 def list_local(root: str, local_dir: str | None = None) -> list[Entry]:
     """Local snapshots in ``local_dir`` (default /dev/shm) of ROOT or of its children:
-    step, state, size, owner (alive or dead) and where (the header's path)."""
+    step, state, size, owner (alive or dead) and where (the header's path). None for an
+    nfs:// ROOT (local snapshots are taken of local roots only)."""
+    if url_scheme(root) == "nfs":
+        return []
     root = os.path.abspath(local_path(root, "ls"))
     out = []
     for snap in local.scan(local_dir or local.default_dir()):

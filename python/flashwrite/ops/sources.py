@@ -25,6 +25,8 @@ from .. import _core, dtypes
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from ..flatten import flatten, referenced_keys
 from ..format import MANIFEST_NAME, check_member_name, piece_ranges, read_manifest, safetensors_header
+from ..locate import local_view, resolve
+from ..target import shown
 from .ls import read_json_small
 from .tree import walk
 
@@ -193,34 +195,28 @@ def hf_shards(path: str) -> list[str]:
 
 class FlashwriteSource(Source):
     """A flashwrite checkpoint, read tensor by tensor with every piece checked
-    against its stored checksum (a damaged checkpoint does not convert)."""
+    against its stored checksum (a damaged checkpoint does not convert). ``path``
+    may be an nfs:// URL: the manifest is fetched as ``inspect`` does, the pieces
+    are read from the server."""
 
     def __init__(self, path: str):
-        self.m = read_manifest(path)
+        self.target, self.root = resolve(path, "convert")
+        with local_view(path, "convert") as local:
+            self.m = read_manifest(local, shown=shown(path))
         items = [Item(k, dtypes.dtype_from_name(e.dtype), e.shape) for k, e in self.m.tensors.items()]
         super().__init__("flashwrite", path, items, self.m.tree, dict(self.m.aliases), dict(self.m.metadata))
-        self._fds: dict[int, int] = {}
 
     def chunks(self, item: Item) -> Iterator[memoryview]:
         e = self.m.tensors[item.key]
-        fd = self._fds.get(e.file)
-        if fd is None:
-            fd = self._fds[e.file] = os.open(os.path.join(self.path, self.m.files[e.file].name),
-                                             os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fname = self.m.files[e.file].name  # a plain name: checked by the manifest parser
         for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, self.m.block_bytes), e.checksums):
-            data = os.pread(fd, n, off)
+            data = self.target.read_at(os.path.join(self.root, fname), off, n)
             got = _core.checksum(data) if len(data) == n else None
             if got != int(h, 16):
-                fname = self.m.files[e.file].name
                 raise ChecksumMismatchError(f"checksum mismatch in {fname}, tensor {e.key!r} at file offset {off}",
                                             file=fname, tensor=e.key, offset=off, expected=h,
                                             actual=f"{got:016x}" if got is not None else "short read")
             yield memoryview(data)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
 
 
 # --------------------------------------------------------------------- torch.save
