@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FIO_CONFIGS = [(1 << 20, 32, 1), (1 << 20, 32, 4), (8 << 20, 16, 1), (8 << 20, 16, 4), (16 << 20, 32, 1),
                (16 << 20, 32, 4)]
 LOADS = ["load", "load_into", "zero_copy", "torch_load", "safetensors_load_file"]
-SAVES = ["save_async", "manager"]
+SAVES = ["save_async", "prepared", "manager"]
 # With --baseline: these also run with another flashwrite (e.g. the code before a change),
 # interleaved in the same rounds, as "<kind>@base".
 BASE_LOADS = ["load", "load_into", "zero_copy"]
@@ -105,8 +105,10 @@ def child_load(kind: str, gib: float, ck: str, torch_file: str) -> dict:
 
 
 def child_save(kind: str, gib: float, root: str, steps: int, step_s: float) -> dict:
-    """The first save of a fresh process and later ones. save_async: the README's
-    ``fw.save_async(state, path)`` once per checkpoint. manager: ``maybe_save`` at every
+    """The first save of a fresh process and later ones. save_async: ``fw.save_async(state,
+    path)`` three times in a row, nothing prepared (what a fresh pool costs). prepared: the
+    README's recipe, ``fw.prepare(state, root)`` before a loop that runs ``step_s`` per step
+    and calls ``fw.save_async`` every ``steps`` steps. manager: ``maybe_save`` at every
     step of a loop that runs ``step_s`` per step; a save is due every ``steps`` steps."""
     import flashwrite as fw
     state = make_state(gib, fast=True)
@@ -118,6 +120,15 @@ def child_save(kind: str, gib: float, root: str, steps: int, step_s: float) -> d
             st = fut.result()
             waits.append(getattr(st, "pool_wait_s", float("nan")))
             shutil.rmtree(os.path.join(root, f"s{i}"))
+    elif kind == "prepared":
+        fw.prepare(state, root)
+        for step in range(1, 3 * steps + 1):
+            time.sleep(step_s)  # the training step
+            if step % steps == 0:
+                fut = fw.save_async(state, os.path.join(root, f"step-{step}"))
+                stalls.append(fut.stats.stall_s)
+                waits.append(fut.result().pool_wait_s)
+                shutil.rmtree(os.path.join(root, f"step-{step}"))
     else:
         with fw.CheckpointManager(root, every_n_steps=steps, keep_last=1) as mgr:
             mgr.restore()
@@ -207,8 +218,9 @@ def run_size(gib: float, rounds: int, d: str, steps: int, step_s: float, base: s
 def table(results: list[dict]) -> str:
     lines = ["| GiB | fio read s | load s (x fio) | load(into=) s (x fio) | zero_copy s (x fio) | torch.load s (x fio) "
              "| load_file s (x fio) | fio write s | save_async first / later stall s (ratio; first pool wait) "
+             "| fw.prepare + save_async first / later stall s (ratio; first pool wait) "
              "| manager first / later stall s (ratio; first pool wait) |",
-             "|" + "---|" * 10]
+             "|" + "---|" * 11]
     for r in results:
         cells = [f"{r['gib']:g}", f"{r['fio_read_s']:.3f}"]
         cells += [f"{r[k + '_s']:.3f} ({r[k + '_x_fio']:.2f}x)" for k in LOADS]
