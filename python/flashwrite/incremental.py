@@ -42,11 +42,11 @@ bases. Rank 0's directory fsync before the manifest makes every rank's links dur
 it does their stripes; the merged manifest keeps each rank's section (``merge_sections``).
 
 Not covered (the save then writes everything and ``SaveStats.incremental`` says why):
-GPU tensors (they are not compared: their content would have to be copied to the host
-first), multi-rank saves to nfs://, DCP saves, ``hf_model=``, and local snapshots (a
-snapshot in the memory tier is the staging pool's copy of the whole state; keeping the
-previous snapshot's unchanged pages would need the pool to hand slots from one save to
-the next).
+GPU tensors (not compared: their content would have to be copied to the host first;
+beside host tensors, only the host tensors' stripes are linked), multi-rank saves to
+nfs://, DCP saves, ``hf_model=``, and local snapshots (a snapshot in the memory tier is
+the staging pool's copy of the whole state; keeping the previous snapshot's unchanged
+pages would need the pool to hand slots from one save to the next).
 """
 
 from __future__ import annotations
@@ -452,10 +452,16 @@ class Planner:
 
     def __call__(self, columns: Columns, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
                  block: int) -> Plan | None:
+        on_gpu = sum(d != "cpu" for d in columns.devices)
+        if on_gpu and on_gpu == len(columns.devices):
+            self.note = "off: GPU tensors are not compared (the save writes every stripe)"
+            return None
         path = self.base_path()
         if path is None:
             self.note = "on: no earlier checkpoint to link from"
             return None
+        if on_gpu:
+            self.note = f"on: host tensors only ({on_gpu} GPU tensors are written, not compared)"
         try:
             base = self.cache.get(path, self.target)
         except (OSError, ValueError, FlashwriteError) as e:  # a damaged base is not linked from; the save writes everything
