@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 import flashwrite as fw
+from flashwrite import incremental
 from flashwrite.format import read_manifest
+from flashwrite.ops.diff import diff
 
 from dist_helpers import Cluster
 from test_incremental import assert_same, stripes_of
@@ -81,6 +83,7 @@ def test_second_save_links_each_ranks_unchanged_stripes(cluster2, tmp_path):
     assert sec["base"] == "step-2" and len(sec["ranks"]) == 2
     assert sec["linked_bytes"] == sum(r[2]["linked"] for r in res)
     assert sec["written_bytes"] == sum(r[2]["written"] for r in res)
+    assert incremental.byte_counts(raw) == (sec["written_bytes"], sec["linked_bytes"])  # what ls/inspect show
     for rank, (first, count) in enumerate(raw["ranks"]["files"]):
         names = [f["name"] for f in raw["files"][first:first + count]]
         assert all(n.startswith(f"model-rank{rank:05d}-") for n in names)
@@ -90,6 +93,9 @@ def test_second_save_links_each_ranks_unchanged_stripes(cluster2, tmp_path):
     inodes_a = {f["ino"] for f in a.values()}
     for f in b.values():
         assert (f["ino"] in inodes_a) == bool(f.get("linked"))
+    # diff names the tensors that changed, on every rank.
+    d = diff(str(tmp_path / "step-2"), str(tmp_path / "step-3"))
+    assert d["changed_content"] == sorted(f"{r}.{k}" for r in (0, 1) for k in ("model.lora.a", "optim.exp_avg"))
     # One process reads every rank's state; verify covers the linked stripes.
     whole = fw.load(str(tmp_path / "step-3"))
     for rank in (0, 1):
