@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 from shim_util import build_shim, preload_env
 
 from flashwrite import commit
@@ -64,8 +63,8 @@ def test_every_ranks_links_are_durable_before_rank_0_commits(tmp_path):
                  if what == "open" and int(flags) & os.O_CREAT and a == os.path.join(tmp, MANIFEST_NAME))
     dir_syncs = [i for i, (what, _, a, _) in enumerate(events) if what == "fsync" and a == tmp and m_open < i < r]
     assert dir_syncs and max(links) < min(dir_syncs), "a link was made after the directory fsync before the commit"
-    written = {a for what, flags, a, _ in events
-               if what == "open" and int(flags) & os.O_CREAT and os.path.dirname(a) == tmp and a.endswith(".safetensors")}
+    written = {a for what, flags, a, _ in events if what == "open" and int(flags) & os.O_CREAT
+               and os.path.dirname(a) == tmp and a.endswith(".safetensors")}
     assert written, "nothing was written into the temporary directory"
     for s in written:
         assert any(what == "fsync" and a == s and i < m_open for i, (what, _, a, _) in enumerate(events)), s
