@@ -79,8 +79,7 @@ __all__ = ["DistributedSaveError", "DEFAULT_TIMEOUT_S", "coordinator", "save_asy
 def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                coordination_group: Any = None, timeout: float | None = None, overwrite: bool = False,
                block: bool = True, allow_pickle: bool = False, metadata: dict[str, str] | None = None,
-               tier: LocalTier | None = None, incremental: Callable[..., Any] | None = None,
-               incremental_note: str = "") -> SaveFuture:
+               tier: LocalTier | None = None, incremental: Callable[..., Any] | None = None) -> SaveFuture:
     """``Writer.save_async`` for one rank of a multi-rank save (see the module doc).
 
     Every rank of ``process_group`` must call it with the same path, in the same
@@ -91,17 +90,16 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     ``incremental.planner_for``): this rank compares its state with its own part of the
     newest committed checkpoint and links its unchanged stripes into the shared temporary
     directory; rank 0's directory fsync before the manifest makes them durable, as it does
-    every rank's stripes. incremental_note: SaveStats.incremental when it is None.
+    every rank's stripes (where it cannot apply, SaveStats.incremental says why).
     """
     coord = coordinator(process_group, timeout, coordination_group)
     seq = coord.next_seq()
     t0 = time.perf_counter()
     target, final = resolve(path, "save")
-    make_planner = None
+    make_planner, note = None, ""
     if incremental is not None:
-        incremental_note = _incremental.refusal(local_snapshots=tier is not None, hf_model=False,
-                                                multi_rank_on=target) or ""
-        if not incremental_note:
+        note = _incremental.refusal(local_snapshots=tier is not None, hf_model=False, multi_rank_on=target) or ""
+        if not note:
             make_planner = incremental(final, target, (coord.rank, coord.size))
     strategy = AgreedCommit(coord, final, commit.shared_temp_dir_for(final, coord.nonce, seq), overwrite, target,
                             tier, t0)
@@ -109,7 +107,7 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     sw = session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
                        allow_pickle=allow_pickle, metadata=metadata, incremental=make_planner)
     if make_planner is None:
-        sw.stats.incremental = incremental_note
+        sw.stats.incremental = note
     return session.launch(block)
 
 
