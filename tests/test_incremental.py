@@ -3,6 +3,7 @@ previous committed checkpoint; every checkpoint stays whole on its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import random
@@ -18,6 +19,7 @@ import torch
 import flashwrite as fw
 from flashwrite import commit, incremental
 from flashwrite.errors import CorruptCheckpointError
+from flashwrite.flatten import flatten_columns
 from flashwrite.format import read_manifest
 
 from fault_util import flip_byte, need_root, tmpfs
@@ -293,6 +295,41 @@ def test_ls_and_inspect_show_written_and_linked(tmp_path, capsys):
     assert main(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "linked" in out
+
+
+def test_gpu_tensors_are_not_compared_and_stats_say_so(tmp_path):
+    """GPU tensors cannot be hashed from the source without a copy: an all-GPU state is
+    not planned incrementally, and beside host tensors only the host ones are linked.
+    (The columns say "cuda:0" for CPU tensors: the planner goes by the device names.)"""
+    frozen = frozen_base()
+    save_run(str(tmp_path), 2, frozen)
+    _, _, cols = flatten_columns(lora_state(3, frozen))
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    planner = incremental.Planner(str(tmp_path / "step-3"), str(tmp), incremental.BaseCache(), 1)
+    opts = dict(stripes=4, prefix="model", metadata=None, block=CHUNK)
+    all_gpu = dataclasses.replace(cols, devices=["cuda:0"] * len(cols.keys))
+    assert planner(all_gpu, **opts) is None
+    assert planner.note == "off: GPU tensors are not compared (the save writes every stripe)"
+    on_gpu = cols.keys.index("model.base.0")
+    mixed = dataclasses.replace(cols, devices=[("cuda:0" if j == on_gpu else "cpu") for j in range(len(cols.keys))])
+    p = planner(mixed, **opts)
+    assert planner.note == "on: host tensors only (1 GPU tensors are written, not compared)"
+    linked = {p.files[i].columns.keys[j] for i in p.linked for j in p.files[i].members}
+    assert "model.base.1" in linked and "model.base.0" not in linked
+    assert "model.base.0" in {f.columns.keys[j] for f in p.written for j in f.members}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a DCP save in one process, as meant
+def test_dcp_saves_say_they_are_not_incremental(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from flashwrite.dcp import FlashwriteStorageWriter
+
+    sd = {"a": torch.arange(1000.0), "b": torch.ones(3, dtype=torch.bfloat16)}
+    w = FlashwriteStorageWriter(str(tmp_path / "d"), writer=fw.Writer(stripes=2, chunk_bytes=CHUNK, incremental=True))
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    assert w.last_stats.incremental == "off: DCP saves are not incremental yet (the save writes every stripe)"
+    assert w.last_stats.bytes_linked == 0
 
 
 @pytest.mark.nfs

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from . import commit, defaults, neighbour
+from . import incremental as _incremental
 from .coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
 from .errors import DistributedSaveError, FlashwriteError
 from .format import build_index, merge_manifests, parse_manifest
@@ -78,23 +79,35 @@ __all__ = ["DistributedSaveError", "DEFAULT_TIMEOUT_S", "coordinator", "save_asy
 def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                coordination_group: Any = None, timeout: float | None = None, overwrite: bool = False,
                block: bool = True, allow_pickle: bool = False, metadata: dict[str, str] | None = None,
-               tier: LocalTier | None = None) -> SaveFuture:
+               tier: LocalTier | None = None, incremental: Callable[..., Any] | None = None) -> SaveFuture:
     """``Writer.save_async`` for one rank of a multi-rank save (see the module doc).
 
     Every rank of ``process_group`` must call it with the same path, in the same
     order relative to its other flashwrite saves on that group. tier: the writer's
     local tier (each rank keeps its own part as a local snapshot, whose manifest's
     tree is {rank: state}; with neighbour copies, rank r-1's too).
+    incremental: ``(final, target, (rank, world size)) -> planner factory`` (see
+    ``incremental.planner_for``): this rank compares its state with its own part of the
+    newest committed checkpoint and links its unchanged stripes into the shared temporary
+    directory; rank 0's directory fsync before the manifest makes them durable, as it does
+    every rank's stripes (where it cannot apply, SaveStats.incremental says why).
     """
     coord = coordinator(process_group, timeout, coordination_group)
     seq = coord.next_seq()
     t0 = time.perf_counter()
     target, final = resolve(path, "save")
+    make_planner, note = None, ""
+    if incremental is not None:
+        note = _incremental.refusal(local_snapshots=tier is not None, hf_model=False, multi_rank_on=target) or ""
+        if not note:
+            make_planner = incremental(final, target, (coord.rank, coord.size))
     strategy = AgreedCommit(coord, final, commit.shared_temp_dir_for(final, coord.nonce, seq), overwrite, target,
                             tier, t0)
     session = SaveSession(writer, strategy, tier, t0)
-    session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
-                  allow_pickle=allow_pickle, metadata=metadata)
+    sw = session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
+                       allow_pickle=allow_pickle, metadata=metadata, incremental=make_planner)
+    if make_planner is None:
+        sw.stats.incremental = note
     return session.launch(block)
 
 
@@ -209,7 +222,7 @@ class AgreedCommit(Commit):
             outcome: list = [None]
             if coord.rank == 0:
                 try:
-                    merged = merge_manifests(manifests)
+                    merged = _incremental.merge_sections(merge_manifests(manifests), manifests)
                     _check_visible(merged, self.tmp, self.target)
                     parse_manifest(json.dumps(merged).encode())  # what a reader will check, before it is visible
                     commit.finalize(self.tmp, self.final, merged, build_index(merged), self.overwrite,

@@ -35,15 +35,23 @@ On nfs:// the links are NFS LINK calls made in the temporary directory on the se
 committed in that directory (a directory listing with a manifest read per entry would
 cost round trips at every save); a new process's first save there writes everything.
 
+In a multi-rank save (``process_group=``) each rank compares its own state with its own
+part of the base (the base's ``ranks`` span for that rank, ``rank_part``) and links into
+the shared temporary directory; no collective is added, and ranks may even pick different
+bases. Rank 0's directory fsync before the manifest makes every rank's links durable, as
+it does their stripes; the merged manifest keeps each rank's section (``merge_sections``).
+
 Not covered (the save then writes everything and ``SaveStats.incremental`` says why):
-GPU tensors (they are not compared: their content would have to be copied to the host
-first), multi-rank and DCP saves, ``hf_model=``, and local snapshots (a snapshot in the
-memory tier is the staging pool's copy of the whole state; keeping the previous
-snapshot's unchanged pages would need the pool to hand slots from one save to the next).
+GPU tensors (not compared: their content would have to be copied to the host first;
+beside host tensors, only the host tensors' stripes are linked), multi-rank saves to
+nfs://, DCP saves, ``hf_model=``, and local snapshots (a snapshot in the memory tier is
+the staging pool's copy of the whole state; keeping the previous snapshot's unchanged
+pages would need the pool to hand slots from one save to the next).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -166,15 +174,62 @@ class BaseCache:
         return base
 
 
-def unusable(m: Manifest, block: int) -> str | None:
+def unusable(m: Manifest, block: int, rank: tuple[int, int] | None = None) -> str | None:
     """Why the checkpoint of manifest ``m`` cannot be a base for a save with checksum
-    blocks of ``block`` bytes, or None."""
+    blocks of ``block`` bytes (by rank ``rank`` = (rank, world size) of a multi-rank
+    save, or by one process), or None."""
     if m.block_bytes != block:
         return f"its checksum block ({m.block_bytes}) is not this writer's chunk size ({block})"
-    for section in ("ranks", "dcp", "hf"):
+    for section in ("dcp", "hf"):
         if m.raw.get(section):
             return f"it is a {section} checkpoint"
+    ranks = m.raw.get("ranks")
+    if rank is None:
+        return "it is a ranks checkpoint" if ranks else None
+    if not isinstance(ranks, dict):
+        return "it was saved by one process"
+    spans = ranks.get("files")
+    if ranks.get("world_size") != rank[1] or not isinstance(spans, list) or len(spans) != rank[1]:
+        return f"it was saved by {ranks.get('world_size')} ranks, this save by {rank[1]}"
+    span = spans[rank[0]]
+    if (not isinstance(span, list) or len(span) != 2 or not all(isinstance(x, int) for x in span)
+            or span[0] < 0 or span[1] < 0 or span[0] + span[1] > len(m.files)):
+        return f"its ranks section has no valid file span for rank {rank[0]}"
     return None
+
+
+def rank_part(m: Manifest, rank: int) -> Manifest:
+    """Rank ``rank``'s part of the multi-rank manifest ``m`` (checked by ``unusable``): its
+    stripes, the tensors in them (file indices rebased) and its incremental section, as a
+    manifest of their own, which ``plan`` compares with like a single-process base."""
+    first, count = m.raw["ranks"]["files"][rank]
+    tensors = {k: te._replace(file=te.file - first) for k, te in m.tensors.items() if first <= te.file < first + count}
+    raw_files = m.raw.get("files") if isinstance(m.raw.get("files"), list) else []
+    section = m.raw.get(SECTION) if isinstance(m.raw.get(SECTION), dict) else {}
+    per_rank = section.get("ranks") if isinstance(section.get("ranks"), list) else []
+    mine = per_rank[rank] if rank < len(per_rank) and isinstance(per_rank[rank], dict) else None
+    raw = {"files": raw_files[first:first + count]}
+    if mine is not None:
+        raw[SECTION] = mine
+    return dataclasses.replace(m, files=m.files[first:first + count], tensors=tensors, raw=raw)
+
+
+def merge_sections(merged: dict, parts: list[dict]) -> dict:
+    """The incremental section of a multi-rank manifest ``merged`` from its per-rank
+    manifests ``parts`` (as ``annotate`` marked them): each rank's own section under
+    ``ranks`` (None for a rank that wrote everything without comparing), and the totals.
+    Nothing is added when no rank saved incrementally."""
+    sections = [p.get(SECTION) if isinstance(p.get(SECTION), dict) else None for p in parts]
+    if not any(sections):
+        return merged
+    given = [s for s in sections if s is not None]
+    bases = {s.get("base") for s in given}
+    merged[SECTION] = {"base": bases.pop() if len(bases) == 1 and len(given) == len(sections) else None,
+                       "linked_bytes": sum(s.get("linked_bytes", 0) for s in given),
+                       "written_bytes": byte_counts(merged)[0],
+                       "link_fallbacks": sum(s.get("link_fallbacks", 0) for s in given),
+                       "ranks": sections}
+    return merged
 
 
 # ------------------------------------------------------------------ planning
@@ -378,8 +433,10 @@ class Planner:
     (the hook between a save and this module). ``note`` says what happened, for SaveStats:
     "on", "on: no earlier checkpoint", or "off: <why>"."""
 
-    def __init__(self, final: str, tmp: str, cache: BaseCache, threads: int, target: Target = LOCAL):
+    def __init__(self, final: str, tmp: str, cache: BaseCache, threads: int, target: Target = LOCAL,
+                 rank: tuple[int, int] | None = None):
         self.final, self.tmp, self.cache, self.threads, self.target = final, tmp, cache, threads, target
+        self.rank = rank  # (rank, world size) of a multi-rank save: compares with its own part of the base
         self.note = "on"
 
     def base_path(self) -> str | None:
@@ -395,32 +452,45 @@ class Planner:
 
     def __call__(self, columns: Columns, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
                  block: int) -> Plan | None:
+        on_gpu = sum(d != "cpu" for d in columns.devices)
+        if on_gpu and on_gpu == len(columns.devices):
+            self.note = "off: GPU tensors are not compared (the save writes every stripe)"
+            return None
         path = self.base_path()
         if path is None:
             self.note = "on: no earlier checkpoint to link from"
             return None
+        if on_gpu:
+            self.note = f"on: host tensors only ({on_gpu} GPU tensors are written, not compared)"
         try:
             base = self.cache.get(path, self.target)
         except (OSError, ValueError, FlashwriteError) as e:  # a damaged base is not linked from; the save writes everything
             self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be read: {e}"[:300]
             return None
-        why = unusable(base.manifest, block)
+        why = unusable(base.manifest, block, self.rank)
         if why:
             self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be linked from: {why}"
             return None
+        if self.rank is not None:
+            base = Base(base.path, rank_part(base.manifest, self.rank[0]))
         return plan(columns, base, self.tmp, stripes=stripes, prefix=prefix, metadata=metadata, threads=self.threads,
                     target=self.target)
 
 
-def refusal(*, local_snapshots: bool, hf_model: bool) -> str | None:
-    """Why an incremental save falls back to writing everything here, or None."""
+def refusal(*, local_snapshots: bool, hf_model: bool, multi_rank_on: Target | None = None) -> str | None:
+    """Why an incremental save falls back to writing everything here, or None.
+    multi_rank_on: the target of a multi-rank save."""
     if local_snapshots:
         return "off: local snapshots keep a whole staged state (the save writes every stripe)"
     if hf_model:
         return "off: hf_model= saves are not incremental yet (the save writes every stripe)"
+    if multi_rank_on is not None and multi_rank_on is not LOCAL:
+        return "off: multi-rank saves to nfs:// are not incremental yet (the save writes every stripe)"
     return None
 
 
-def planner_for(final: str, target: Target, cache: BaseCache, threads: int) -> Callable[[str], Planner]:
-    """What a save session calls with its temporary directory, once made: the save's Planner."""
-    return lambda tmp: Planner(final, target.temp_dir_of(tmp), cache, threads, target)
+def planner_for(final: str, target: Target, cache: BaseCache, threads: int,
+                rank: tuple[int, int] | None = None) -> Callable[[str], Planner]:
+    """What a save session calls with its temporary directory, once made: the save's Planner
+    (of rank ``rank`` = (rank, world size) in a multi-rank save)."""
+    return lambda tmp: Planner(final, target.temp_dir_of(tmp), cache, threads, target, rank)

@@ -94,9 +94,9 @@ class CheckpointManager:
     in root are not checkpoints to this manager.
     incremental: hard-link the stripes that did not change since the previous checkpoint
     instead of writing them (``flashwrite.incremental``); every checkpoint stays whole on
-    its own, so retention may delete any of them. Default: on for single-process saves
-    without local snapshots (where it cannot apply, saves write every stripe and
-    ``SaveStats.incremental`` says why).
+    its own, so retention may delete any of them. Default: on without local snapshots
+    (with process_group, each rank links from its own part of the previous checkpoint;
+    where it cannot apply, saves write every stripe and ``SaveStats.incremental`` says why).
     on_commit: ``on_commit(step, path)`` runs on the commit thread after each save has
     committed (and retention has run), before ``wait()`` returns; an error it raises is
     logged (the checkpoint itself is committed).
@@ -127,7 +127,7 @@ class CheckpointManager:
         self._tier = self._writer.local_tier
         self.keep_local = keep_local
         if incremental is None:
-            incremental = process_group is None and not self._writer.local_snapshots
+            incremental = not self._writer.local_snapshots
         self.incremental = bool(incremental)
         self.local_dir = self._tier.dir if self._tier is not None else None
         self.process_group = process_group

@@ -267,7 +267,7 @@ class Writer:
         fsync'd before the manifest, so the directory never appears without them.
 
         incremental: overrides the Writer's ``incremental`` for this save. Where it cannot
-        apply (local snapshots, hf_model=, multi-rank saves) the save writes every
+        apply (local snapshots, hf_model=, multi-rank saves to nfs://) the save writes every
         stripe and ``SaveStats.incremental`` says why.
         """
         check_path(path, "save")  # a URL other than nfs:// is refused before anything else
@@ -285,12 +285,12 @@ class Writer:
             extra.update(commit.extra_files(extra_files, reserved=tuple(extra)))
         incr = self.incremental if incremental is None else bool(incremental)
         if process_group is not None or coordination_group is not None:
-            if incr:
-                log.info("flashwrite: multi-rank saves are not incremental yet: every stripe is written")
-            return distributed.save_async(self, state_dict, path, process_group=process_group,
-                                          coordination_group=coordination_group, timeout=timeout,
-                                          overwrite=overwrite, block=block, allow_pickle=allow_pickle,
-                                          metadata=metadata, tier=self._tier)
+            bases, threads = self._bases, self.copy_threads
+            return distributed.save_async(
+                self, state_dict, path, process_group=process_group, coordination_group=coordination_group,
+                timeout=timeout, overwrite=overwrite, block=block, allow_pickle=allow_pickle, metadata=metadata,
+                tier=self._tier, incremental=(lambda final, target, rank: _incremental.planner_for(
+                    final, target, bases, threads, rank)) if incr else None)
         if timeout is not None:
             raise ValueError("timeout= applies to multi-rank saves (process_group=)")
         t0 = time.perf_counter()
