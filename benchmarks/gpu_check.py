@@ -539,7 +539,7 @@ def measure(args) -> dict:
         f"to the host: {min(hosts):.2f} s")
     shutil.rmtree(keep, ignore_errors=True)
     writer.close()
-    del state, ts
+    state = ts = None  # freed before the capture check; one_save still closes over the name
     torch.cuda.empty_cache()
     res["capture"] = capture_check(dev, base)
     log(f"capture: save inside torch.cuda.graph refused={res['capture']['refusal_ok']}; save beside a global "
