@@ -404,8 +404,9 @@ def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> Save
 def prepare(state_dict: Any, path: str | os.PathLike, **options: Any) -> concurrent.futures.Future | None:
     """Prepare the staging pool that ``save_async(state_dict, path, **options)`` will use,
     in the background, so the process's first save stalls no longer than later ones: call it
-    once before the training loop (the pool is allocated and faulted in while training runs;
-    about 0.3-1 s per GiB of CPU on a VM). path: where the saves go (its file system's tuned
+    once the state is complete (after the first optimizer step, which creates the optimizer's
+    state), well before the first save; the pool is allocated and faulted in while training
+    runs (about 0.3-1 s of CPU per GiB on a VM). A save of a larger state grows the pool. path: where the saves go (its file system's tuned
     chunk size is taken). Options: the ``Writer(...)`` options the saves pass. Returns the
     preparation's future, or None when that pool is already prepared or in use."""
     check_path(path, "save")
