@@ -18,7 +18,7 @@ import torch
 
 import flashwrite as fw
 from conftest import assert_same
-from fault_util import fill, loop_ext4, make_state, temp_entries
+from fault_util import fill, flip_byte, loop_ext4, make_state, temp_entries
 from flashwrite import _core, nfs
 from nfs_fixtures import serving
 from nfs_server import Export
@@ -62,11 +62,7 @@ def test_damaged_stripe_is_caught_through_nfs(nfs_server):
     fw.save(make_state(1), nfs_server.url("ck"), stripes=2)
     stripe = sorted(f for f in os.listdir(os.path.join(nfs_server.export, "ck")) if f.endswith(".safetensors"))[0]
     path = os.path.join(nfs_server.export, "ck", stripe)
-    with open(path, "r+b") as fh:
-        fh.seek(os.path.getsize(path) - 100)
-        b = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(path, os.path.getsize(path) - 100, 0xFF)
     with pytest.raises(fw.CorruptCheckpointError):
         fw.verify(nfs_server.url("ck"))
 

@@ -14,7 +14,7 @@ import torch
 
 import flashwrite as fw
 from conftest import assert_same
-from fault_util import make_state, temp_entries
+from fault_util import flip_byte, make_state, temp_entries
 from flashwrite import cli, nfs
 
 pytestmark = [pytest.mark.nfs, pytest.mark.usefixtures("nfs_staging")]
@@ -66,11 +66,7 @@ def test_a_load_reads_the_stripes_from_the_server_not_a_local_copy(nfs_server, n
     assert_same(fw.load(nfs_server.url("ck")), state)
 
     path = os.path.join(nfs_server.export, "ck", sorted(stripes)[1])
-    with open(path, "r+b") as fh:
-        fh.seek(os.path.getsize(path) - 10)
-        b = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([b[0] ^ 1]))
+    flip_byte(path, os.path.getsize(path) - 10)
     with pytest.raises(fw.CorruptCheckpointError):
         fw.load(nfs_server.url("ck"))
     os.truncate(path, os.path.getsize(path) - 1)
@@ -166,11 +162,7 @@ def test_cli_inspect_and_verify_take_nfs_urls(nfs_server, capsys, tmp_path, monk
 
     stripe = sorted(f for f in os.listdir(os.path.join(nfs_server.export, "ck")) if f.endswith(".safetensors"))[0]
     path = os.path.join(nfs_server.export, "ck", stripe)
-    with open(path, "r+b") as fh:
-        fh.seek(os.path.getsize(path) - 7)
-        b = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([b[0] ^ 0x10]))
+    flip_byte(path, os.path.getsize(path) - 7, 0x10)
     assert cli.main(["verify", nfs_server.url("ck"), "-q"]) == 1
     assert "checksum mismatch" in capsys.readouterr().err
     missing = nfs_server.url("nope")

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import flashwrite as fw
 from conftest import assert_same
-from fault_util import temp_entries
+from fault_util import flip_byte, temp_entries
 from flashwrite import nfs
 from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 from flashwrite.format import decode_manifest_json
@@ -100,11 +100,7 @@ def test_diff_with_either_side_on_nfs(capsys, nfs_server, tmp_path):
                 and "model.w" in _stripe_keys(os.path.join(nfs_server.export, "a", n)))
     path = os.path.join(nfs_server.export, "a", name)
     off = _tensor_offset(path, "model.w")
-    with open(path, "r+b") as fh:
-        fh.seek(off)
-        b = fh.read(1)
-        fh.seek(off)
-        fh.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(path, off, 0xFF)
     assert run(capsys, "diff", local_a, url_a, "--json")[0] == 0
     rc, out, _ = run(capsys, "diff", local_a, url_a, "--json", "--deep")
     assert rc == 1 and json.loads(out)["changed_content"] == ["model.w"]
