@@ -133,6 +133,10 @@ class WriteBackend : public IoBackend {
   // Under mu_: op's WRITE or READ moved only part of it; drops op and sends the rest
   // (mu_ released meanwhile).
   void send_rest(WLoop& lp, WOp& op, const SubOp& rest);
+  // A WRITE or READ reply: reply_ok, then body(reply, sub) under mu_, which returns the
+  // part still to move (sent with send_rest) or nothing; else the sub-op is done.
+  template <class Res, class Body>
+  void on_reply(WOp& op, int status, void* data, const char* kind, Body body);
   void report(WLoop& lp, WReq* q, int64_t res);  // under mu_
   void send_commits(WLoop& lp, std::vector<WFile*>& files);  // under mu_
   void abandon(WLoop& lp, int err, const std::string& why);

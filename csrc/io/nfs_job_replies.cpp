@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 
 namespace fw::nfs::detail {
 
@@ -189,52 +190,55 @@ void WriteBackend::send_rest(WLoop& lp, WOp& op, const SubOp& rest) {
   mu_.lock();
 }
 
-void WriteBackend::on_write(WOp& op, int status, void* data) {
+template <class Res, class Body>
+void WriteBackend::on_reply(WOp& op, int status, void* data, const char* kind, Body body) {
   WLoop& lp = *op.loop;
   lp.inflight--;
-  SubOp s = op.sub;
-  WReq* q = s.q;
+  const SubOp s = op.sub;
   std::vector<WFile*> commit;
   std::lock_guard<std::mutex> g(mu_);
-  if (auto* res = reply_ok<WRITE3res>(lp, s, status, data, "WRITE")) {
-    const WRITE3resok& ok = res->WRITE3res_u.resok;
+  if (auto* res = reply_ok<Res>(lp, s, status, data, kind)) {
+    if (std::optional<SubOp> rest = body(*res, s)) {
+      send_rest(lp, op, *rest);
+      return;
+    }
+  }
+  lp.ops.erase(op.self);
+  sub_done(lp, s.q, commit);
+  send_commits(lp, commit);  // nothing for reads: only writes wait for a COMMIT
+}
+
+void WriteBackend::on_write(WOp& op, int status, void* data) {
+  on_reply<WRITE3res>(op, status, data, "WRITE", [this](const WRITE3res& res, const SubOp& s) -> std::optional<SubOp> {
+    WReq* q = s.q;
+    const WRITE3resok& ok = res.WRITE3res_u.resok;
     if (q->have_verf && std::memcmp(q->verf, ok.verf, NFS3_WRITEVERFSIZE) != 0) q->mixed = true;
     std::memcpy(q->verf, ok.verf, NFS3_WRITEVERFSIZE);
     q->have_verf = true;
     if (ok.count == 0) {
       fail_req(q, EIO, "NFS WRITE wrote nothing", static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
     } else if (ok.count < s.len && !q->failed) {  // a short write: send the rest from here
-      send_rest(lp, op, SubOp{q, s.off + ok.count, s.len - ok.count});
-      return;
+      return SubOp{q, s.off + ok.count, s.len - ok.count};
     }
-  }
-  lp.ops.erase(op.self);
-  sub_done(lp, q, commit);
-  send_commits(lp, commit);
+    return std::nullopt;
+  });
 }
 
 void WriteBackend::on_read(WOp& op, int status, void* data) {
-  WLoop& lp = *op.loop;
-  lp.inflight--;
-  SubOp s = op.sub;
-  WReq* q = s.q;
-  std::vector<WFile*> commit;
-  std::lock_guard<std::mutex> g(mu_);
-  if (auto* res = reply_ok<READ3res>(lp, s, status, data, "READ")) {
-    const READ3resok& ok = res->READ3res_u.resok;
+  on_reply<READ3res>(op, status, data, "READ", [](const READ3res& res, const SubOp& s) -> std::optional<SubOp> {
+    WReq* q = s.q;
+    const READ3resok& ok = res.READ3res_u.resok;
     uint64_t n = std::min<uint64_t>(ok.data.data_len, s.len);
     if (!q->failed) std::memcpy(q->r->buf + (s.off - q->r->offset), ok.data.data_val, n);
     if (n < s.len && !q->failed) {
       if (ok.eof || n == 0) {
         q->eof_at = std::min(q->eof_at, s.off + n);
       } else {  // a short read: ask for the rest from here
-        send_rest(lp, op, SubOp{q, s.off + n, s.len - n});
-        return;
+        return SubOp{q, s.off + n, s.len - n};
       }
     }
-  }
-  lp.ops.erase(op.self);
-  sub_done(lp, q, commit);
+    return std::nullopt;
+  });
 }
 
 void WriteBackend::on_commit(WOp& op, int status, void* data) {
