@@ -40,6 +40,9 @@ _RANK = textwrap.dedent("""
         mgr.maybe_save(step, state_of(rank, step))
         print("staged", step, flush=True)
     mgr.close()
+    # Leave together: a rank that exits while gloo still talks to it can abort its peer.
+    dist.barrier()
+    dist.destroy_process_group()
     print("finished", flush=True)
 """)
 
