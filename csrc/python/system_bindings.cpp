@@ -1,10 +1,12 @@
 // What the machine offers and small file-system calls: XXH3 of a buffer, fsync
-// and atomic exchange of directories, the O_DIRECT, io_uring and CUDA probes.
+// and atomic exchange of directories, the O_DIRECT, io_uring and CUDA probes, and
+// the kernel's write watch over memory.
 #include <pybind11/stl.h>
 
 #include <string>
 
 #include "core/checksum.hpp"
+#include "core/write_watch.hpp"
 #include "io/backend.hpp"
 #include "io/files.hpp"
 #include "python/bindings.hpp"
@@ -69,6 +71,31 @@ void register_system(py::module_& m) {
   m.def("io_uring_compiled", &uring_compiled);
   m.def("io_uring_probe", [] { return -uring_probe(); }, "0 when a ring can be set up here, else the errno.");
   m.def("cuda_info", &cuda_info, py::arg("initialize") = true);
+  py::class_<WriteWatch>(m, "WriteWatch",
+                         "The kernel's record of which memory was written (userfaultfd asynchronous write-protection "
+                         "and PAGEMAP_SCAN, Linux 6.7); OSError with the errno where the kernel cannot. Ranges are "
+                         "[(address, nbytes)], widened to whole pages.")
+      .def(py::init([] {
+        py::gil_scoped_release nogil;
+        return new WriteWatch();
+      }))
+      .def(
+          "arm",
+          [](WriteWatch& w, const std::vector<WriteWatch::Range>& ranges) {
+            py::gil_scoped_release nogil;
+            return w.arm(ranges);
+          },
+          py::arg("ranges"), "Register the ranges' pages for write-protection; False where refused.")
+      .def(
+          "scan",
+          [](WriteWatch& w, const std::vector<WriteWatch::Range>& ranges) {
+            py::gil_scoped_release nogil;
+            return w.scan(ranges);
+          },
+          py::arg("ranges"),
+          "True for each range some page of which may have changed since the last scan that covered it "
+          "(written, absent, not anonymous, not registered); protects them all again.")
+      .def_property_readonly("pid", &WriteWatch::pid);
   // For tests: the staging pool's page-locking of freshly mapped memory.
   m.def(
       "_cuda_pin",

@@ -306,6 +306,14 @@ def release_bounce_pool() -> int:
     """Drop the pinned bounce pool kept for loads to GPUs; returns its bytes."""
 def _cuda_pin(addr: int, nbytes: int, device: int = 0) -> str:
     """cudaHostRegister of freshly mapped memory as the staging pool does it: "" or the error."""
+class WriteWatch:
+    """The kernel's record of which memory was written (Linux 6.7); OSError where it cannot."""
+    def __init__(self) -> None: ...
+    def arm(self, ranges: Sequence[tuple[int, int]]) -> list[bool]: ...
+    def scan(self, ranges: Sequence[tuple[int, int]]) -> list[bool]: ...
+    @property
+    def pid(self) -> int: ...
+
 def cuda_info(initialize: bool = True) -> _CudaInfo:
     """The CUDA runtime flashwrite uses. initialize=False never initialises CUDA
     (dlopen, symbols and versions only), unless it already was."""

@@ -141,13 +141,16 @@ class SaveStats:
     # Incremental saves (incremental=True): bytes is the checkpoint's size, bytes_written what
     # this save wrote, bytes_linked what it hard-linked from the earlier checkpoint;
     # link_fallbacks counts stripes written because the file system refused a link;
-    # compared_bytes what was hashed from the source to compare. incremental: "" when not
-    # asked, else "on", "on: no earlier checkpoint to link from", or "off: <why>".
+    # compared_bytes what was hashed from the source to compare; watched_bytes what was
+    # compared without hashing, because the kernel saw no write to it since a save hashed
+    # it (write_watch.py). incremental: "" when not asked, else "on", "on: no earlier
+    # checkpoint to link from", or "off: <why>".
     bytes_written: int = 0
     bytes_linked: int = 0
     stripes_linked: int = 0
     link_fallbacks: int = 0
     compared_bytes: int = 0
+    watched_bytes: int = 0
     incremental: str = ""
     extra: dict = field(default_factory=dict)
 

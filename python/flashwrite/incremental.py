@@ -20,7 +20,9 @@ Content is compared before ``save_async`` returns, straight from the source tens
 released): for a linked stripe that pass replaces the copy into the staging pool, so
 the stall does not grow. A first pass hashes only each tensor's smallest piece, so a
 stripe with a changed tensor costs little to reject; only stripes that pass are hashed
-whole. The links are made right there too, before anything is staged: a link that the
+whole. A tensor that the kernel saw no write to since a save hashed it is not hashed
+again (``write_watch``: a frozen base model costs a page-table scan, not a pass over its
+bytes). The links are made right there too, before anything is staged: a link that the
 file system refuses (EXDEV across file systems, EPERM, ENOTSUP, a base deleted
 meanwhile) turns its stripe back into bytes to write, counted in ``SaveStats``.
 
@@ -60,7 +62,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import _core, dtypes
+from . import _core, dtypes, write_watch
 from .commit import parse_temp_name
 from .errors import FlashwriteError
 from .flatten import Columns
@@ -98,6 +100,7 @@ class Plan:
     fallbacks: int = 0                             # stripes written because their link was refused
     fallback_reason: str = ""
     compared_bytes: int = 0                        # bytes hashed from the source to compare
+    watched_bytes: int = 0                         # bytes not hashed: no write reached them (write_watch)
 
     @property
     def written(self) -> list[PlannedFile]:
@@ -288,31 +291,50 @@ def _candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: 
 
 
 def _changed(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int], cands: list[int],
-             threads: int) -> tuple[set[str], int, list[int]]:
-    """(keys that changed, bytes hashed, candidate stripes with no changed tensor). Pass 1
-    hashes each tensor's smallest piece; pass 2 the rest of the stripes that passed it."""
+             threads: int) -> tuple[set[str], int, list[int], int]:
+    """(keys that changed, bytes hashed, candidate stripes with no changed tensor, bytes
+    the write watch vouched for). A tensor no write reached since a save hashed it has
+    that save's checksums (``write_watch``); the others are hashed: pass 1 hashes each
+    tensor's smallest piece, pass 2 the rest of the stripes that passed it."""
+    entries = [(fi, te, where[te.key]) for fi in cands for te in by_file[fi]]
+    sources = columns.sources
+    ranges = [(columns.ptrs[j], te.nbytes) for _, te, j in entries
+              if write_watch.eligible(columns.ptrs[j], te.nbytes, sources[j] if sources is not None else None)]
+    changed: set[str] = set()
     first: list[tuple[int, int, int]] = []
     owner: list[tuple[int, str]] = []
     rest: dict[int, list[tuple[tuple[int, int, int], str]]] = {}
-    for fi in cands:
-        for te in by_file[fi]:
-            j = where[te.key]
-            ranges = piece_ranges(te.offset, te.nbytes, m.block_bytes)
-            pieces = [(columns.ptrs[j] + off - te.offset, n, int(h, 16))
-                      for (off, n), h in zip(ranges, te.checksums)]
+    hashed: dict[str, tuple[tuple[int, int], write_watch.Layout, list[int]]] = {}
+    with write_watch.compare_pass(ranges) as watch:
+        for fi, te, j in entries:
+            layout = tuple((off - te.offset, n) for off, n in piece_ranges(te.offset, te.nbytes, m.block_bytes))
+            expected = [int(h, 16) for h in te.checksums]
+            rng = (columns.ptrs[j], te.nbytes)
+            known = watch.known(rng, layout)
+            if known is not None:
+                if list(known) != expected:
+                    changed.add(te.key)
+                continue
+            pieces = [(rng[0] + off, n, e) for (off, n), e in zip(layout, expected)]
             if not pieces:
                 continue
+            hashed[te.key] = (rng, layout, expected)
             k = min(range(len(pieces)), key=lambda i: pieces[i][1])
             first.append(pieces[k])
             owner.append((fi, te.key))
             rest.setdefault(fi, []).extend((p, te.key) for i, p in enumerate(pieces) if i != k)
-    changed = {owner[i][1] for i in _compare(first, threads)}
-    compared = sum(p[1] for p in first)
-    whole = [fi for fi in cands if not any(te.key in changed for te in by_file[fi])]
-    second = [(p, key) for fi in whole for p, key in rest.get(fi, [])]
-    changed |= {second[i][1] for i in _compare([p for p, _ in second], threads)}
-    compared += sum(p[1] for p, _ in second)
-    return changed, compared, [fi for fi in whole if not any(te.key in changed for te in by_file[fi])]
+        changed |= {owner[i][1] for i in _compare(first, threads)}
+        compared = sum(p[1] for p in first)
+        whole = [fi for fi in cands if not any(te.key in changed for te in by_file[fi])]
+        second = [(p, key) for fi in whole for p, key in rest.get(fi, [])]
+        changed |= {second[i][1] for i in _compare([p for p, _ in second], threads)}
+        compared += sum(p[1] for p, _ in second)
+        for fi in whole:  # every piece of these tensors was hashed, after the watch protected them
+            for te in by_file[fi]:
+                if te.key in hashed and te.key not in changed:
+                    watch.record(*hashed[te.key])
+    unchanged = [fi for fi in whole if not any(te.key in changed for te in by_file[fi])]
+    return changed, compared, unchanged, watch.watched_bytes
 
 
 def _link(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], where: dict[str, int],
@@ -389,10 +411,10 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     for te in m.tensors.values():
         by_file[te.file].append(te)
     cands = _candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
-    changed, compared, unchanged_files = _changed(columns, m, by_file, where, cands, threads)
+    changed, compared, unchanged_files, watched = _changed(columns, m, by_file, where, cands, threads)
     # "Unchanged at the last save": tensors of candidate stripes that passed.
     looked = {te.key for fi in cands for te in by_file[fi]}
-    out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared)
+    out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared, watched_bytes=watched)
     claimed = _link(out, columns, base, by_file, where, unchanged_files, tmp, prefix, target)
     left = [j for j in range(len(columns.keys)) if j not in claimed]
     stable = [j for j in left if columns.keys[j] in looked and columns.keys[j] not in changed]

@@ -89,6 +89,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
         sw.incremental = iplan
         stats.bytes_linked, stats.stripes_linked = iplan.linked_bytes, len(iplan.linked)
         stats.link_fallbacks, stats.compared_bytes = iplan.fallbacks, iplan.compared_bytes
+        stats.watched_bytes = iplan.watched_bytes
     return sw
 
 
