@@ -4,6 +4,7 @@
 #include <linux/fs.h>
 #include <linux/userfaultfd.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -144,8 +145,10 @@ std::vector<bool> WriteWatch::scan(const std::vector<Range>& ranges) {
     // WP_MATCHING protects them again; CHECK_WPASYNC fails the call if any page of
     // the span is not registered (freed and mapped anew, say): all then count.
     std::vector<Span> changed;
-    bool failed = false;
-    uintptr_t at = span.lo;
+    // The walk skips holes: a span not wholly mapped (freed since) counts as changed.
+    // msync(MS_ASYNC) does nothing but check that (ENOMEM for a hole).
+    bool failed = msync(reinterpret_cast<void*>(span.lo), span.hi - span.lo, MS_ASYNC) != 0;
+    uintptr_t at = failed ? span.hi : span.lo;
     while (at < span.hi) {
       pm_scan_arg a{};
       a.size = sizeof(a);

@@ -42,7 +42,7 @@ class WriteWatch {
   std::vector<bool> arm(const std::vector<Range>& ranges);
 
   // For each range: true if a page under it may have changed since the last scan that
-  // covered it (written, not present, not anonymous, or not registered). Every page of
+  // covered it (written, not present, not anonymous, not registered, or unmapped). Every page of
   // every range is write-protected again, so the next scan reports writes from now on.
   // Ranges that share a page are scanned together, so one's write is seen by both.
   std::vector<bool> scan(const std::vector<Range>& ranges);

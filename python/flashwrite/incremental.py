@@ -262,12 +262,6 @@ def _header_meta(header: bytes) -> Any:
         return None
 
 
-def _compare(pieces: list[tuple[int, int, int]], threads: int) -> set[int]:
-    """Hash [(address, nbytes, expected)] on ``threads`` threads; the indices that differ."""
-    bad = _core.copy_verify([(0, a, n, e) for a, n, e in pieces], True, threads)
-    return {i for i, _ in bad}
-
-
 def _candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int],
                 recheck: bool) -> list[int]:
     """Base stripes whose tensors are all in the state alike (host memory, same dtype and
@@ -293,47 +287,47 @@ def _candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: 
 def _changed(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int], cands: list[int],
              threads: int) -> tuple[set[str], int, list[int], int]:
     """(keys that changed, bytes hashed, candidate stripes with no changed tensor, bytes
-    the write watch vouched for). A tensor no write reached since a save hashed it has
-    that save's checksums (``write_watch``); the others are hashed: pass 1 hashes each
-    tensor's smallest piece, pass 2 the rest of the stripes that passed it."""
-    entries = [(fi, te, where[te.key]) for fi in cands for te in by_file[fi]]
+    the write watch vouched for). A piece no write reached since a save hashed it has
+    that save's checksum (``write_watch``); the others are hashed: pass 1 each tensor's
+    smallest such piece, pass 2 the rest of the stripes that passed it."""
     sources = columns.sources
-    ranges = [(columns.ptrs[j], te.nbytes) for _, te, j in entries
-              if write_watch.eligible(columns.ptrs[j], te.nbytes, sources[j] if sources is not None else None)]
+    pieces_of: list[tuple[int, str, list[tuple[int, int, int]]]] = []  # (stripe, key, [(address, n, expected)])
+    for fi in cands:
+        for te in by_file[fi]:
+            j = where[te.key]
+            pieces_of.append((fi, te.key, [(columns.ptrs[j] + off - te.offset, n, int(h, 16)) for (off, n), h in
+                                           zip(piece_ranges(te.offset, te.nbytes, m.block_bytes), te.checksums)]))
+    watched = [(a, n) for fi, key, ps in pieces_of if ps and write_watch.eligible(
+        ps[0][0], sum(p[1] for p in ps), sources[where[key]] if sources is not None else None) for a, n, _ in ps]
     changed: set[str] = set()
-    first: list[tuple[int, int, int]] = []
-    owner: list[tuple[int, str]] = []
+    first: list[tuple[tuple[int, int, int], str]] = []
     rest: dict[int, list[tuple[tuple[int, int, int], str]]] = {}
-    hashed: dict[str, tuple[tuple[int, int], write_watch.Layout, list[int]]] = {}
-    with write_watch.compare_pass(ranges) as watch:
-        for fi, te, j in entries:
-            layout = tuple((off - te.offset, n) for off, n in piece_ranges(te.offset, te.nbytes, m.block_bytes))
-            expected = [int(h, 16) for h in te.checksums]
-            rng = (columns.ptrs[j], te.nbytes)
-            known = watch.known(rng, layout)
-            if known is not None:
-                if list(known) != expected:
-                    changed.add(te.key)
+    with write_watch.compare_pass(watched) as watch:
+        for fi, key, ps in pieces_of:
+            unknown = []
+            for p in ps:
+                h = watch.known(p[:2])
+                if h is None:
+                    unknown.append(p)
+                elif h != p[2]:
+                    changed.add(key)
+            if key in changed or not unknown:
                 continue
-            pieces = [(rng[0] + off, n, e) for (off, n), e in zip(layout, expected)]
-            if not pieces:
-                continue
-            hashed[te.key] = (rng, layout, expected)
-            k = min(range(len(pieces)), key=lambda i: pieces[i][1])
-            first.append(pieces[k])
-            owner.append((fi, te.key))
-            rest.setdefault(fi, []).extend((p, te.key) for i, p in enumerate(pieces) if i != k)
-        changed |= {owner[i][1] for i in _compare(first, threads)}
-        compared = sum(p[1] for p in first)
-        whole = [fi for fi in cands if not any(te.key in changed for te in by_file[fi])]
-        second = [(p, key) for fi in whole for p, key in rest.get(fi, [])]
-        changed |= {second[i][1] for i in _compare([p for p, _ in second], threads)}
-        compared += sum(p[1] for p, _ in second)
-        for fi in whole:  # every piece of these tensors was hashed, after the watch protected them
-            for te in by_file[fi]:
-                if te.key in hashed and te.key not in changed:
-                    watch.record(*hashed[te.key])
-    unchanged = [fi for fi in whole if not any(te.key in changed for te in by_file[fi])]
+            k = min(range(len(unknown)), key=lambda i: unknown[i][1])
+            first.append((unknown[k], key))
+            rest.setdefault(fi, []).extend((p, key) for i, p in enumerate(unknown) if i != k)
+        compared = 0
+        for group in (first, None):
+            if group is None:  # pass 2: the rest of the stripes with no changed tensor yet
+                group = [pk for fi in cands if not any(te.key in changed for te in by_file[fi])
+                         for pk in rest.get(fi, [])]
+            bad = dict(_core.copy_verify([(0, a, n, e) for (a, n, e), _ in group], True, threads))
+            for i, ((a, n, e), key) in enumerate(group):
+                watch.record((a, n), bad.get(i, e))  # hashed after the watch protected it
+                if i in bad:
+                    changed.add(key)
+            compared += sum(p[1] for p, _ in group)
+    unchanged = [fi for fi in cands if not any(te.key in changed for te in by_file[fi])]
     return changed, compared, unchanged, watch.watched_bytes
 
 

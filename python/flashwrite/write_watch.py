@@ -10,14 +10,18 @@ clears the page's bit; nothing waits on it.
 
 One compare pass (``compare_pass``), under one process-wide lock:
 
-1. arm (register) the pages of every tensor it may hash (host memory, at least
-   ``MIN_BYTES``, not pinned: a device writes pinned memory by DMA, which the kernel
-   does not see), then scan them together with every range recorded before, in one
-   call: a recorded range with a page written, absent or shared since its last scan is
-   forgotten, and every page scanned is protected again;
-2. a tensor whose range is still recorded, with the same piece layout, has the recorded
-   checksums: no hashing (counted in ``SaveStats.watched_bytes``);
-3. the others are hashed as before; each that was hashed whole is recorded.
+1. arm (register) the pages of every checksummed piece it may hash (of host tensors of
+   at least ``MIN_BYTES``, not pinned: a device writes pinned memory by DMA, which the
+   kernel does not see), then scan them together with every piece recorded before, in
+   one call: a recorded piece with a page written, absent or shared since its last scan
+   is forgotten, and every page scanned is protected again;
+2. a piece still recorded has its recorded checksum: no hashing (counted in
+   ``SaveStats.watched_bytes``);
+3. the others are hashed as before, and recorded.
+
+Records are per piece (the checksum blocks of the format), not per tensor: a write to one
+page costs the hashing of one piece, and so does the allocator's bookkeeping in the page
+a heap tensor shares with its neighbour.
 
 Why a record can be trusted: its bytes were hashed after a scan protected all of its pages
 (step 1 precedes step 3); every later scan covers every record, so a write to any of those
@@ -37,21 +41,13 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from . import _core
 
 MIN_BYTES = 1 << 20  # smaller tensors are hashed: cheap, and each watched range may split a mapping
 ENV = "FLASHWRITE_WRITE_WATCH"
 
-Range = tuple[int, int]  # (address, nbytes)
-Layout = tuple[tuple[int, int], ...]  # the tensor's checksummed pieces: (offset in the tensor, nbytes)
-
-
-@dataclass(frozen=True)
-class _Record:
-    layout: Layout
-    checksums: tuple[int, ...]
+Range = tuple[int, int]  # (address, nbytes) of one checksummed piece
 
 
 class _Watch:
@@ -61,7 +57,7 @@ class _Watch:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pid = os.getpid()
-        self.records: dict[Range, _Record] = {}
+        self.records: dict[Range, int] = {}  # piece -> its XXH3
         self.core: _core.WriteWatch | None = None
         self.why = ""
         setting = os.environ.get(ENV, "auto").strip().lower()
@@ -101,21 +97,20 @@ class Pass:
         self._watch, self._protected = watch, protected
         self.watched_bytes = 0
 
-    def known(self, rng: Range, layout: Layout) -> tuple[int, ...] | None:
-        """The checksums of the pieces of ``layout`` at ``rng`` if no write reached them
-        since they were hashed, else None (hash them)."""
+    def known(self, rng: Range) -> int | None:
+        """The checksum of the piece at ``rng`` if no write reached it since it was hashed,
+        else None (hash it)."""
         if self._watch is None or rng not in self._protected:
             return None
-        rec = self._watch.records.get(rng)
-        if rec is None or rec.layout != layout:
-            return None
-        self.watched_bytes += rng[1]
-        return rec.checksums
+        h = self._watch.records.get(rng)
+        if h is not None:
+            self.watched_bytes += rng[1]
+        return h
 
-    def record(self, rng: Range, layout: Layout, checksums: Sequence[int]) -> None:
-        """``rng`` was hashed whole in this pass, after its pages were protected."""
+    def record(self, rng: Range, checksum: int) -> None:
+        """The piece at ``rng`` was hashed in this pass, after its pages were protected."""
         if self._watch is not None and rng in self._protected:
-            self._watch.records[rng] = _Record(layout, tuple(checksums))
+            self._watch.records[rng] = checksum
 
 
 def eligible(address: int, nbytes: int, tensor: object) -> bool:
@@ -131,9 +126,9 @@ def eligible(address: int, nbytes: int, tensor: object) -> bool:
 
 @contextmanager
 def compare_pass(ranges: Sequence[Range]) -> Iterator[Pass]:
-    """One compare pass over the host ``ranges`` it may hash (steps 1-3 of the module's
-    docstring); the caller hashes what ``Pass.known`` does not answer and records what it
-    hashed whole, inside the ``with``."""
+    """One compare pass over the host pieces ``ranges`` it may hash (steps 1-3 of the
+    module's docstring); the caller hashes what ``Pass.known`` does not answer and records
+    what it hashed, inside the ``with``."""
     w = _get()
     if w.core is None or not ranges:
         yield Pass(None, set())

@@ -1,0 +1,306 @@
+"""The kernel's write watch that spares incremental saves from hashing unwritten tensors.
+
+Every way memory can change must make the watch say "changed": a CPU store, a store by
+the kernel on the process's behalf (read(), flashwrite's own io_uring/O_DIRECT load into
+the tensors), pages dropped, memory freed and mapped again, shared memory written by
+another process, a neighbour's write to a shared page. And an incremental save that the
+watch spares must still be byte-exact when a tensor was changed behind torch's back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashwrite as fw
+from flashwrite import _core, write_watch
+
+MiB = 1 << 20
+
+
+def _watch_or_skip() -> _core.WriteWatch:
+    try:
+        return _core.WriteWatch()
+    except OSError as e:
+        pytest.skip(f"the kernel cannot watch writes here (Linux 6.7 userfaultfd WP_ASYNC + PAGEMAP_SCAN): {e}")
+
+
+@pytest.fixture
+def watch():
+    return _watch_or_skip()
+
+
+def private(n: int) -> mmap.mmap:
+    """Private anonymous memory (Python's mmap(-1, n) alone is shared)."""
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def rng_of(t: torch.Tensor) -> tuple[int, int]:
+    return (t.data_ptr(), t.numel() * t.element_size())
+
+
+def protected(watch, *tensors) -> list[tuple[int, int]]:
+    ranges = [rng_of(t) for t in tensors]
+    assert all(watch.arm(ranges))
+    watch.scan(ranges)  # protects: from here on, only writes count
+    return ranges
+
+
+def test_untouched_memory_is_clean_and_a_store_is_seen_once(watch):
+    t = torch.randn(4 * MiB // 4)
+    (r,) = protected(watch, t)
+    assert watch.scan([r]) == [False]
+    assert watch.scan([r]) == [False]  # reading does not count
+    float(t.sum())
+    assert watch.scan([r]) == [False]
+    t[123_456] += 1  # one store, deep inside
+    assert watch.scan([r]) == [True]
+    assert watch.scan([r]) == [False]  # the scan protected it again
+
+
+def test_a_store_behind_torchs_back_is_seen(watch):
+    t = torch.randn(2 * MiB // 4)
+    (r,) = protected(watch, t)
+    v = t._version
+    ctypes.memset(t.data_ptr() + MiB + 17, 0x5A, 1)
+    assert t._version == v  # torch did not see it ...
+    assert watch.scan([r]) == [True]  # ... the kernel did
+
+
+def test_kernel_stores_into_the_memory_are_seen(watch, tmp_path):
+    t = torch.zeros(2 * MiB, dtype=torch.uint8)
+    (r,) = protected(watch, t)
+    p = tmp_path / "bytes"
+    p.write_bytes(os.urandom(4096))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        buf = (ctypes.c_char * 4096).from_address(t.data_ptr() + MiB)
+        assert os.readv(fd, [memoryview(buf).cast("B")]) == 4096  # copy_to_user into a protected page
+    finally:
+        os.close(fd)
+    assert watch.scan([r]) == [True]
+    assert bytes(t[MiB:MiB + 4096].numpy()) == p.read_bytes()
+
+
+def test_flashwrites_own_load_into_the_tensors_is_seen(watch, tmp_path):
+    """load(into=) fills the state in place with io_uring reads (O_DIRECT where aligned)."""
+    g = torch.Generator().manual_seed(3)
+    saved = {"w": torch.randn(4 * MiB // 4, generator=g)}
+    fw.save(saved, str(tmp_path / "ck"))
+    state = {"w": torch.zeros(4 * MiB // 4)}
+    (r,) = protected(watch, state["w"])
+    fw.load(str(tmp_path / "ck"), into=state)
+    assert torch.equal(state["w"], saved["w"])
+    assert watch.scan([r]) == [True]
+
+
+def test_dropped_pages_count_as_changed(watch):
+    n = 4 * MiB
+    m = private(n)
+    m.write(os.urandom(n))
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    r = (addr, n)
+    assert watch.arm([r]) == [True]
+    watch.scan([r])
+    assert watch.scan([r]) == [False]
+    m.madvise(mmap.MADV_DONTNEED, MiB, MiB)  # those pages now read as zeros, with no store
+    assert watch.scan([r]) == [True]
+    m.close()
+    assert watch.scan([r]) == [True]  # unmapped: not registered any more
+
+
+@pytest.mark.parametrize("kind", ["torch share_memory_", "MAP_SHARED anonymous"])
+def test_shared_memory_never_counts_as_unchanged(watch, kind):
+    """Another process writes shared memory through its own page tables: never trusted."""
+    if kind == "torch share_memory_":
+        keep = torch.zeros(2 * MiB // 4).share_memory_()
+        r = rng_of(keep)
+    else:
+        keep = mmap.mmap(-1, 2 * MiB)
+        keep.write(b"\3" * (2 * MiB))
+        r = (ctypes.addressof(ctypes.c_char.from_buffer(keep)), 2 * MiB)
+    if not watch.arm([r])[0]:
+        return  # refused outright: also never trusted
+    watch.scan([r])
+    assert watch.scan([r]) == [True]
+
+
+def test_a_neighbours_store_to_a_shared_page_is_seen_by_both(watch):
+    n = 4 * MiB
+    m = private(n)
+    m.write(b"\1" * n)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    a, b = (addr + 100, MiB), (addr + 100 + MiB, MiB)  # b starts inside a's last page
+    assert watch.arm([a, b]) == [True, True]
+    watch.scan([a, b])
+    ctypes.memset(b[0] + 8, 7, 1)  # in the page both share
+    assert watch.scan([a, b]) == [True, True]
+    ctypes.memset(b[0] + 8192, 7, 1)  # b's own page
+    assert watch.scan([a, b]) == [False, True]
+    m.close()
+
+
+def test_memory_freed_and_mapped_again_counts_as_changed(watch):
+    n = 4 * MiB
+    m = private(n)
+    m.write(b"\2" * n)
+    r = (ctypes.addressof(ctypes.c_char.from_buffer(m)), n)
+    assert watch.arm([r]) == [True]
+    watch.scan([r])
+    m.close()
+    m2 = private(n)  # most likely at the same address, with its own (unregistered) pages
+    m2.write(b"\2" * n)
+    try:
+        assert watch.scan([r]) == [True]
+    finally:
+        m2.close()
+
+
+# ------------------------------------------------------------------ incremental saves
+
+
+def big_state(step: int, frozen: dict) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {**frozen, "lora": torch.randn(256, 256, generator=g)}, "step": step}
+
+
+def big_frozen(n: int = 4) -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {f"base.{i}": torch.randn(2 * MiB // 4, generator=g) for i in range(n)}
+
+
+def run_saves(root, frozen, steps, **kw) -> list[fw.SaveStats]:
+    out = []
+    with fw.Writer(stripes=2, chunk_bytes=MiB, incremental=True, **kw) as w:
+        for s in range(1, steps + 1):
+            out.append(w.save(big_state(s, frozen), os.path.join(root, f"step-{s}")))
+    return out
+
+
+def test_saves_after_the_first_compare_skip_hashing_the_frozen_base(tmp_path):
+    _watch_or_skip()
+    if write_watch.why_off():
+        pytest.skip(write_watch.why_off())
+    frozen = big_frozen()
+    fbytes = sum(t.nbytes for t in frozen.values())
+    stats = run_saves(str(tmp_path), frozen, 5)
+    # saves 2 and 3 hash the frozen base (and the watch records what they hashed whole);
+    # from then on no write reaches it, and nothing of it is hashed again
+    assert sum(s.compared_bytes for s in stats[1:3]) >= fbytes
+    for s in stats[3:]:
+        assert s.bytes_linked >= fbytes
+        assert s.watched_bytes == fbytes
+        assert s.compared_bytes < fbytes
+    out = fw.load(str(tmp_path / "step-5"))
+    for k, t in frozen.items():
+        assert torch.equal(out["model"][k], t)
+    assert fw.verify(str(tmp_path / "step-5"))
+
+
+def test_a_tensor_changed_behind_torchs_back_is_written_and_loads_exactly(tmp_path):
+    frozen = big_frozen()
+    root = str(tmp_path)
+    with fw.Writer(stripes=2, chunk_bytes=MiB, incremental=True) as w:
+        for s in range(1, 4):
+            w.save(big_state(s, frozen), os.path.join(root, f"step-{s}"))
+        t = frozen["base.1"]
+        v = t._version
+        ctypes.memset(t.data_ptr() + 3 * 4096 + 5, 0x33, 2)  # no torch op: the version counter stays
+        assert t._version == v
+        st = w.save(big_state(4, frozen), os.path.join(root, "step-4"))
+        assert st.bytes_written >= t.nbytes  # base.1's stripe was written, not linked
+        out = fw.load(os.path.join(root, "step-4"))
+        for k, x in frozen.items():
+            assert torch.equal(out["model"][k].view(torch.uint8), x.view(torch.uint8)), k
+        st = w.save(big_state(5, frozen), os.path.join(root, "step-5"))
+        assert st.bytes_linked >= sum(x.nbytes for x in frozen.values()) - t.nbytes
+
+
+def test_a_resume_by_load_into_between_saves_is_seen(tmp_path):
+    """Loading an older checkpoint into the live state (io_uring reads) changes the bytes."""
+    frozen = big_frozen()
+    root = str(tmp_path)
+    other = {k: torch.full_like(t, 0.5) for k, t in frozen.items()}
+    fw.save({"model": other}, str(tmp_path.parent / f"{tmp_path.name}-other"))
+    with fw.Writer(stripes=2, chunk_bytes=MiB, incremental=True) as w:
+        for s in range(1, 4):
+            w.save(big_state(s, frozen), os.path.join(root, f"step-{s}"))
+        fw.load(str(tmp_path.parent / f"{tmp_path.name}-other"), into={"model": frozen})
+        st = w.save(big_state(4, frozen), os.path.join(root, "step-4"))
+    assert st.watched_bytes == 0
+    out = fw.load(os.path.join(root, "step-4"))
+    for k in frozen:
+        assert torch.equal(out["model"][k], other[k])
+
+
+def test_off_hashes_everything_with_the_same_result(tmp_path):
+    code = (
+        "import sys, torch, flashwrite as fw; sys.path.insert(0, sys.argv[2]);"
+        "from test_write_watch import run_saves, big_frozen;"
+        "from flashwrite import write_watch;"
+        "st = run_saves(sys.argv[1], big_frozen(), 4);"
+        "print(write_watch.why_off(), st[-1].watched_bytes, st[-1].bytes_linked, st[-1].compared_bytes)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "FLASHWRITE_WRITE_WATCH": "off"}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "off"), here], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    why, watched, linked, compared = r.stdout.rsplit(None, 3)
+    assert why.strip() == "FLASHWRITE_WRITE_WATCH=off" and int(watched) == 0
+    assert int(linked) >= 4 * 2 * MiB and int(compared) >= 4 * 2 * MiB
+    env["FLASHWRITE_WRITE_WATCH"] = "sometimes"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bad"), here], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "FLASHWRITE_WRITE_WATCH='sometimes'" in r.stderr
+
+
+_FORK = r"""
+import ctypes, faulthandler, json, os, sys
+sys.path.insert(0, sys.argv[2])
+import flashwrite as fw
+from test_write_watch import MiB, big_frozen, big_state, run_saves
+root = sys.argv[1]
+frozen = big_frozen()
+run_saves(root, frozen, 4)  # the parent recorded the frozen base
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(120, exit=True)  # a hung child never outlives the test
+    res = {}
+    try:
+        ctypes.memset(frozen["base.0"].data_ptr() + 4096, 1, 1)  # the child's private copy changes
+        with fw.Writer(stripes=2, chunk_bytes=MiB, incremental=True) as wr:
+            st = wr.save(big_state(5, frozen), os.path.join(root, "step-5"))
+        back = fw.load(os.path.join(root, "step-5"))["model"]
+        # numpy, not torch: PyTorch's OpenMP pool hangs in a forked child once used
+        res = {"watched": st.watched_bytes, "linked": st.bytes_linked,
+               "same": all(back[k].numpy().tobytes() == t.numpy().tobytes() for k, t in frozen.items())}
+    except BaseException as e:
+        res["error"] = repr(e)
+    os.write(w, json.dumps(res).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 1 << 16).decode())
+os.waitpid(pid, 0)
+print(json.dumps(child))
+"""
+
+
+def test_a_forked_child_watches_on_its_own(tmp_path):
+    """The child of a fork inherits the parent's records but not its registrations: its
+    first compare hashes, and it sees its own change to the base."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path), here], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr
+    child = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "error" not in child, child
+    assert child["same"] is True and child["watched"] == 0
+    assert child["linked"] >= 3 * 2 * MiB  # the other three frozen tensors are still linked
