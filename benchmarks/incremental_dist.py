@@ -9,6 +9,11 @@ not fill). The first save of each mode is left out of the medians (no base yet; 
 second incremental save only regroups the stripes).
 
     python benchmarks/incremental_dist.py --ranks 2 --base-mib 512 --dir /work/incr-dist --json out.json
+
+With ``--url nfs://HOST/EXPORT/ROOT?...`` the saves go to that nfs:// root instead, and
+``--dir`` is the same root seen on this machine (the export's own directory, e.g. from
+``sudo python3 tools/nfs_server.py --export DIR``), where old checkpoints are removed; name
+a fresh root each run.
 """
 
 from __future__ import annotations
@@ -35,6 +40,14 @@ def state_of(rank: int, base: dict, step: int) -> dict:
     return {"model": {**base, "lora": torch.randn(ADAPTER_BYTES // 4, generator=g)}, "step": step}
 
 
+def target_of(args: argparse.Namespace, rel: str) -> str:
+    """Where checkpoint ``rel`` of the run is saved: under --dir, or under the --url root."""
+    if not args.url:
+        return os.path.join(args.dir, rel)
+    base, _, query = args.url.partition("?")
+    return f"{base.rstrip('/')}/{rel}" + (f"?{query}" if query else "")
+
+
 def run_rank(rank: int, args: argparse.Namespace, init: str, out: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=args.ranks,
@@ -52,7 +65,7 @@ def run_rank(rank: int, args: argparse.Namespace, init: str, out: dict) -> None:
             sd = state_of(rank, base, step)
             dist.barrier()
             t0 = time.perf_counter()
-            fut = w.save_async(sd, os.path.join(root, f"step-{step:04d}"), process_group=dist.group.WORLD,
+            fut = w.save_async(sd, target_of(args, f"{mode}/step-{step:04d}"), process_group=dist.group.WORLD,
                                incremental=mode == "incremental")
             stall = time.perf_counter() - t0
             st = fut.result()
@@ -74,8 +87,11 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=5, help="saves per mode")
     ap.add_argument("--stripes", type=int, default=4)
     ap.add_argument("--dir", required=True)
+    ap.add_argument("--url", help="an nfs:// root to save to; --dir is then its directory on this machine")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.url and os.path.exists(args.dir):  # removed behind the server's back, it may still serve it from cache
+        ap.error(f"--dir {args.dir} exists: with --url, name a fresh root each run")
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     init = os.path.join(args.dir, ".init")

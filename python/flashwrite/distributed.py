@@ -79,7 +79,8 @@ __all__ = ["DistributedSaveError", "DEFAULT_TIMEOUT_S", "coordinator", "save_asy
 def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                coordination_group: Any = None, timeout: float | None = None, overwrite: bool = False,
                block: bool = True, allow_pickle: bool = False, metadata: dict[str, str] | None = None,
-               tier: LocalTier | None = None, incremental: Callable[..., Any] | None = None) -> SaveFuture:
+               tier: LocalTier | None = None, incremental: Callable[..., Any] | None = None,
+               on_committed: Callable[[str], None] | None = None) -> SaveFuture:
     """``Writer.save_async`` for one rank of a multi-rank save (see the module doc).
 
     Every rank of ``process_group`` must call it with the same path, in the same
@@ -91,6 +92,9 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     newest committed checkpoint and links its unchanged stripes into the shared temporary
     directory; rank 0's directory fsync before the manifest makes them durable, as it does
     every rank's stripes (where it cannot apply, SaveStats.incremental says why).
+    on_committed: called on every rank with the checkpoint's path once rank 0's broadcast
+    says it committed (the next incremental save's base on nfs://, where directories are
+    not scanned; see ``incremental.BaseCache``).
     """
     coord = coordinator(process_group, timeout, coordination_group)
     seq = coord.next_seq()
@@ -98,11 +102,11 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     target, final = resolve(path, "save")
     make_planner, note = None, ""
     if incremental is not None:
-        note = _incremental.refusal(local_snapshots=tier is not None, hf_model=False, multi_rank_on=target) or ""
+        note = _incremental.refusal(local_snapshots=tier is not None, hf_model=False) or ""
         if not note:
             make_planner = incremental(final, target, (coord.rank, coord.size))
     strategy = AgreedCommit(coord, final, commit.shared_temp_dir_for(final, coord.nonce, seq), overwrite, target,
-                            tier, t0)
+                            tier, t0, on_committed)
     session = SaveSession(writer, strategy, tier, t0)
     sw = session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
                        allow_pickle=allow_pickle, metadata=metadata, incremental=make_planner)
@@ -116,9 +120,10 @@ class AgreedCommit(Commit):
     (or one failed), then rank 0 merges the manifests and commits; everyone learns the outcome."""
 
     def __init__(self, coord: Coordinator, final: str, tmp: str, overwrite: bool, target: Target,
-                 tier: LocalTier | None, t0: float):
+                 tier: LocalTier | None, t0: float, on_committed: Callable[[str], None] | None = None):
         super().__init__(final, target)
         self.coord, self.tmp, self.overwrite, self.tier, self.t0 = coord, tmp, overwrite, tier, t0
+        self.on_committed = on_committed
         self.staging = tmp  # where this rank's engine writes its stripes (a local copy for nfs://)
         self.lost: PeerLost | None = None  # the neighbour exchange lost a peer: the rounds fail on it
 
@@ -241,6 +246,10 @@ class AgreedCommit(Commit):
                 raise error
             raise DistributedSaveError(f"multi-rank save to {self.final}: the commit on rank 0 failed: {value}",
                                        {0: value})
+        # Every rank learns of the commit from this broadcast: no collective of its own
+        # tells the ranks their next base.
+        if self.on_committed is not None:
+            self.on_committed(self.final)
         sw.stats.extra["global_bytes"] = value
         return sw.stats
 

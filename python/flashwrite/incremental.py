@@ -39,16 +39,18 @@ cost round trips at every save); a new process's first save there writes everyth
 
 In a multi-rank save (``process_group=``) each rank compares its own state with its own
 part of the base (the base's ``ranks`` span for that rank, ``rank_part``) and links into
-the shared temporary directory; no collective is added, and ranks may even pick different
-bases. Rank 0's directory fsync before the manifest makes every rank's links durable, as
-it does their stripes; the merged manifest keeps each rank's section (``merge_sections``).
+the shared temporary directory before it reports itself durable; rank 0's directory fsync
+before the manifest makes every rank's links durable (an NFS LINK is stable when it
+returns), and the merged manifest keeps each rank's section (``merge_sections``). No
+collective is added: on nfs:// every rank notes the commit that rank 0's broadcast of the
+outcome reports (its next base), and ranks may even pick different bases.
 
 Not covered (the save then writes everything and ``SaveStats.incremental`` says why):
 GPU tensors (not compared: their content would have to be copied to the host first;
-beside host tensors, only the host tensors' stripes are linked), multi-rank saves to
-nfs://, DCP saves, ``hf_model=``, and local snapshots (a snapshot in the memory tier is
-the staging pool's copy of the whole state; keeping the previous snapshot's unchanged
-pages would need the pool to hand slots from one save to the next).
+beside host tensors, only the host tensors' stripes are linked), DCP saves, ``hf_model=``,
+and local snapshots (a snapshot in the memory tier is the staging pool's copy of the
+whole state; keeping the previous snapshot's unchanged pages would need the pool to hand
+slots from one save to the next).
 """
 
 from __future__ import annotations
@@ -474,7 +476,8 @@ class Planner:
             return None
         path = self.base_path()
         if path is None:
-            self.note = "on: no earlier checkpoint to link from"
+            self.note = "on: no earlier checkpoint to link from" + ("" if self.target is LOCAL else
+                         " (nfs://: only one this Writer committed there counts; the save writes every stripe)")
             return None
         if on_gpu:
             self.note = f"on: host tensors only ({on_gpu} GPU tensors are written, not compared)"
@@ -493,15 +496,12 @@ class Planner:
                     target=self.target)
 
 
-def refusal(*, local_snapshots: bool, hf_model: bool, multi_rank_on: Target | None = None) -> str | None:
-    """Why an incremental save falls back to writing everything here, or None.
-    multi_rank_on: the target of a multi-rank save."""
+def refusal(*, local_snapshots: bool, hf_model: bool) -> str | None:
+    """Why an incremental save falls back to writing everything here, or None."""
     if local_snapshots:
         return "off: local snapshots keep a whole staged state (the save writes every stripe)"
     if hf_model:
         return "off: hf_model= saves are not incremental yet (the save writes every stripe)"
-    if multi_rank_on is not None and multi_rank_on is not LOCAL:
-        return "off: multi-rank saves to nfs:// are not incremental yet (the save writes every stripe)"
     return None
 
 

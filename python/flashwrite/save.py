@@ -267,8 +267,8 @@ class Writer:
         fsync'd before the manifest, so the directory never appears without them.
 
         incremental: overrides the Writer's ``incremental`` for this save. Where it cannot
-        apply (local snapshots, hf_model=, multi-rank saves to nfs://) the save writes every
-        stripe and ``SaveStats.incremental`` says why.
+        apply (local snapshots, hf_model=) the save writes every stripe and
+        ``SaveStats.incremental`` says why.
         """
         check_path(path, "save")  # a URL other than nfs:// is refused before anything else
         if url_scheme(path) is not None and self._tier is not None:
@@ -290,7 +290,7 @@ class Writer:
                 self, state_dict, path, process_group=process_group, coordination_group=coordination_group,
                 timeout=timeout, overwrite=overwrite, block=block, allow_pickle=allow_pickle, metadata=metadata,
                 tier=self._tier, incremental=(lambda final, target, rank: _incremental.planner_for(
-                    final, target, bases, threads, rank)) if incr else None)
+                    final, target, bases, threads, rank)) if incr else None, on_committed=bases.committed)
         if timeout is not None:
             raise ValueError("timeout= applies to multi-rank saves (process_group=)")
         t0 = time.perf_counter()
