@@ -135,10 +135,10 @@ std::vector<bool> WriteWatch::arm(const std::vector<Range>& ranges) {
   return ok;
 }
 
-std::vector<bool> WriteWatch::scan(const std::vector<Range>& ranges) {
+std::vector<uint8_t> WriteWatch::scan(const std::vector<Range>& ranges) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<bool> dirty(ranges.size(), true);
-  if (pid_ != getpid()) return dirty;
+  std::vector<uint8_t> flags(ranges.size(), kInside);
+  if (pid_ != getpid()) return flags;
   std::vector<page_region> vec(kRegions);
   for (auto& [span, members] : groups_of(ranges)) {
     // The pages that may have changed: written, or not present, or not anonymous.
@@ -172,13 +172,26 @@ std::vector<bool> WriteWatch::scan(const std::vector<Range>& ranges) {
       }
       at = a.walk_end;
     }
+    if (failed) continue;  // every member stays kInside
     for (size_t i : members) {
-      if (failed) continue;  // stays dirty
-      Span s = pages_of(ranges[i]);
-      dirty[i] = std::any_of(changed.begin(), changed.end(), [&](const Span& c) { return c.lo < s.hi && s.lo < c.hi; });
+      const Range& r = ranges[i];
+      Span s = pages_of(r);
+      // A first or last page the range shares with other memory is told apart: a write
+      // there may be the neighbour's (the allocator's bookkeeping beside a heap tensor).
+      Span head{s.lo, (r.first % kPage) ? s.lo + kPage : s.lo};
+      Span tail{((r.first + r.second) % kPage) ? s.hi - kPage : s.hi, s.hi};
+      Span inside{head.hi, std::max(head.hi, tail.lo)};
+      uint8_t f = 0;
+      for (const Span& c : changed) {
+        auto hits = [&](const Span& x) { return x.lo < x.hi && c.lo < x.hi && x.lo < c.hi; };
+        if (hits(inside)) f |= kInside;
+        if (hits(head)) f |= kHead;
+        if (hits(tail)) f |= kTail;
+      }
+      flags[i] = f;
     }
   }
-  return dirty;
+  return flags;
 }
 
 }  // namespace fw

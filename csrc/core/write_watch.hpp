@@ -41,11 +41,14 @@ class WriteWatch {
   // Registration alone protects nothing: the next scan does.
   std::vector<bool> arm(const std::vector<Range>& ranges);
 
-  // For each range: true if a page under it may have changed since the last scan that
-  // covered it (written, not present, not anonymous, not registered, or unmapped). Every page of
+  // For each range, which of its pages may have changed since the last scan that covered
+  // them (written, not present, not anonymous, not registered, or unmapped): kInside for
+  // a page wholly its own (or the range could not be scanned), kHead / kTail for a first
+  // / last page it shares with the memory before / after it; 0 for none. Every page of
   // every range is write-protected again, so the next scan reports writes from now on.
   // Ranges that share a page are scanned together, so one's write is seen by both.
-  std::vector<bool> scan(const std::vector<Range>& ranges);
+  static constexpr uint8_t kInside = 1, kHead = 2, kTail = 4;
+  std::vector<uint8_t> scan(const std::vector<Range>& ranges);
 
   pid_t pid() const { return pid_; }  // the process it was made in (a fork's child must make its own)
 

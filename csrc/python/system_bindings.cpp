@@ -93,8 +93,10 @@ void register_system(py::module_& m) {
             return w.scan(ranges);
           },
           py::arg("ranges"),
-          "True for each range some page of which may have changed since the last scan that covered it "
-          "(written, absent, not anonymous, not registered); protects them all again.")
+          "For each range, which of its pages may have changed since the last scan that covered them "
+          "(written, absent, not anonymous, not registered): 0 none, | 1 a page of its own (or not "
+          "scannable), | 2 its first page, | 4 its last page, where it shares that page with other memory. "
+          "Protects them all again.")
       .def_property_readonly("pid", &WriteWatch::pid);
   // For tests: the staging pool's page-locking of freshly mapped memory.
   m.def(

@@ -20,8 +20,11 @@ One compare pass (``compare_pass``), under one process-wide lock:
 3. the others are hashed as before, and recorded.
 
 Records are per piece (the checksum blocks of the format), not per tensor: a write to one
-page costs the hashing of one piece, and so does the allocator's bookkeeping in the page
-a heap tensor shares with its neighbour.
+page costs the hashing of one piece. A piece's first and last page may be shared with
+other memory (a heap tensor's neighbour, the allocator's bookkeeping right before it): the
+record keeps the piece's own bytes in those pages (at most two partial pages), captured
+before it was hashed, and a write that reached only such a page costs a comparison of
+those bytes, not the hashing of the piece.
 
 Why a record can be trusted: its bytes were hashed after a scan protected all of its pages
 (step 1 precedes step 3); every later scan covers every record, so a write to any of those
@@ -37,6 +40,7 @@ says why.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -48,6 +52,16 @@ MIN_BYTES = 1 << 20  # smaller tensors are hashed: cheap, and each watched range
 ENV = "FLASHWRITE_WRITE_WATCH"
 
 Range = tuple[int, int]  # (address, nbytes) of one checksummed piece
+PAGE = 4096
+INSIDE, HEAD, TAIL = 1, 2, 4  # _core.WriteWatch.scan's flags
+Edges = tuple[bytes, bytes]  # a piece's own bytes in its first and in its last page, where shared
+
+
+def _edges(rng: Range) -> Edges:
+    a, n = rng
+    head = min(n, -a % PAGE)
+    tail = min(n, (a + n) % PAGE)
+    return (ctypes.string_at(a, head) if head else b"", ctypes.string_at(a + n - tail, tail) if tail else b"")
 
 
 class _Watch:
@@ -57,7 +71,7 @@ class _Watch:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pid = os.getpid()
-        self.records: dict[Range, int] = {}  # piece -> its XXH3
+        self.records: dict[Range, tuple[int, Edges]] = {}  # piece -> (its XXH3, its edges when hashed)
         self.core: _core.WriteWatch | None = None
         self.why = ""
         setting = os.environ.get(ENV, "auto").strip().lower()
@@ -95,22 +109,27 @@ class Pass:
 
     def __init__(self, watch: _Watch | None, protected: set[Range]):
         self._watch, self._protected = watch, protected
+        self._edges: dict[Range, Edges] = {}
         self.watched_bytes = 0
 
     def known(self, rng: Range) -> int | None:
         """The checksum of the piece at ``rng`` if no write reached it since it was hashed,
-        else None (hash it)."""
+        else None: hash it (after every call to ``known``: its edges are kept now)."""
         if self._watch is None or rng not in self._protected:
             return None
-        h = self._watch.records.get(rng)
-        if h is not None:
-            self.watched_bytes += rng[1]
-        return h
+        rec = self._watch.records.get(rng)
+        if rec is None:
+            self._edges[rng] = _edges(rng)
+            return None
+        self.watched_bytes += rng[1]
+        return rec[0]
 
     def record(self, rng: Range, checksum: int) -> None:
-        """The piece at ``rng`` was hashed in this pass, after its pages were protected."""
-        if self._watch is not None and rng in self._protected:
-            self._watch.records[rng] = checksum
+        """The piece at ``rng`` was hashed in this pass, after its pages were protected and
+        its edges kept (``known``)."""
+        edges = self._edges.get(rng)
+        if self._watch is not None and edges is not None:
+            self._watch.records[rng] = (checksum, edges)
 
 
 def eligible(address: int, nbytes: int, tensor: object) -> bool:
@@ -137,9 +156,12 @@ def compare_pass(ranges: Sequence[Range]) -> Iterator[Pass]:
         wanted = list(dict.fromkeys(ranges))
         armed = w.core.arm(wanted)
         fresh = [r for r, ok in zip(wanted, armed) if ok]
-        old = list(w.records)
-        dirty = w.core.scan(old + fresh)
-        for r, d in zip(old, dirty):
-            if d:
+        fresh_set = set(fresh)
+        scanned = [r for r in w.records if r not in fresh_set] + fresh
+        for r, f in zip(scanned, w.core.scan(scanned)):
+            rec = w.records.get(r)
+            # A write to a page of its own forgets it; to a first or last page shared with
+            # other memory, only if the piece's own bytes there changed.
+            if rec is not None and (f & INSIDE or (f & (HEAD | TAIL) and _edges(r) != rec[1])):
                 del w.records[r]
-        yield Pass(w, set(fresh))
+        yield Pass(w, fresh_set)
