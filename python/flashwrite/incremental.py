@@ -40,11 +40,12 @@ part of the base (the base's ``ranks`` span for that rank, ``rank_part``) and li
 the shared temporary directory; no collective is added, and ranks may even pick different
 bases. Rank 0's directory fsync before the manifest makes every rank's links durable, as
 it does their stripes; the merged manifest keeps each rank's section (``merge_sections``).
+A DCP save does the same per rank, its DCP base seen as a multi-rank one (``flashwrite.dcp``).
 
 Not covered (the save then writes everything and ``SaveStats.incremental`` says why):
 GPU tensors (not compared: their content would have to be copied to the host first;
-beside host tensors, only the host tensors' stripes are linked), multi-rank saves to
-nfs://, DCP saves, ``hf_model=``, and local snapshots (a snapshot in the memory tier is
+beside host tensors, only the host tensors' stripes are linked), multi-rank and DCP saves
+to nfs://, ``hf_model=``, and local snapshots (a snapshot in the memory tier is
 the staging pool's copy of the whole state; keeping the previous snapshot's unchanged
 pages would need the pool to hand slots from one save to the next).
 """
@@ -434,9 +435,10 @@ class Planner:
     "on", "on: no earlier checkpoint", or "off: <why>"."""
 
     def __init__(self, final: str, tmp: str, cache: BaseCache, threads: int, target: Target = LOCAL,
-                 rank: tuple[int, int] | None = None):
+                 rank: tuple[int, int] | None = None, view: Callable[[Manifest], Manifest | str] | None = None):
         self.final, self.tmp, self.cache, self.threads, self.target = final, tmp, cache, threads, target
         self.rank = rank  # (rank, world size) of a multi-rank save: compares with its own part of the base
+        self.view = view  # the base's manifest as this save compares with it, or why it cannot (DCP saves)
         self.note = "on"
 
     def base_path(self) -> str | None:
@@ -467,12 +469,12 @@ class Planner:
         except (OSError, ValueError, FlashwriteError) as e:  # a damaged base is not linked from; the save writes everything
             self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be read: {e}"[:300]
             return None
-        why = unusable(base.manifest, block, self.rank)
-        if why:
+        m = self.view(base.manifest) if self.view is not None else base.manifest
+        why = m if isinstance(m, str) else unusable(m, block, self.rank)
+        if why or isinstance(m, str):
             self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be linked from: {why}"
             return None
-        if self.rank is not None:
-            base = Base(base.path, rank_part(base.manifest, self.rank[0]))
+        base = Base(base.path, rank_part(m, self.rank[0]) if self.rank is not None else m)
         return plan(columns, base, self.tmp, stripes=stripes, prefix=prefix, metadata=metadata, threads=self.threads,
                     target=self.target)
 
@@ -489,8 +491,8 @@ def refusal(*, local_snapshots: bool, hf_model: bool, multi_rank_on: Target | No
     return None
 
 
-def planner_for(final: str, target: Target, cache: BaseCache, threads: int,
-                rank: tuple[int, int] | None = None) -> Callable[[str], Planner]:
+def planner_for(final: str, target: Target, cache: BaseCache, threads: int, rank: tuple[int, int] | None = None,
+                view: Callable[[Manifest], Manifest | str] | None = None) -> Callable[[str], Planner]:
     """What a save session calls with its temporary directory, once made: the save's Planner
-    (of rank ``rank`` = (rank, world size) in a multi-rank save)."""
-    return lambda tmp: Planner(final, target.temp_dir_of(tmp), cache, threads, target, rank)
+    (of rank ``rank`` = (rank, world size) in a multi-rank save; ``view``: see ``Planner``)."""
+    return lambda tmp: Planner(final, target.temp_dir_of(tmp), cache, threads, target, rank, view)
