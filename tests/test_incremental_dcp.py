@@ -75,15 +75,15 @@ def dcp_group():
 
 
 def _save_steps(root: str, steps: list[int], how: str, changed: dict[int, str] | None = None) -> list[dict]:
-    """Save ``steps`` in turn through DCP (``how``: save or async); each rank then loads
-    every one back through dcp.load, byte-exact."""
+    """Save ``steps`` in turn through DCP (``how``: save, async, or mixed: odd steps async);
+    each rank then loads every one back through dcp.load, byte-exact."""
     rank = dist.get_rank()
     out = []
     with fw.Writer(stripes=2, chunk_bytes=CHUNK, incremental=True) as w:
         for step in steps:
             sd = state_of(rank, step, changed=(changed or {}).get(step))
             sw = FlashwriteStorageWriter(os.path.join(root, f"step-{step}"), writer=w)
-            if how == "save":
+            if how == "save" or (how == "mixed" and step % 2 == 0):
                 dcp.save(sd, storage_writer=sw)
             else:
                 dcp.async_save(sd, storage_writer=sw, process_group=dcp_group()).result(120)
@@ -128,7 +128,7 @@ def cluster2():
 
 
 @single_process
-@pytest.mark.parametrize("how", ["save", "async"])
+@pytest.mark.parametrize("how", ["save", "async", "mixed"])  # mixed: the owners of stage() and of DCP's dedup agree
 def test_third_save_links_every_unchanged_stripe(cluster2, tmp_path, how):
     res = cluster2.run(_save_steps, str(tmp_path), [1, 2, 3], how)
     for stats in res:
@@ -240,3 +240,19 @@ def test_a_base_that_cannot_be_linked_from_says_why(tmp_path):
     for name, step in (("a", 1), ("b", 2), ("d", 4)):
         flat = fw.load(tmp_path / name)
         assert_same({k: v for k, v in flat.items() if torch.is_tensor(v)}, flat_of(step))
+
+
+@single_process
+@pytest.mark.nfs
+def test_nfs_says_it_writes_everything(nfs_server, tmp_path, monkeypatch):
+    """DCP saves to nfs:// are not incremental yet: the save writes every stripe and says so."""
+    monkeypatch.setenv("FLASHWRITE_NFS_STAGING", str(tmp_path))
+    with fw.Writer(stripes=2, chunk_bytes=CHUNK, incremental=True) as w:
+        for step in (1, 2):
+            sw = FlashwriteStorageWriter(nfs_server.url_ports(f"ck/step-{step}"), writer=w)
+            dcp.save(state_of(0, step), storage_writer=sw, no_dist=True)
+            s = sw.last_stats
+            assert s.incremental == "off: DCP saves to nfs:// are not incremental yet (the save writes every stripe)"
+            assert s.bytes_linked == 0 and s.bytes_written == s.bytes
+    flat = fw.load(os.path.join(nfs_server.export, "ck", "step-2"))
+    assert_same(flat["model.base.0"], frozen()["base.0"])
