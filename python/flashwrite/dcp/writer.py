@@ -187,7 +187,8 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     a refused save is loud and a replaced checkpoint is gone for good. (torch's own
     ``FileSystemWriter`` overwrites by default: pass ``overwrite=True`` for that.)
     writer: a ``flashwrite.Writer`` to use; otherwise the shared one for ``writer_options``
-    (stripes, queue_depth, chunk_bytes, backend, direct, max_staging_bytes, copy_threads).
+    (stripes, queue_depth, chunk_bytes, backend, direct, max_staging_bytes, copy_threads; incremental:
+    link the stripes that did not change, see ``flashwrite.dcp``).
     process_group: the group passed to ``dcp.async_save`` (default: the default group);
     ``stage()`` agrees with its ranks, on flashwrite's own gloo group for them
     (``coordination_group`` for a subgroup, see ``flashwrite.distributed.coordinator``).
