@@ -256,3 +256,52 @@ def test_nfs_says_it_writes_everything(nfs_server, tmp_path, monkeypatch):
             assert s.bytes_linked == 0 and s.bytes_written == s.bytes
     flat = fw.load(os.path.join(nfs_server.export, "ck", "step-2"))
     assert_same(flat["model.base.0"], frozen()["base.0"])
+
+
+def _save_fsdp_lora(root: str) -> list[dict]:
+    """An FSDP2-sharded model whose embedding and first layer are frozen (a LoRA-like
+    split, each rank holding a shard: keys ``fqn`` and ``fqn@row_col``), trained a step
+    between three saves; rank 0 keeps the last state as the reference."""
+    from test_dcp import build, dcp_state, full_state, train
+
+    model, optim = build(dist.get_world_size())
+    for m in (model.emb, model.l1):
+        m.requires_grad_(False)
+    out = []
+    with fw.Writer(stripes=2, chunk_bytes=CHUNK, incremental=True) as w:
+        for step in (1, 2, 3):
+            train(model, optim, 1)
+            sw = FlashwriteStorageWriter(os.path.join(root, f"step-{step}"), writer=w)
+            dcp.save(dcp_state(model, optim), storage_writer=sw)
+            out.append(summary(sw.last_stats))
+    ref = full_state(model, optim)
+    if dist.get_rank() == 0:
+        torch.save(ref, os.path.join(root, "step-3.ref.pt"))
+    return out
+
+
+@single_process
+def test_fsdp_shards_of_frozen_layers_are_linked_and_reshard_on_load(cluster2, tmp_path):
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from test_dcp import assert_states_equal, build, dcp_state, full_state, train
+
+    res = cluster2.run(_save_fsdp_lora, str(tmp_path))
+    assert all(r[2]["incremental"] == "on" and r[2]["linked"] > 0 for r in res)
+    m3 = read_manifest(str(tmp_path / "step-3"))
+    b = stripes_of(str(tmp_path / "step-3"))
+    for key in ("model.emb.weight", "model.l1.weight", "model.l1.bias"):
+        shards = [k for k in m3.tensors if k == key or k.startswith(key + "@")]
+        assert shards and all(b[m3.files[m3.tensors[k].file].name].get("linked") for k in shards), key
+    assert not b[m3.files[m3.tensors["model.l2.weight"].file].name].get("linked")
+    fw.verify(str(tmp_path / "step-3"))
+    shutil.rmtree(tmp_path / "step-2")
+    # 2 -> 1: one process loads the sharded, partly linked checkpoint into an unsharded model.
+    model, optim = build(1)
+    for m in (model.emb, model.l1):
+        m.requires_grad_(False)
+    train(model, optim, 1)
+    sd = dcp_state(model, optim)
+    dcp.load(sd, storage_reader=FlashwriteStorageReader(tmp_path / "step-3"))
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert_states_equal(full_state(model, optim), torch.load(tmp_path / "step-3.ref.pt", weights_only=True))
