@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -305,3 +306,31 @@ def test_fsdp_shards_of_frozen_layers_are_linked_and_reshard_on_load(cluster2, t
     dcp.load(sd, storage_reader=FlashwriteStorageReader(tmp_path / "step-3"))
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     assert_states_equal(full_state(model, optim), torch.load(tmp_path / "step-3.ref.pt", weights_only=True))
+
+
+_DCP_RANK = textwrap.dedent("""
+    import datetime, os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    import flashwrite as fw
+    from flashwrite.dcp import FlashwriteStorageWriter
+    rank, world, init, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    g = torch.Generator().manual_seed(0)  # replicated: DCP spreads the items over both ranks
+    frozen = {f"base.{i}": torch.randn(1 << 19, generator=g) for i in range(4)}
+    w = fw.Writer(stripes=2, chunk_bytes=1 << 20, incremental=True)
+    for step in (1, 2, 3):  # the third save links the frozen tensors' stripes
+        sw = FlashwriteStorageWriter(os.path.join(root, f"step-{step}"), writer=w)
+        dcp.save({"model": dict(frozen, lora=torch.full((4096,), float(step))), "step": step}, storage_writer=sw)
+        print(step, sw.last_stats.incremental, sw.last_stats.stripes_linked, flush=True)
+    w.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_every_ranks_links_are_durable_before_rank_0_commits(tmp_path):
+    """As for multi-rank saves (test_incremental_dist_order): the links every rank makes in
+    write_data precede the directory fsync before rank 0's commit in finish."""
+    from test_incremental_dist_order import assert_links_durable_before_commit, run_ranks_logged
+
+    assert_links_durable_before_commit(run_ranks_logged(tmp_path, _DCP_RANK), tmp_path / "ck")
