@@ -189,7 +189,7 @@ def _fail_on_one_rank(root: str, bad: int, how: str) -> dict:
         else:
             dcp.async_save(sd, storage_writer=FlashwriteStorageWriter(path), process_group=dcp_group()).result(60)
     except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
-        out["error"] = f"{type(e).__name__}: {e}"[:2000]
+        out["error"] = f"{type(e).__name__}: {e}"[-2000:]  # DCP puts the traceback first, the error last
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)

@@ -320,18 +320,6 @@ def test_gpu_tensors_are_not_compared_and_stats_say_so(tmp_path):
     assert "model.base.0" in {f.columns.keys[j] for f in p.written for j in f.members}
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a DCP save in one process, as meant
-def test_dcp_saves_say_they_are_not_incremental(tmp_path):
-    import torch.distributed.checkpoint as dcp
-    from flashwrite.dcp import FlashwriteStorageWriter
-
-    sd = {"a": torch.arange(1000.0), "b": torch.ones(3, dtype=torch.bfloat16)}
-    w = FlashwriteStorageWriter(str(tmp_path / "d"), writer=fw.Writer(stripes=2, chunk_bytes=CHUNK, incremental=True))
-    dcp.save(sd, storage_writer=w, no_dist=True)
-    assert w.last_stats.incremental == "off: DCP saves are not incremental yet (the save writes every stripe)"
-    assert w.last_stats.bytes_linked == 0
-
-
 @pytest.mark.nfs
 def test_nfs_links_with_nfs_link(nfs_server, tmp_path, monkeypatch):
     """Over nfs:// the unchanged stripes are linked on the server (NFS LINK); the linked

@@ -34,7 +34,9 @@ _RANK = textwrap.dedent("""
 """)
 
 
-def test_every_ranks_links_are_durable_before_rank_0_commits(tmp_path):
+def run_ranks_logged(tmp_path, script: str) -> str:
+    """Run ``script`` as 2 ranks under the system-call recorder, saving into tmp_path/ck;
+    the recorded log. Each rank prints "step incremental ... stripes_linked" per save."""
     shim_dir = tmp_path / "shim"
     shim_dir.mkdir()
     lib = build_shim("shim_syscall_log", shim_dir)
@@ -43,14 +45,21 @@ def test_every_ranks_links_are_durable_before_rank_0_commits(tmp_path):
     log = tmp_path / "syscalls.log"
     env = preload_env(lib, FW_SYSCALL_LOG=str(log), FW_SYSCALL_SLOW_SUFFIX=".safetensors", FW_SYSCALL_SLOW_MS="50")
     init = str(tmp_path / "init")
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), "2", init, str(root)], env=env, text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), "2", init, str(root)], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
     outs = [p.communicate(timeout=180) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, f"rank failed ({p.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
         last = out.splitlines()[-1].split()
         assert last[0] == "3" and last[1] == "on" and int(last[-1]) > 0, out
-    events = [line.split("\t") for line in log.read_text().splitlines()]
+    return log.read_text()
+
+
+def assert_links_durable_before_commit(log: str, root) -> None:
+    """In the recorded ``log``: every rank's links into the temporary directory of
+    root/step-3 precede the directory fsync before its rename, and every written stripe
+    is fsync'd before the manifest is created."""
+    events = [line.split("\t") for line in log.splitlines()]
     renames = [i for i, (what, _, a, _) in enumerate(events) if what == "rename" and commit.TMP_MARK in a
                and events[i][3] == str(root / "step-3")]
     assert len(renames) == 1, [e for e in events if e[0] == "rename"]
@@ -68,3 +77,7 @@ def test_every_ranks_links_are_durable_before_rank_0_commits(tmp_path):
     assert written, "nothing was written into the temporary directory"
     for s in written:
         assert any(what == "fsync" and a == s and i < m_open for i, (what, _, a, _) in enumerate(events)), s
+
+
+def test_every_ranks_links_are_durable_before_rank_0_commits(tmp_path):
+    assert_links_durable_before_commit(run_ranks_logged(tmp_path, _RANK), tmp_path / "ck")

@@ -16,13 +16,9 @@ checkpoint (the *base*: the newest by its manifest's time) plans in three parts:
   moves to the stable stripes): planned apart, written, marked hot.
 
 Content is compared before ``save_async`` returns, straight from the source tensors
-(XXH3 of each checksummed piece against the base manifest, on the copy threads, GIL
-released): for a linked stripe that pass replaces the copy into the staging pool, so
-the stall does not grow. A first pass hashes only each tensor's smallest piece, so a
-stripe with a changed tensor costs little to reject; only stripes that pass are hashed
-whole. A tensor that the kernel saw no write to since a save hashed it is not hashed
-again (``write_watch``: a frozen base model costs a page-table scan, not a pass over its
-bytes). The links are made right there too, before anything is staged: a link that the
+(``compare``: XXH3 per checksummed piece, unless the kernel saw no write to it since a
+save hashed it): for a linked stripe that pass replaces the copy into the staging pool,
+so the stall does not grow. The links are made right there too, before anything is staged: a link that the
 file system refuses (EXDEV across file systems, EPERM, ENOTSUP, a base deleted
 meanwhile) turns its stripe back into bytes to write, counted in ``SaveStats``.
 
@@ -43,14 +39,15 @@ the shared temporary directory before it reports itself durable; rank 0's direct
 before the manifest makes every rank's links durable (an NFS LINK is stable when it
 returns), and the merged manifest keeps each rank's section (``merge_sections``). No
 collective is added: on nfs:// every rank notes the commit that rank 0's broadcast of the
-outcome reports (its next base), and ranks may even pick different bases.
+outcome reports (its next base), and ranks may even pick different bases. A DCP save does
+the same per rank, its DCP base seen as a multi-rank one (``flashwrite.dcp``).
 
 Not covered (the save then writes everything and ``SaveStats.incremental`` says why):
 GPU tensors (not compared: their content would have to be copied to the host first;
-beside host tensors, only the host tensors' stripes are linked), DCP saves, ``hf_model=``,
-and local snapshots (a snapshot in the memory tier is the staging pool's copy of the
-whole state; keeping the previous snapshot's unchanged pages would need the pool to hand
-slots from one save to the next).
+beside host tensors, only the host tensors' stripes are linked), DCP saves to nfs://,
+``hf_model=``, and local snapshots (a snapshot in the memory tier is the staging pool's
+copy of the whole state; keeping the previous snapshot's unchanged pages would need the
+pool to hand slots from one save to the next).
 """
 
 from __future__ import annotations
@@ -64,11 +61,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import _core, dtypes, write_watch
+from . import compare
 from .commit import parse_temp_name
 from .errors import FlashwriteError
 from .flatten import Columns
-from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, piece_ranges, read_manifest
+from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, read_manifest
 from .plan import PlannedFile, plan_files, stripe_name
 from .target import LOCAL, Target
 
@@ -264,75 +261,6 @@ def _header_meta(header: bytes) -> Any:
         return None
 
 
-def _candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int],
-                recheck: bool) -> list[int]:
-    """Base stripes whose tensors are all in the state alike (host memory, same dtype and
-    shape); stripes marked hot last time only every RECHECK_HOT_EVERY saves."""
-    hot_files = {f.get("name") for f in m.raw.get("files", []) if isinstance(f, dict) and f.get("hot")}
-    cands: list[int] = []
-    for fi, entries in enumerate(by_file):
-        if not entries or (m.files[fi].name in hot_files and not recheck):
-            continue
-        ok = True
-        for te in entries:
-            j = where.get(te.key)
-            if (j is None or columns.devices[j] != "cpu" or columns.nbytes[j] != te.nbytes
-                    or dtypes.dtype_name(columns.dtypes[j]) != te.dtype
-                    or columns.shapes[j] != ",".join(map(str, te.shape))):
-                ok = False
-                break
-        if ok:
-            cands.append(fi)
-    return cands
-
-
-def _changed(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int], cands: list[int],
-             threads: int) -> tuple[set[str], int, list[int], int]:
-    """(keys that changed, bytes hashed, candidate stripes with no changed tensor, bytes
-    the write watch vouched for). A piece no write reached since a save hashed it has
-    that save's checksum (``write_watch``); the others are hashed: pass 1 each tensor's
-    smallest such piece, pass 2 the rest of the stripes that passed it."""
-    sources = columns.sources
-    pieces_of: list[tuple[int, str, list[tuple[int, int, int]]]] = []  # (stripe, key, [(address, n, expected)])
-    for fi in cands:
-        for te in by_file[fi]:
-            j = where[te.key]
-            pieces_of.append((fi, te.key, [(columns.ptrs[j] + off - te.offset, n, int(h, 16)) for (off, n), h in
-                                           zip(piece_ranges(te.offset, te.nbytes, m.block_bytes), te.checksums)]))
-    watched = [(a, n) for fi, key, ps in pieces_of if ps and write_watch.eligible(
-        ps[0][0], sum(p[1] for p in ps), sources[where[key]] if sources is not None else None) for a, n, _ in ps]
-    changed: set[str] = set()
-    first: list[tuple[tuple[int, int, int], str]] = []
-    rest: dict[int, list[tuple[tuple[int, int, int], str]]] = {}
-    with write_watch.compare_pass(watched) as watch:
-        for fi, key, ps in pieces_of:
-            unknown = []
-            for p in ps:
-                h = watch.known(p[:2])
-                if h is None:
-                    unknown.append(p)
-                elif h != p[2]:
-                    changed.add(key)
-            if key in changed or not unknown:
-                continue
-            k = min(range(len(unknown)), key=lambda i: unknown[i][1])
-            first.append((unknown[k], key))
-            rest.setdefault(fi, []).extend((p, key) for i, p in enumerate(unknown) if i != k)
-        compared = 0
-        for group in (first, None):
-            if group is None:  # pass 2: the rest of the stripes with no changed tensor yet
-                group = [pk for fi in cands if not any(te.key in changed for te in by_file[fi])
-                         for pk in rest.get(fi, [])]
-            bad = dict(_core.copy_verify([(0, a, n, e) for (a, n, e), _ in group], True, threads))
-            for i, ((a, n, e), key) in enumerate(group):
-                watch.record((a, n), bad.get(i, e))  # hashed after the watch protected it
-                if i in bad:
-                    changed.add(key)
-            compared += sum(p[1] for p, _ in group)
-    unchanged = [fi for fi in cands if not any(te.key in changed for te in by_file[fi])]
-    return changed, compared, unchanged, watch.watched_bytes
-
-
 def _link(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], where: dict[str, int],
           unchanged_files: list[int], tmp: str, prefix: str, target: Target) -> set[int]:
     """Hard-link the unchanged stripes into ``tmp`` under their final names
@@ -406,8 +334,8 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     by_file: list[list[Any]] = [[] for _ in m.files]
     for te in m.tensors.values():
         by_file[te.file].append(te)
-    cands = _candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
-    changed, compared, unchanged_files, watched = _changed(columns, m, by_file, where, cands, threads)
+    cands = compare.candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
+    changed, compared, unchanged_files, watched = compare.changed(columns, m, by_file, where, cands, threads)
     # "Unchanged at the last save": tensors of candidate stripes that passed.
     looked = {te.key for fi in cands for te in by_file[fi]}
     out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared, watched_bytes=watched)
@@ -452,9 +380,10 @@ class Planner:
     "on", "on: no earlier checkpoint", or "off: <why>"."""
 
     def __init__(self, final: str, tmp: str, cache: BaseCache, threads: int, target: Target = LOCAL,
-                 rank: tuple[int, int] | None = None):
+                 rank: tuple[int, int] | None = None, view: Callable[[Manifest], Manifest | str] | None = None):
         self.final, self.tmp, self.cache, self.threads, self.target = final, tmp, cache, threads, target
         self.rank = rank  # (rank, world size) of a multi-rank save: compares with its own part of the base
+        self.view = view  # the base's manifest as this save compares with it, or why it cannot (DCP saves)
         self.note = "on"
 
     def base_path(self) -> str | None:
@@ -486,12 +415,12 @@ class Planner:
         except (OSError, ValueError, FlashwriteError) as e:  # a damaged base is not linked from; the save writes everything
             self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be read: {e}"[:300]
             return None
-        why = unusable(base.manifest, block, self.rank)
-        if why:
+        m = self.view(base.manifest) if self.view is not None else base.manifest
+        why = m if isinstance(m, str) else unusable(m, block, self.rank)
+        if why or isinstance(m, str):
             self.note = f"off: the earlier checkpoint {os.path.basename(path)} cannot be linked from: {why}"
             return None
-        if self.rank is not None:
-            base = Base(base.path, rank_part(base.manifest, self.rank[0]))
+        base = Base(base.path, rank_part(m, self.rank[0]) if self.rank is not None else m)
         return plan(columns, base, self.tmp, stripes=stripes, prefix=prefix, metadata=metadata, threads=self.threads,
                     target=self.target)
 
@@ -505,8 +434,8 @@ def refusal(*, local_snapshots: bool, hf_model: bool) -> str | None:
     return None
 
 
-def planner_for(final: str, target: Target, cache: BaseCache, threads: int,
-                rank: tuple[int, int] | None = None) -> Callable[[str], Planner]:
+def planner_for(final: str, target: Target, cache: BaseCache, threads: int, rank: tuple[int, int] | None = None,
+                view: Callable[[Manifest], Manifest | str] | None = None) -> Callable[[str], Planner]:
     """What a save session calls with its temporary directory, once made: the save's Planner
-    (of rank ``rank`` = (rank, world size) in a multi-rank save)."""
-    return lambda tmp: Planner(final, target.temp_dir_of(tmp), cache, threads, target, rank)
+    (of rank ``rank`` = (rank, world size) in a multi-rank save; ``view``: see ``Planner``)."""
+    return lambda tmp: Planner(final, target.temp_dir_of(tmp), cache, threads, target, rank, view)

@@ -224,6 +224,13 @@ class Writer:
         sw.stats.settings = settings
         return sw
 
+    def incremental_planner(self, final: str, target: Any, rank: tuple[int, int],
+                            view: Callable[[Any], Any]) -> Callable[[str], Any]:
+        """The incremental planner factory of rank ``rank`` = (rank, world size) of a save
+        to ``final`` (on ``target``) that drives its own steps (``flashwrite.dcp``), with this
+        Writer's cached base, seen through ``view`` (see ``incremental.Planner``)."""
+        return _incremental.planner_for(final, target, self._bases, self.copy_threads, rank, view)
+
     def _settings_for(self, directory: str) -> dict:
         """Explicit settings, else a saved tuning for directory's file system, else defaults.
         chunk_bytes sizes the staging pool, so a tuned one is taken only before the first save."""

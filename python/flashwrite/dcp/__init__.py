@@ -31,6 +31,15 @@ copied to cached host buffers instead and written from there. Use the default
 planner and the thread executor with ``async_save``; one save at a time per writer
 instance.
 
+Incremental saves: with a ``Writer(incremental=True)`` (or
+``FlashwriteStorageWriter(path, incremental=True)``) each rank hard-links the stripes of
+its items that did not change since the newest committed DCP checkpoint beside the
+target, saved by as many ranks, and writes the rest (``flashwrite.incremental``; local
+paths; ``last_stats.incremental`` says what happened). A replicated item is written by
+the same rank at every save while the items stay the same (``stage()``'s owners and DCP's
+dedup follow one deterministic rule), so that rank finds it in its own part of the base;
+GPU tensors, another world size or a base that is not such a DCP checkpoint: written.
+
 Layout: ``writer`` (the StorageWriter/AsyncStager), ``reader`` (the
 StorageReader), ``section`` (the manifest's ``dcp`` section and the per-item
 storage data).

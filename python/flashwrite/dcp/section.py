@@ -32,6 +32,7 @@ from .. import dtypes
 from .. import format as fmt
 from ..errors import CorruptCheckpointError, FlashwriteError
 from ..flatten import flatten, unflatten
+from ..incremental import merge_sections
 from ..format import MANIFEST_NAME, Manifest
 
 SECTION_VERSION = 1
@@ -76,34 +77,59 @@ def stored_chunks(part: dict) -> dict[str, StoredChunk]:
     return out
 
 
+def as_ranks_base(m: Manifest) -> Manifest | str:
+    """A DCP checkpoint's manifest as an incremental save's base: like a multi-rank one
+    (its ranks' file spans as the ``ranks`` section, ``incremental.unusable`` and
+    ``rank_part`` take it from there), or why it cannot be one."""
+    section = m.raw.get("dcp")
+    if not isinstance(section, dict):
+        return "it is not a dcp checkpoint"
+    if "ranks" not in section:
+        return "its dcp section has no per-rank file spans (saved by an older flashwrite)"
+    raw = {k: v for k, v in m.raw.items() if k != "dcp"}
+    raw["ranks"] = section["ranks"]
+    return dataclasses.replace(m, raw=raw)
+
+
 def build_manifest(metadata: Metadata, results: list[list[WriteResult]], storage_meta: StorageMeta | None) -> dict:
-    """The flashwrite manifest of a DCP checkpoint, from every rank's WriteResults."""
-    parts: dict[int, dict] = {}
+    """The flashwrite manifest of a DCP checkpoint, from every rank's WriteResults
+    (``results[r]``: rank r's). Its ``dcp`` section keeps each rank's span of the files
+    (the part the rank's next incremental save compares with, ``incremental.rank_part``),
+    and the rank's incremental sections are merged as a multi-rank save merges them."""
+    by_rank: list[dict | None] = [None] * len(results)
     stored: set[str] = set()
     inline: dict[str, bytes] = {}
     index = []
-    for wr in (wr for rank_results in results for wr in rank_results):
-        sd = wr.storage_data
-        if isinstance(sd, InlineItem):
-            inline[sd.key] = sd.data
-        elif isinstance(sd, StoredChunk) and sd.part is not None:
-            parts.setdefault(id(sd.part), sd.part)
-            stored.add(sd.key)
-        else:
-            raise FlashwriteError(f"unexpected storage data {type(sd).__name__} for {wr.index}")
-        off = None if wr.index.offset is None else [int(o) for o in wr.index.offset]
-        index.append([wr.index.fqn, off, sd.key])
-    ordered = sorted(parts.values(), key=lambda p: p["files"][0]["name"] if p["files"] else "")
-    files, tensors, aliases, _ = fmt.combine(ordered)
+    for r, rank_results in enumerate(results):
+        for wr in rank_results:
+            sd = wr.storage_data
+            if isinstance(sd, InlineItem):
+                inline[sd.key] = sd.data
+            elif isinstance(sd, StoredChunk) and sd.part is not None:
+                if by_rank[r] is not None and by_rank[r] is not sd.part:
+                    raise FlashwriteError(f"rank {r}'s results come from two writes")
+                by_rank[r] = sd.part
+                stored.add(sd.key)
+            else:
+                raise FlashwriteError(f"unexpected storage data {type(sd).__name__} for {wr.index}")
+            off = None if wr.index.offset is None else [int(o) for o in wr.index.offset]
+            index.append([wr.index.fqn, off, sd.key])
+    ordered = [p for p in by_rank if p is not None]
+    files, tensors, aliases, spans = fmt.combine(ordered)
+    rank_files, it = [], iter(spans)
+    for p in by_rank:  # a rank that wrote no tensor has an empty span
+        rank_files.append(next(it) if p is not None else [sum(rank_files[-1]) if rank_files else 0, 0])
     items = [[{"t": "str", "v": k}, {"t": "tensor", "k": aliases.get(k, k)}] for k in sorted(stored)]
     items += [[{"t": "str", "v": k}, {"t": "bytes", "v": base64.b64encode(v).decode()}]
               for k, v in sorted(inline.items())]
     first = ordered[0] if ordered else None
-    return fmt.assemble(files, dict(sorted(tensors.items())), dict(sorted(aliases.items())),
-                           {"t": "dict", "items": items},
-                           first["checksum"]["block_bytes"] if first else 1 << 20,
-                           first["writer_version"] if first else "",
-                           dcp=_encode_metadata(metadata, storage_meta, index))
+    section = _encode_metadata(metadata, storage_meta, index)
+    section["ranks"] = {"world_size": len(results), "files": rank_files}
+    merged = fmt.assemble(files, dict(sorted(tensors.items())), dict(sorted(aliases.items())),
+                          {"t": "dict", "items": items},
+                          first["checksum"]["block_bytes"] if first else 1 << 20,
+                          first["writer_version"] if first else "", dcp=section)
+    return merge_sections(merged, [p if p is not None else {} for p in by_rank])
 
 
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,

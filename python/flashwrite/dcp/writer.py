@@ -35,9 +35,9 @@ from ..plan import rank_prefix
 from ..save import default_writer
 from ..session import Commit, SaveSession
 from ..locate import resolve
-from ..target import Target, check_path, shown, url_scheme
+from ..target import LOCAL, Target, check_path, shown, url_scheme
 from ..write import StripeWrite
-from .section import InlineItem, StoredChunk, build_manifest, item_key, stored_chunks
+from .section import InlineItem, StoredChunk, as_ranks_base, build_manifest, item_key, stored_chunks
 
 __all__ = ["FlashwriteStorageWriter"]
 
@@ -51,7 +51,8 @@ class _LocalData:
 @dataclasses.dataclass(frozen=True)
 class _GlobalData:
     tmp: str
-    prefix: str
+    rank: int        # whose plan this is (its stripes are named rank_prefix(rank)-...)
+    world_size: int
 
 
 @dataclasses.dataclass
@@ -109,10 +110,24 @@ def _assign_owners(all_items: list[list[tuple[MetadataIndex, int]]]) -> dict[Met
     return owner
 
 
-def _say_not_incremental(writer: Any, sw: StripeWrite) -> None:
-    """SaveStats.incremental of a DCP save by a Writer(incremental=True): not covered yet."""
+def _stage(session: SaveSession, writer: Any, tensors: dict[str, Any], rank: int, size: int) -> StripeWrite:
+    """Start this rank's write of ``tensors``; with a Writer(incremental=True) its
+    stripes that did not change since the newest committed DCP checkpoint beside the
+    target (saved by as many ranks) are linked from that checkpoint's part of this rank
+    (``incremental.Planner``; SaveStats.incremental says what happened)."""
+    planner, note = None, ""
     if getattr(writer, "incremental", False):
-        sw.stats.incremental = "off: DCP saves are not incremental yet (the save writes every stripe)"
+        strategy = session.strategy
+        if strategy.target is not LOCAL:
+            note = "off: DCP saves to nfs:// are not incremental yet (the save writes every stripe)"
+        elif not hasattr(writer, "incremental_planner"):
+            note = f"off: {type(writer).__name__} has no incremental planner (the save writes every stripe)"
+        else:
+            planner = writer.incremental_planner(strategy.final, strategy.target, (rank, size), as_ranks_base)
+    sw = session.stage(tensors, prefix=rank_prefix(rank), incremental=planner)
+    if planner is None:
+        sw.stats.incremental = note
+    return sw
 
 
 def _chunk_bytes(item: Any) -> int:
@@ -172,7 +187,8 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     a refused save is loud and a replaced checkpoint is gone for good. (torch's own
     ``FileSystemWriter`` overwrites by default: pass ``overwrite=True`` for that.)
     writer: a ``flashwrite.Writer`` to use; otherwise the shared one for ``writer_options``
-    (stripes, queue_depth, chunk_bytes, backend, direct, max_staging_bytes, copy_threads).
+    (stripes, queue_depth, chunk_bytes, backend, direct, max_staging_bytes, copy_threads; incremental:
+    link the stripes that did not change, see ``flashwrite.dcp``).
     process_group: the group passed to ``dcp.async_save`` (default: the default group);
     ``stage()`` agrees with its ranks, on flashwrite's own gloo group for them
     (``coordination_group`` for a subgroup, see ``flashwrite.distributed.coordinator``).
@@ -247,8 +263,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                     tensors[item_key(it.index)] = data
             session = SaveSession(self.writer, DcpCommit(final, tmp, self.overwrite, target), None, t0)
             if tensors:
-                sw = session.stage(tensors, prefix=rank_prefix(rank))
-                _say_not_incremental(self.writer, sw)
+                sw = _stage(session, self.writer, tensors, rank, size)
                 session.wait_staged()
             else:
                 session.strategy.prepare()
@@ -329,7 +344,8 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
             _unfinished[self.path].add(tmp)
         if self._current is not None:
             plans = self._move_to_owners(plans, self._current.owner)
-        return [dataclasses.replace(p, storage_data=_GlobalData(tmp, rank_prefix(i))) for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=_GlobalData(tmp, i, len(plans)))
+                for i, p in enumerate(plans)]
 
     @staticmethod
     def _move_to_owners(plans: list[SavePlan], owner: dict[MetadataIndex, int]) -> list[SavePlan]:
@@ -367,8 +383,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                     target, final = resolve(self.path, "DCP writer")
                     session = SaveSession(self.writer, DcpCommit(final, g.tmp, self.overwrite, target), None,
                                           time.perf_counter())
-                    sw = session.stage(tensors, prefix=g.prefix)
-                    _say_not_incremental(self.writer, sw)
+                    sw = _stage(session, self.writer, tensors, g.rank, g.world_size)
             stored: dict[str, StoredChunk] = {}
             if session is not None and sw is not None:
                 part = session.durable()
