@@ -13,7 +13,11 @@
   more than the feature's absence (incremental=False runs exactly the old path).
 
 Each contender keeps its last two checkpoints (so the incremental one has a base and
-the disk does not fill).
+the disk does not fill). Each contender runs in a process of its own, one after the
+other, with the same seeded training: on a VM whose fresh memory past ~6 GiB costs 15 s
+per GiB (``fresh_memory.py``), four contenders' buffers in one process measured the
+VM instead of the savers. "flashwrite incremental, hashing" is the incremental save
+with ``FLASHWRITE_WRITE_WATCH=off``: every compared byte hashed, as before the watch.
 
     python benchmarks/incremental.py --base-gib 2 --dir /work/incr-bench --json out.json
 """
@@ -25,6 +29,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -77,7 +83,7 @@ class FlashwriteRun:
         s = fut.result()
         durable = time.perf_counter() - t0
         return {"stall_s": stall, "durable_s": durable, "written": s.bytes_written, "linked": s.bytes_linked,
-                "compared": s.compared_bytes, "note": s.incremental}
+                "compared": s.compared_bytes, "watched": s.watched_bytes, "note": s.incremental}
 
 
 class TorchSaveRun:
@@ -111,58 +117,92 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
-def lora_run(base_gib: float, saves: int, steps: int, root: str, log) -> dict:
+CONTENDERS = ("flashwrite full", "flashwrite incremental", "flashwrite incremental, hashing", "torch.save",
+              "DCP save")
+
+
+def make_run(key: str):
+    if key.startswith("flashwrite"):
+        r = FlashwriteRun("incremental" in key)
+        r.key = key
+        return r
+    return TorchSaveRun() if key == "torch.save" else DcpRun()
+
+
+def lora_contender(key: str, base_gib: float, saves: int, steps: int, root: str, log) -> dict:
+    """One contender's ten saves of the seeded LoRA training (run in a process of its own)."""
     base, adapters = lora_model(base_gib)
     opt = torch.optim.AdamW(adapters, lr=1e-3)
-    runs = [FlashwriteRun(False), FlashwriteRun(True), TorchSaveRun(), DcpRun()]
-    rows: dict[str, list[dict]] = {r.key: [] for r in runs}
-    paths: dict[str, list[str]] = {r.key: [] for r in runs}
+    g = torch.Generator().manual_seed(2)
+    r = make_run(key)
+    rows, paths = [], []
     for i in range(1, saves + 1):
         for _ in range(steps):
             for p in adapters:
-                p.grad = torch.randn_like(p) * 1e-3
+                p.grad = torch.randn(p.shape, generator=g) * 1e-3
             opt.step()
         state = state_of(base, adapters, opt)
-        for r in runs:
-            name = r.key.replace(" ", "_").replace(".", "_")
-            path = os.path.join(root, name, f"step-{i:04d}" + (".pt" if isinstance(r, TorchSaveRun) else ""))
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            res = r.save(state, path)
-            rows[r.key].append(res)
-            paths[r.key].append(path)
-            while len(paths[r.key]) > 2:
-                remove(paths[r.key].pop(0))
-            log(f"save {i:2d} {r.key:24s} stall {res['stall_s']:.3f} s durable {res['durable_s']:.3f} s "
-                f"written {res['written'] / 2**20:9.1f} MiB linked {res['linked'] / 2**20:9.1f} MiB")
+        name = key.replace(" ", "_").replace(".", "_").replace(",", "")
+        path = os.path.join(root, name, f"step-{i:04d}" + (".pt" if isinstance(r, TorchSaveRun) else ""))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        res = r.save(state, path)
+        rows.append(res)
+        paths.append(path)
+        while len(paths) > 2:
+            remove(paths.pop(0))
+        log(f"save {i:2d} {key:32s} stall {res['stall_s']:.3f} s durable {res['durable_s']:.3f} s "
+            f"written {res['written'] / 2**20:9.1f} MiB linked {res['linked'] / 2**20:9.1f} MiB")
+    if isinstance(r, FlashwriteRun):
+        r.w.close()
     total = sum(t.nbytes for t in state_of(base, adapters, opt)["model"].values())
+    return {"rows": rows, "last": paths[-1], "state_bytes": total}
+
+
+RESULT = "RESULT "  # the line a child process answers with
+
+
+def _child(args: list[str], env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env={**os.environ, **(env or {})},
+                         capture_output=True, text=True)
+    lines = out.stdout.splitlines()
+    sys.stdout.write("".join(line + "\n" for line in lines if not line.startswith(RESULT)))
+    if out.returncode:
+        raise RuntimeError(f"{args}: exit {out.returncode}\n{out.stderr[-3000:]}")
+    return json.loads([line for line in lines if line.startswith(RESULT)][-1][len(RESULT):])
+
+
+def lora_run(base_gib: float, saves: int, steps: int, root: str, log) -> dict:
+    rows: dict[str, list[dict]] = {}
+    last: dict[str, str] = {}
+    total = 0
+    for key in CONTENDERS:
+        env = {"FLASHWRITE_WRITE_WATCH": "off"} if key.endswith("hashing") else {}
+        res = _child(["--child-lora", key, "--base-gib", str(base_gib), "--saves", str(saves), "--steps", str(steps),
+                      "--dir", root], env)
+        rows[key], last[key], total = res["rows"], res["last"], res["state_bytes"]
     changed = ADAPTER_BYTES * 3  # adapters + exp_avg + exp_avg_sq
-    # Cold loads of the last full and incremental checkpoints, alternated.
+    # Cold loads of the last full and incremental checkpoints, alternated, each in a fresh process.
     loads: dict[str, list[float]] = {"flashwrite full": [], "flashwrite incremental": []}
     for _ in range(LOAD_ROUNDS):
         for key in loads:
             dropped = drop_caches()
-            t0 = time.perf_counter()
-            fw.load(paths[key][-1])
-            loads[key].append(time.perf_counter() - t0)
+            loads[key].append(_child(["--child-load", last[key]])["load_s"])
             if dropped:
                 log(f"warning: page cache not dropped: {dropped}")
-    for r in runs:
-        if isinstance(r, FlashwriteRun):
-            r.w.close()
     return {"base_gib": base_gib, "state_bytes": total, "changed_bytes": changed, "saves": rows,
             "cold_load_s": loads}
 
 
-def full_training_ab(gib: float, rounds: int, root: str, log) -> dict:
-    """Everything changes between saves: incremental on vs off, alternated."""
+def full_training_one(incremental: bool, gib: float, rounds: int, root: str, log) -> list[dict]:
+    """Everything changes between saves: ``rounds`` saves after a first that sizes the pool."""
     g = torch.Generator().manual_seed(1)
     per = 16 << 20
     n = int(gib * (1 << 30)) // 4
     state = {f"w{i}": torch.randn(min(per, n - i * per), generator=g) for i in range(-(-n // per))}
-    out: dict[str, list[dict]] = {"off": [], "on": []}
-    writers = {"off": fw.Writer(incremental=False), "on": fw.Writer(incremental=True)}
-    for i in range(rounds + 1):
-        for key, w in writers.items():
+    key = "on" if incremental else "off"
+    out = []
+    with fw.Writer(incremental=incremental) as w:
+        for i in range(rounds + 1):
             for t in state.values():
                 t.add_(1.0)
             path = os.path.join(root, f"full-{key}", f"s{i:03d}")
@@ -171,14 +211,21 @@ def full_training_ab(gib: float, rounds: int, root: str, log) -> dict:
             stall = time.perf_counter() - t0
             s = fut.result()
             res = {"stall_s": stall, "durable_s": time.perf_counter() - t0, "compared": s.compared_bytes}
-            if i:  # the first save of each writer sizes its pool: left out
-                out[key].append(res)
-            old = os.path.join(root, f"full-{key}", f"s{i - 2:03d}")
-            remove(old)
+            if i:  # the first save sizes the pool: left out
+                out.append(res)
+            remove(os.path.join(root, f"full-{key}", f"s{i - 2:03d}"))
             log(f"full-training {i} incremental={key}: stall {stall:.3f} s durable {res['durable_s']:.3f} s "
                 f"compared {s.compared_bytes / 2**20:.0f} MiB")
-    for w in writers.values():
-        w.close()
+        remove(os.path.join(root, f"full-{key}"))
+    return out
+
+
+def full_training_ab(gib: float, rounds: int, root: str, log) -> dict:
+    """Incremental off and on, in processes of their own, alternated round by round."""
+    out: dict[str, list[dict]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for key in out:
+            out[key] += _child(["--child-ab", key, "--full-gib", str(gib), "--ab-rounds", "2", "--dir", root])
     return out
 
 
@@ -194,14 +241,19 @@ def markdown(res: dict) -> str:
     gib = lora["base_gib"]
     lines = [f"LoRA-shaped state: {gib:g} GiB frozen bf16 base + 32 MiB fp32 adapters + AdamW moments "
              f"({lora['state_bytes'] / 2**30:.2f} GiB of tensors; {lora['changed_bytes'] / 2**20:.0f} MiB change "
-             "per save). Ten saves, each after ten AdamW steps; medians of saves 3-10 (the first has no base and sizes "
-             "flashwrite's pool; the second regroups the stripes the first mixed, see below):", "",
-             "| contender | durable s (median) | stall s (median) | written MiB per save (median) | "
-             "linked MiB (median) |", "|---|---:|---:|---:|---:|"]
+             "per save). Ten saves, each after ten AdamW steps; each contender in a process of its own; medians of "
+             "saves 4-10 (the first has no base and sizes flashwrite's pool; the second regroups the stripes the "
+             "first mixed; the third is the first whose compare the write watch can spare):", "",
+             "| contender | durable s (median) | × full | stall s (median) | written MiB per save (median) | "
+             "linked MiB (median) | hashed MiB (median) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    full = med([r['durable_s'] for r in lora["saves"]["flashwrite full"][3:]])
     for key, rows in lora["saves"].items():
-        rs = rows[2:]
-        lines.append(f"| {key} | {med([r['durable_s'] for r in rs]):.3f} | {med([r['stall_s'] for r in rs]):.3f} | "
-                     f"{med([r['written'] for r in rs]) / 2**20:.1f} | {med([r['linked'] for r in rs]) / 2**20:.1f} |")
+        rs = rows[3:]
+        d = med([r['durable_s'] for r in rs])
+        hashed = med([r.get('compared', 0) for r in rs]) / 2**20
+        lines.append(f"| {key} | {d:.3f} | {d / full:.2f} | {med([r['stall_s'] for r in rs]):.3f} | "
+                     f"{med([r['written'] for r in rs]) / 2**20:.1f} | {med([r['linked'] for r in rs]) / 2**20:.1f} | "
+                     f"{hashed:.0f} |")
     lines += ["", "Per save (durable s / stall s / written MiB):", "",
               "| save | " + " | ".join(lora["saves"]) + " |", "|---:|" + "---:|" * len(lora["saves"])]
     n = len(next(iter(lora["saves"].values())))
@@ -216,7 +268,7 @@ def markdown(res: dict) -> str:
     ab = res.get("full_training")
     if ab:
         lines += ["", f"Full-training state ({res['full_training_gib']:g} GiB fp32, every tensor changes), "
-                  f"median of {len(ab['off'])} alternated saves:", "",
+                  f"median of {len(ab['off'])} saves, off and on alternated in processes of their own:", "",
                   "| incremental | durable s | stall s | hashed to compare, MiB per save (median) |",
                   "|---|---:|---:|---:|"]
         for key in ("off", "on"):
@@ -238,8 +290,22 @@ def main() -> None:
     ap.add_argument("--dir", default="/work/incr-bench")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
+    ap.add_argument("--child-lora", help=argparse.SUPPRESS)
+    ap.add_argument("--child-load", help=argparse.SUPPRESS)
+    ap.add_argument("--child-ab", help=argparse.SUPPRESS)
     a = ap.parse_args()
     LOAD_ROUNDS = a.load_rounds
+    if a.child_lora or a.child_load or a.child_ab:
+        if a.child_lora:
+            res = lora_contender(a.child_lora, a.base_gib, a.saves, a.steps, a.dir, print)
+        elif a.child_load:
+            t0 = time.perf_counter()
+            fw.load(a.child_load)
+            res = {"load_s": time.perf_counter() - t0}
+        else:
+            res = full_training_one(a.child_ab == "on", a.full_gib or a.base_gib, a.ab_rounds, a.dir, print)
+        print(RESULT + json.dumps(res), flush=True)
+        return
     shutil.rmtree(a.dir, ignore_errors=True)
     os.makedirs(a.dir)
 
