@@ -102,3 +102,21 @@ def test_progress_bar_on_a_terminal():
     p.advance(5 << 20)
     p.finish()
     assert "convert" in out.getvalue() and "MiB" in out.getvalue()
+
+
+def test_a_url_takes_no_local_tuning(tmp_path, config_dir, monkeypatch):
+    """nfs:// names no local file system: a tuning saved for the current directory's (where
+    a URL read as a path would lead) is not applied to it, by a save or by Writer.prepare."""
+    monkeypatch.chdir(tmp_path)
+    key = tuning.mount_of(tmp_path)["key"]
+    config_dir.mkdir()
+    (config_dir / "tunings.json").write_text(json.dumps({"version": 1, "filesystems": {
+        key: {"stripes": 3, "queue_depth": 5, "chunk_bytes": 2 << 20}}}))
+    assert tuning.resolve(str(tmp_path), {})["source"]["stripes"] == "tuned"  # the local path does take it
+    url = "nfs://127.0.0.1/export/ckpt/step-1"
+    r = tuning.resolve(url, {})
+    assert set(r["source"].values()) == {"default"} and r["tuning"] is None
+    with fw.Writer() as w:
+        chunk = w.chunk_bytes
+        w.prepare({"x": torch.ones(1 << 20)}, "nfs://127.0.0.1/export/ckpt")
+        assert w.chunk_bytes == chunk  # not the tuning's 2 MiB

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from . import defaults
+from .target import url_scheme
 
 SETTINGS = ("stripes", "queue_depth", "chunk_bytes")
 _BUILTIN = {"stripes": defaults.STRIPES, "queue_depth": defaults.WRITE_QUEUE_DEPTH,
@@ -146,7 +147,10 @@ def resolve(path: str | os.PathLike | None, explicit: dict[str, Any]) -> dict[st
     """The settings a save to path uses and where each came from:
     {"stripes": 8, ..., "source": {"stripes": "explicit" | "tuned" | "default"}, "tuning": key or None}."""
     given = {k: v for k, v in explicit.items() if k in SETTINGS and v is not None}
-    saved = saved_for(path) if path is not None and len(given) < len(SETTINGS) else None
+    # A URL (nfs://) names no local file system: no saved tuning is its (looking it up as
+    # a path would find the current directory's).
+    local = path is not None and url_scheme(os.fspath(path)) is None
+    saved = saved_for(path) if local and len(given) < len(SETTINGS) else None
     out: dict[str, Any] = {}
     src: dict[str, str] = {}
     for k in SETTINGS:
