@@ -1,0 +1,173 @@
+"""Held files: GPU stripes of an incremental save are staged, then linked when their
+checksums match the base stripe's, written otherwise (csrc/write/save_held.cpp, held.py).
+
+The native part runs on tests/fake_cudart.cpp (a strict stand-in CUDA runtime, see
+test_cuda.py), in child processes (held_child.py) under a timeout, so a hang fails the test.
+The end-to-end part drives the same held path from a Writer with host tensors, through
+``held.HOLD_HOST`` (host candidate stripes planned as held files instead of compared)."""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import flashwrite as fw
+from flashwrite import held
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LINKED, CHANGED, REFUSED, POOL_TOO_SMALL, UNDECIDED = held.LINKED, held.CHANGED, held.REFUSED, \
+    held.POOL_TOO_SMALL, held.UNDECIDED
+
+
+@pytest.fixture(scope="module")
+def fake_cudart(tmp_path_factory):
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        pytest.skip("no C++ compiler to build the stand-in CUDA runtime")
+    out = str(tmp_path_factory.mktemp("fakecudart") / "libfakecudart.so")
+    subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", out, os.path.join(HERE, "fake_cudart.cpp"),
+                    "-lpthread"], check=True, capture_output=True, timeout=300)
+    return out
+
+
+def _run(fake_cudart, scenario, tmp_path, base_dir=None, **env):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_CUDART")}
+    full_env.update({"FLASHWRITE_CUDA_RUNTIME": fake_cudart, **{k: str(v) for k, v in env.items()}})
+    args = [sys.executable, os.path.join(HERE, "held_child.py"), scenario, str(tmp_path)]
+    r = subprocess.run(args + ([base_dir] if base_dir else []), env=full_env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, f"{scenario} failed:\n{r.stdout}\n{r.stderr}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_matching_held_files_are_hard_linked_not_written(fake_cudart, tmp_path):
+    out = _run(fake_cudart, "linked", tmp_path)
+    assert out["error"] is None
+    assert [r[0] for r in out["results"]] == [LINKED] * 3
+    assert out["same_bytes"] and out["same_checksums"]  # the checksums were computed from the staged bytes
+    for mine, theirs in zip(out["inodes"], out["base_inodes"]):
+        assert mine == theirs and mine[1] == 2  # the base stripe's inode, under a second name
+    assert out["stats"]["bytes_written"] == 0 and out["stats"]["device_bytes"] > 0
+    assert out["trimmed"] > 0  # every slot came back to the pool
+
+
+def test_a_changed_held_file_is_written_the_others_linked(fake_cudart, tmp_path):
+    out = _run(fake_cudart, "changed", tmp_path)
+    assert out["error"] is None
+    kinds = [r[0] for r in out["results"]]
+    assert sorted(kinds) == [LINKED, LINKED, CHANGED]
+    assert out["same_bytes"] and out["same_checksums"]  # byte-exact with a plain save of the changed state
+    i = kinds.index(CHANGED)
+    assert out["inodes"][i] != out["base_inodes"][i] and out["inodes"][i][1] == 1
+    assert out["stats"]["bytes_written"] == out["sizes"][i]
+    assert out["trimmed"] > 0
+
+
+def test_a_removed_base_stripe_is_written_instead(fake_cudart, tmp_path):
+    out = _run(fake_cudart, "base_removed", tmp_path)
+    assert out["results"][0] == [REFUSED, errno.ENOENT]
+    assert [r[0] for r in out["results"][1:]] == [LINKED, LINKED]
+    assert out["same_bytes"] and out["inodes"][0][1] == 1
+
+
+def test_a_base_on_another_file_system_is_written_instead(fake_cudart, tmp_path):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    other = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        if os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+            pytest.skip("/dev/shm is on the test directory's file system")
+        out = _run(fake_cudart, "linked", tmp_path, base_dir=other)
+    finally:
+        shutil.rmtree(other)
+    assert out["results"] == [[REFUSED, errno.EXDEV]] * 3
+    assert out["same_bytes"] and all(i[1] == 1 for i in out["inodes"])
+    assert out["stats"]["bytes_written"] == sum(out["sizes"])
+
+
+def test_a_pool_smaller_than_a_held_file_writes_without_holding(fake_cudart, tmp_path):
+    out = _run(fake_cudart, "small_pool", tmp_path)  # under the child's timeout: a hang fails
+    assert out["error"] is None
+    assert [r[0] for r in out["results"]] == [POOL_TOO_SMALL] * 3
+    assert out["same_bytes"] and out["same_checksums"]
+
+
+def test_a_bounded_pool_that_holds_the_save_links(fake_cudart, tmp_path):
+    out = _run(fake_cudart, "bounded_pool_holds", tmp_path)
+    assert [r[0] for r in out["results"]] == [LINKED] * 3 and out["same_bytes"]
+
+
+def test_a_copy_error_releases_every_held_slot(fake_cudart, tmp_path):
+    out = _run(fake_cudart, "copy_fails", tmp_path, FAKE_CUDART_FAIL_COPY=3, FAKE_CUDART_COPY_DELAY_US=100)
+    assert out["error"] and "700" in out["error"] or "illegal" in (out["error"] or "").lower(), out
+    assert all(r[0] in (UNDECIDED, LINKED) for r in out["results"])
+    assert out["trimmed"] > 0  # no slot was left parked
+    assert out["again"] == [[LINKED, 0]] * 3 and out["again_same"]  # the engine saves again
+
+
+# ------------------------------------------------------------- end to end, host tensors held
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"frozen": {f"w{i}": torch.randn(300_000, generator=g) for i in range(4)},
+            "emb": torch.randn(70_000, generator=g).to(torch.bfloat16), "hot": torch.randn(1000, generator=g)}
+
+
+def _manifest(d):
+    with open(os.path.join(d, "flashwrite.json")) as f:
+        return json.load(f)
+
+
+def _equal(a, b):
+    return all(torch.equal(a["frozen"][k], b["frozen"][k]) for k in a["frozen"]) and torch.equal(
+        a["emb"], b["emb"]) and torch.equal(a["hot"], b["hot"])
+
+
+def test_writer_links_held_stripes_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(held, "HOLD_HOST", True)
+    sd = _state()
+    w = fw.Writer(stripes=2, incremental=True, chunk_bytes=1 << 20)
+    stats = []
+    for step in range(4):
+        sd["hot"] += 1
+        fut = w.save_async(sd, str(tmp_path / f"step-{step}"))
+        fut.result()
+        stats.append(fut.stats)
+        assert _equal(fw.load(str(tmp_path / f"step-{step}")), sd)
+        fw.verify(str(tmp_path / f"step-{step}"))
+    third, fourth = stats[2], stats[3]
+    assert third.incremental == "on" and third.stripes_linked >= 1 and third.bytes_linked > 0
+    assert third.bytes_written + third.bytes_linked == third.bytes and third.link_fallbacks == 0
+    assert fourth.stripes_linked >= 1
+    m = _manifest(tmp_path / "step-3")
+    linked = [f["name"] for f in m["files"] if f.get("linked")]
+    assert linked and m["incremental"]["linked_bytes"] == fourth.bytes_linked
+    for name in linked:
+        st = os.stat(tmp_path / "step-3" / name)
+        assert st.st_nlink >= 2 and st.st_ino == os.stat(tmp_path / "step-2" / name).st_ino
+    shutil.rmtree(tmp_path / "step-2")  # each checkpoint stays whole on its own
+    shutil.rmtree(tmp_path / "step-1")
+    assert _equal(fw.load(str(tmp_path / "step-3")), sd)
+    fw.verify(str(tmp_path / "step-3"))
+
+
+def test_writer_writes_a_held_stripe_whose_tensor_changed(tmp_path, monkeypatch):
+    monkeypatch.setattr(held, "HOLD_HOST", True)
+    sd = _state()
+    w = fw.Writer(stripes=2, incremental=True, chunk_bytes=1 << 20)
+    w.save(sd, str(tmp_path / "a"))
+    sd["frozen"]["w1"][5] += 1  # a tensor of a held stripe changes in place
+    fut = w.save_async(sd, str(tmp_path / "b"))
+    fut.result()
+    assert _equal(fw.load(str(tmp_path / "b")), sd)
+    fw.verify(str(tmp_path / "b"))
+    m = _manifest(tmp_path / "b")
+    assert any(f.get("hot") for f in m["files"])  # the changed held stripe: written, marked hot
+    assert fut.stats.bytes_written + fut.stats.bytes_linked == fut.stats.bytes
