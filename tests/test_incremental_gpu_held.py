@@ -133,29 +133,38 @@ def _equal(a, b):
 def test_writer_links_held_stripes_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setattr(held, "HOLD_HOST", True)
     sd = _state()
+    frozen_bytes = sum(t.nbytes for t in sd["frozen"].values()) + sd["emb"].nbytes
     w = fw.Writer(stripes=2, incremental=True, chunk_bytes=1 << 20)
     stats = []
-    for step in range(4):
+    for step in range(5):
         sd["hot"] += 1
         fut = w.save_async(sd, str(tmp_path / f"step-{step}"))
         fut.result()
         stats.append(fut.stats)
         assert _equal(fw.load(str(tmp_path / f"step-{step}")), sd)
         fw.verify(str(tmp_path / f"step-{step}"))
-    third, fourth = stats[2], stats[3]
-    assert third.incremental == "on" and third.stripes_linked >= 1 and third.bytes_linked > 0
-    assert third.bytes_written + third.bytes_linked == third.bytes and third.link_fallbacks == 0
-    assert fourth.stripes_linked >= 1
-    m = _manifest(tmp_path / "step-3")
+        assert fut.stats.bytes_written + fut.stats.bytes_linked == fut.stats.bytes
+        assert fut.stats.incremental.startswith("on") and fut.stats.link_fallbacks == 0
+    # 2nd save: every base stripe held; the one with "hot" is written (marked hot, its
+    # changed tensor listed), the others linked.
+    m1 = _manifest(tmp_path / "step-1")
+    hot = [f for f in m1["files"] if f.get("hot")]
+    assert len(hot) == 1 and hot[0]["changed"] == ["hot"] and stats[1].stripes_linked >= 1
+    # 3rd save links the held stripes again and plans the unchanged tensors of the hot one
+    # into stable stripes; from the 4th on, only the changed tensor is written.
+    assert stats[2].stripes_linked >= 1 and stats[2].bytes_linked > 0
+    assert stats[3].bytes_linked >= frozen_bytes and stats[3].bytes_written < 64 << 10
+    assert stats[4].bytes_linked >= frozen_bytes
+    m = _manifest(tmp_path / "step-4")
     linked = [f["name"] for f in m["files"] if f.get("linked")]
-    assert linked and m["incremental"]["linked_bytes"] == fourth.bytes_linked
+    assert linked and m["incremental"]["linked_bytes"] == stats[4].bytes_linked
     for name in linked:
-        st = os.stat(tmp_path / "step-3" / name)
-        assert st.st_nlink >= 2 and st.st_ino == os.stat(tmp_path / "step-2" / name).st_ino
-    shutil.rmtree(tmp_path / "step-2")  # each checkpoint stays whole on its own
-    shutil.rmtree(tmp_path / "step-1")
-    assert _equal(fw.load(str(tmp_path / "step-3")), sd)
-    fw.verify(str(tmp_path / "step-3"))
+        st = os.stat(tmp_path / "step-4" / name)
+        assert st.st_nlink >= 2 and st.st_ino == os.stat(tmp_path / "step-3" / name).st_ino
+    for step in range(4):  # each checkpoint stays whole on its own
+        shutil.rmtree(tmp_path / f"step-{step}")
+    assert _equal(fw.load(str(tmp_path / "step-4")), sd)
+    fw.verify(str(tmp_path / "step-4"))
 
 
 def test_writer_writes_a_held_stripe_whose_tensor_changed(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ nfs:// GPU stripes are written (``Planner.note`` says so).
 from __future__ import annotations
 
 import errno
+from dataclasses import dataclass
 from typing import Any
 
 from . import dtypes
@@ -34,6 +35,16 @@ HOLD_HOST = False
 
 # SaveJob.held_results outcomes (csrc/write/save_job.hpp, HeldOutcome).
 NOT_HELD, LINKED, CHANGED, REFUSED, POOL_TOO_SMALL, UNDECIDED = range(6)
+
+
+@dataclass
+class HeldFile:
+    """A held file of an incremental plan: the base stripe it mirrors and what its
+    tensors held there."""
+    src: str                              # the base stripe (linked from when unchanged)
+    expected: list[tuple[int, int, int]]  # (offset, bytes, checksum) of every piece
+    sums: dict[str, list[int]]            # the base's checksums per tensor
+    changed: list[str] | None = None      # once written for a change: the tensors that changed
 
 
 def candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int],
@@ -59,14 +70,30 @@ def candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: d
     return out
 
 
-def expected(entries: list[Any], block: int) -> list[tuple[int, int, int]]:
-    """(offset in the stripe, bytes, checksum) of every checksummed piece of the base
-    stripe's tensors ``entries``: what the held file's pieces must hash to."""
-    out = []
+def held_file(src: str, entries: list[Any], block: int) -> HeldFile:
+    """The held file mirroring base stripe ``src`` with tensors ``entries``: every
+    checksummed piece's (offset in the stripe, bytes, checksum), what its pieces must
+    hash to."""
+    out, sums = [], {}
     for te in entries:
-        out.extend((off, n, int(h, 16)) for (off, n), h in zip(piece_ranges(te.offset, te.nbytes, block),
-                                                                  te.checksums))
-    return out
+        sums[te.key] = [int(h, 16) for h in te.checksums]
+        out.extend((off, n, h) for (off, n), h in zip(piece_ranges(te.offset, te.nbytes, block), sums[te.key]))
+    return HeldFile(src, out, sums)
+
+
+def stable_hints(m: Manifest) -> set[str]:
+    """Tensors of the base that a held file found unchanged beside a changed one (its
+    stripe was written, marked hot, with the changed ones listed): "unchanged at the
+    last save", so planned into stable stripes, which the next save can link whole."""
+    files = m.raw.get("files")
+    if not isinstance(files, list):
+        return set()
+    lists = {fi: set(f["changed"]) for fi, f in enumerate(files[:len(m.files)])
+             if isinstance(f, dict) and f.get("hot") and isinstance(f.get("changed"), list)
+             and all(isinstance(k, str) for k in f["changed"])}
+    if not lists:
+        return set()
+    return {te.key for te in m.tensors.values() if te.file in lists and te.key not in lists[te.file]}
 
 
 def specs(p: Any) -> list[tuple[int, str, list[tuple[int, int, int]]]]:
@@ -75,13 +102,14 @@ def specs(p: Any) -> list[tuple[int, str, list[tuple[int, int, int]]]]:
     if not p.held:
         return []
     pos = {i: k for k, i in enumerate(i for i in range(len(p.files)) if i not in p.linked)}
-    return [(pos[i], src, exp) for i, (src, exp) in sorted(p.held.items())]
+    return [(pos[i], h.src, h.expected) for i, h in sorted(p.held.items())]
 
 
-def settle(p: Any, results: list[tuple[int, int]]) -> None:
+def settle(p: Any, results: list[tuple[int, int]], sums: dict[str, list[int]]) -> None:
     """Record in the incremental plan ``p`` what became of its held files (the job's
-    ``held_results``, one per staged file): linked ones join ``p.settled``, changed ones
-    ``p.hot``, refused links count as fallbacks. Once per plan."""
+    ``held_results``, one per staged file; ``sums``: the save's checksums per tensor):
+    linked ones join ``p.settled``, changed ones ``p.hot`` with the tensors that changed,
+    refused links count as fallbacks. Once per plan."""
     if p.held_settled or not p.held:
         return
     p.held_settled = True
@@ -93,8 +121,10 @@ def settle(p: Any, results: list[tuple[int, int]]) -> None:
             p.settled.add(i)
         elif outcome == CHANGED:
             p.hot.add(i)
+            h = p.held[i]
+            h.changed = sorted(k for k, base in h.sums.items() if sums.get(k, []) != base)
         elif outcome == REFUSED:
             p.fallbacks += 1
             if not p.fallback_reason:
-                src = p.held[i][0]
+                src = p.held[i].src
                 p.fallback_reason = f"{errno.errorcode.get(err, err)}: linking {src} was refused"

@@ -104,7 +104,7 @@ class Plan:
     fallback_reason: str = ""
     compared_bytes: int = 0                        # bytes hashed from the source to compare
     watched_bytes: int = 0                         # bytes not hashed: no write reached them (write_watch)
-    held: dict[int, tuple[str, list]] = field(default_factory=dict)  # held files: (base stripe, pieces) (held.py)
+    held: dict[int, held.HeldFile] = field(default_factory=dict)  # held files (held.py)
     settled: set[int] = field(default_factory=set)  # held files the job linked (held.settle)
     held_settled: bool = False
 
@@ -329,7 +329,7 @@ def _hold(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], whe
         members = [where[te.key] for te in entries]
         name = stripe_name(f"{prefix}-held", k, len(mirrors))
         out.files.append(PlannedFile(name, header, m.files[fi].size, columns, members, [te.offset for te in entries]))
-        out.held[len(out.files) - 1] = (src, held.expected(entries, m.block_bytes))
+        out.held[len(out.files) - 1] = held.held_file(src, entries, m.block_bytes)
         claimed.update(members)
     return claimed
 
@@ -380,7 +380,9 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     claimed = _link(out, columns, base, by_file, where, unchanged_files, tmp, prefix, target)
     claimed |= _hold(out, columns, base, by_file, where, holds, prefix, target)
     left = [j for j in range(len(columns.keys)) if j not in claimed]
-    stable = [j for j in left if columns.keys[j] in looked and columns.keys[j] not in changed]
+    hints = held.stable_hints(m)  # unchanged beside a changed tensor of a held file, at the last save
+    stable = [j for j in left if (columns.keys[j] in looked and columns.keys[j] not in changed)
+              or columns.keys[j] in hints]
     _plan_rest(out, columns, left, stable, stripes=stripes, prefix=prefix, metadata=metadata)
     return out
 
@@ -392,6 +394,8 @@ def annotate(manifest: dict, p: Plan) -> dict:
             fe["linked"] = True
         elif i in p.hot:
             fe["hot"] = True
+            if i in p.held and p.held[i].changed is not None:
+                fe["changed"] = p.held[i].changed
     manifest[SECTION] = {"base": p.base, "seq": p.seq, "linked_bytes": p.linked_bytes,
                          "written_bytes": sum(f.size for f in p.written), "link_fallbacks": p.fallbacks}
     return manifest
