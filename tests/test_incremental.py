@@ -314,7 +314,8 @@ def test_gpu_tensors_are_planned_as_held_files(tmp_path):
     p = planner(all_gpu, **opts)
     assert planner.note == "on" and not p.linked and p.held and p.compared_bytes == 0
     base = incremental.find_base(str(tmp_path / "step-3"))
-    for i, (src, expected) in p.held.items():
+    for i, h in p.held.items():
+        src, expected = h.src, h.expected
         f = p.files[i]  # mirrors its base stripe: same header, size and offsets
         with open(src, "rb") as fh:
             assert os.path.dirname(src) == base and fh.read(len(f.header)) == f.header

@@ -145,6 +145,7 @@ def test_writer_links_held_stripes_end_to_end(tmp_path, monkeypatch):
         fw.verify(str(tmp_path / f"step-{step}"))
         assert fut.stats.bytes_written + fut.stats.bytes_linked == fut.stats.bytes
         assert fut.stats.incremental.startswith("on") and fut.stats.link_fallbacks == 0
+        assert fut.progress() == 1.0  # linked bytes count as done
     # 2nd save: every base stripe held; the one with "hot" is written (marked hot, its
     # changed tensor listed), the others linked.
     m1 = _manifest(tmp_path / "step-1")

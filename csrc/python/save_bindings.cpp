@@ -218,7 +218,7 @@ void register_save(py::module_& m) {
            "[(outcome, errno)] per file: 0 not held, 1 linked, 2 changed (written), 3 link refused "
            "(written; errno), 4 pool too small to hold (written), 5 undecided (the job failed). "
            "Final once checksummed.")
-      .def("progress", [](const PySaveJob& s) { return std::make_pair(s.job->bytes_written(), s.job->bytes_total()); })
+      .def("progress", [](const PySaveJob& s) { return std::make_pair(s.job->bytes_done(), s.job->bytes_total()); })
       .def("stats", [](const PySaveJob& s) { return save_stats(*s.job); });
 }
 

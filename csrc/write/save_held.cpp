@@ -91,7 +91,10 @@ void SaveJob::decide(uint32_t f) {
   HeldResult r{HeldOutcome::Changed, 0};
   if (matches(f)) {
     if (::link(specs_[f].link_from.c_str(), specs_[f].path.c_str()) == 0) {
-      for (size_t ci : chunks) pool_->release(requests_[ci].buf);
+      for (size_t ci : chunks) {
+        bytes_linked_ += plan_.chunks[ci].data_len;
+        pool_->release(requests_[ci].buf);
+      }
       std::lock_guard<std::mutex> lk(park_mu_);
       h.result = HeldResult{HeldOutcome::Linked, 0};
       return;

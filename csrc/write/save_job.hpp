@@ -142,6 +142,8 @@ class SaveJob {
   SaveStats stats() const;
   void set_pin_s(double s) { pin_s_ = s; }  // before the caller sees the job
   uint64_t bytes_written() const { return bytes_written_.load(); }
+  // Written or linked (a held file's bytes count once linked): for progress.
+  uint64_t bytes_done() const { return bytes_written_.load() + bytes_linked_.load(); }
   uint64_t bytes_total() const { return bytes_total_; }
   // Per file (held or not): what became of it. Final once checksummed().
   std::vector<HeldResult> held_results() const;
@@ -211,6 +213,7 @@ class SaveJob {
 
   uint64_t bytes_total_ = 0;
   std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<uint64_t> bytes_linked_{0};  // of held files linked, not written
   std::atomic<size_t> next_chunk_{0};  // into host_chunks_
   std::vector<size_t> host_chunks_, device_chunks_;  // chunks with no / some GPU bytes
   uint64_t device_bytes_ = 0;

@@ -131,7 +131,7 @@ class SaveJob:
     def checksums(self) -> list[list[int]]:
         """Per input segment, the xxh3-64 of each chunk_bytes-aligned piece."""
     def progress(self) -> tuple[int, int]:
-        """(bytes_written, bytes_total)."""
+        """(bytes written or linked (held files), bytes_total)."""
     def stats(self) -> _SaveStats: ...
     def wait_checksummed(self, timeout: float | None = None) -> bool:
         """Wait until every chunk is staged and checksummed, or the job ended."""
