@@ -181,3 +181,36 @@ def test_writer_writes_a_held_stripe_whose_tensor_changed(tmp_path, monkeypatch)
     m = _manifest(tmp_path / "b")
     assert any(f.get("hot") for f in m["files"])  # the changed held stripe: written, marked hot
     assert fut.stats.bytes_written + fut.stats.bytes_linked == fut.stats.bytes
+
+
+def test_writer_with_a_pool_too_small_to_hold_writes_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(held, "HOLD_HOST", True)
+    sd = _state()
+    w = fw.Writer(stripes=2, incremental=True, chunk_bytes=1 << 20, max_staging_bytes=2 << 20)
+    w.save(sd, str(tmp_path / "a"))
+    sd["hot"] += 1
+    fut = w.save_async(sd, str(tmp_path / "b"))
+    fut.result()
+    assert "staging pool cannot hold" in fut.stats.incremental
+    assert fut.stats.bytes_linked == 0 and fut.stats.bytes_written == fut.stats.bytes
+    assert _equal(fw.load(str(tmp_path / "b")), sd)
+    fw.verify(str(tmp_path / "b"))
+
+
+def test_stable_hints_read_the_changed_lists_as_hostile_input(tmp_path, monkeypatch):
+    from flashwrite.format import read_manifest
+    monkeypatch.setattr(held, "HOLD_HOST", True)
+    sd = _state()
+    w = fw.Writer(stripes=2, incremental=True, chunk_bytes=1 << 20)
+    w.save(sd, str(tmp_path / "a"))
+    sd["hot"] += 1
+    w.save(sd, str(tmp_path / "b"))
+    m = read_manifest(str(tmp_path / "b"))
+    fi = next(i for i, f in enumerate(m.raw["files"]) if f.get("hot"))
+    beside = {te.key for te in m.tensors.values() if te.file == fi} - {"hot"}
+    assert beside and held.stable_hints(m) == beside
+    for bad in ([1, 2], "hot", None, {"hot": 1}):
+        m.raw["files"][fi]["changed"] = bad
+        assert held.stable_hints(m) == set()
+    m.raw["files"] = {"not": "a list"}
+    assert held.stable_hints(m) == set()

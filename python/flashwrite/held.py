@@ -105,14 +105,16 @@ def specs(p: Any) -> list[tuple[int, str, list[tuple[int, int, int]]]]:
     return [(pos[i], h.src, h.expected) for i, h in sorted(p.held.items())]
 
 
-def settle(p: Any, results: list[tuple[int, int]], sums: dict[str, list[int]]) -> None:
+def settle(p: Any, results: list[tuple[int, int]], sums: dict[str, list[int]]) -> str | None:
     """Record in the incremental plan ``p`` what became of its held files (the job's
     ``held_results``, one per staged file; ``sums``: the save's checksums per tensor):
     linked ones join ``p.settled``, changed ones ``p.hot`` with the tensors that changed,
-    refused links count as fallbacks. Once per plan."""
+    refused links count as fallbacks. Once per plan. Returns what SaveStats.incremental
+    should add, if anything."""
     if p.held_settled or not p.held:
-        return
+        return None
     p.held_settled = True
+    unheld = 0
     staged = [i for i in range(len(p.files)) if i not in p.linked]
     for i, (outcome, err) in zip(staged, results):
         if i not in p.held:
@@ -128,3 +130,9 @@ def settle(p: Any, results: list[tuple[int, int]], sums: dict[str, list[int]]) -
             if not p.fallback_reason:
                 src = p.held[i].src
                 p.fallback_reason = f"{errno.errorcode.get(err, err)}: linking {src} was refused"
+        elif outcome == POOL_TOO_SMALL:
+            unheld += 1
+    if unheld:
+        return (f"{unheld} stripes not compared (GPU tensors): written, the staging pool cannot hold the "
+                "whole save at once (max_staging_bytes)")
+    return None

@@ -211,8 +211,10 @@ class StripeWrite:
             written = self.files if incr is None else incr.staged
             by_key = {p.key: (next(sums) if p.nbytes else []) for f in written for p in f.tensors}
             if incr is not None and incr.held:  # the job decided them before it was checksummed
-                held.settle(incr, self.job.held_results(), by_key)
+                note = held.settle(incr, self.job.held_results(), by_key)
                 _incremental_stats(self.stats, incr)
+                if note:
+                    self.stats.incremental = f"on: {note}"
             if incr is not None:
                 by_key.update(incr.checksums)
             m = build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
