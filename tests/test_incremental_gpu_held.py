@@ -9,10 +9,13 @@ The end-to-end part drives the same held path from a Writer with host tensors, t
 import errno
 import json
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -168,6 +171,21 @@ def test_writer_links_held_stripes_end_to_end(tmp_path, monkeypatch):
     fw.verify(str(tmp_path / "step-4"))
 
 
+def test_manager_saves_with_metadata_reach_linked_held_stripes(tmp_path, monkeypatch):
+    """A manager's stripes carry per-save metadata (not linkable as they are): their
+    tensors go to stable stripes, which later saves hold and link."""
+    monkeypatch.setattr(held, "HOLD_HOST", True)
+    sd = _state()
+    frozen_bytes = sum(t.nbytes for t in sd["frozen"].values()) + sd["emb"].nbytes
+    with fw.CheckpointManager(str(tmp_path), every_n_steps=1, keep_last=2,
+                              writer=fw.Writer(stripes=2, chunk_bytes=1 << 20)) as mgr:
+        for step in range(1, 7):
+            sd["hot"].fill_(step)
+            stats = mgr.maybe_save(step, sd).result()
+        assert stats.bytes_linked >= frozen_bytes and stats.link_fallbacks == 0
+        assert _equal(fw.load(mgr.path_for(6)), sd)
+
+
 def test_writer_writes_a_held_stripe_whose_tensor_changed(tmp_path, monkeypatch):
     monkeypatch.setattr(held, "HOLD_HOST", True)
     sd = _state()
@@ -214,3 +232,56 @@ def test_stable_hints_read_the_changed_lists_as_hostile_input(tmp_path, monkeypa
         assert held.stable_hints(m) == set()
     m.raw["files"] = {"not": "a list"}
     assert held.stable_hints(m) == set()
+
+
+_VICTIM = r"""
+import sys, torch
+sys.path.insert(0, {here!r})
+import flashwrite as fw
+from flashwrite import held
+from test_incremental_gpu_held import _state
+held.HOLD_HOST = True
+sd = _state()
+mgr = fw.CheckpointManager({root!r}, every_n_steps=1, keep_last=2, writer=fw.Writer(stripes=2, chunk_bytes=1 << 20))
+start = (mgr.latest_step() or 0) + 1
+for step in range(start, start + 6):
+    sd["hot"].fill_(step)
+    mgr.maybe_save(step, sd)
+mgr.close()
+"""
+
+
+@pytest.mark.slow
+def test_kill9_during_saves_with_held_files(tmp_path):
+    """kill -9 at random moments of incremental saves whose stripes are held files: every
+    committed checkpoint stays whole and byte-exact (the links are made before the
+    directory fsync that precedes the manifest), and held files were linked."""
+    from flashwrite import commit
+    from flashwrite.format import read_manifest
+    seed = int(os.environ.get("FLASHWRITE_TEST_SEED") or time.time_ns() % 2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    root = str(tmp_path / "ck")
+    code = _VICTIM.format(here=HERE, root=root)
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+    window = time.monotonic() - t0
+    killed, held_linked = 0, False
+    for _ in range(8):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.3, max(0.4, window)))
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            killed += 1
+        p.wait()
+        mgr = fw.CheckpointManager(root)  # cleans what the victim left
+        assert mgr.all_steps() and [e for e in os.listdir(root) if commit.is_temp_name(e)] == []
+        for s in mgr.all_steps():
+            back = fw.load(mgr.path_for(s))
+            assert back["hot"].eq(s).all() and _equal({**back, "hot": back["hot"]}, {**_state(), "hot": back["hot"]})
+            fw.verify(mgr.path_for(s))
+            held_linked |= any(f.get("linked") and "-held-" in f["name"]
+                               for f in read_manifest(mgr.path_for(s)).raw["files"])
+        mgr.close()
+    assert killed >= 4, f"seed {seed}: only {killed} of 8 victims were killed mid-run"
+    assert held_linked, "no held file was linked: the saves did not take the held path"

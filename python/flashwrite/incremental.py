@@ -375,7 +375,8 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
         cands, holds = [], holds + cands
     changed, compared, unchanged_files, watched = compare.changed(columns, m, by_file, where, cands, threads)
     # "Unchanged at the last save": tensors of candidate stripes that passed.
-    looked = {te.key for fi in cands for te in by_file[fi]}
+    # (and of held candidates: those that cannot be mirrored, carrying a save's metadata, go stable)
+    looked = {te.key for fi in cands + holds for te in by_file[fi]}
     out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared, watched_bytes=watched)
     claimed = _link(out, columns, base, by_file, where, unchanged_files, tmp, prefix, target)
     claimed |= _hold(out, columns, base, by_file, where, holds, prefix, target)
