@@ -36,6 +36,9 @@ state, --small small tensors of 1-16 KiB):
   reported as "first save").
 - save_async(block=False): time to return, then wait_staged().
 - time to durable (every stripe fsync'd) and to committed, with GB/s.
+- incremental: a LoRA-shaped GPU state saved four times with incremental=True; the
+  last save links the frozen base's stripes (held files, gpu_incremental_check.py),
+  loads back byte-exact and verifies.
 - load to the GPU: ``load(map_location="cuda:0")`` and ``load(into=<gpu state>)``;
   O_DIRECT reads do not go through the page cache, so they are cold reads whenever
   the file system honours O_DIRECT (the table says whether it did).
@@ -54,6 +57,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from gpu_incremental_check import incremental_check  # noqa: E402  (beside this script)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = os.path.join(REPO, "build", "gpu-check", "site")
@@ -541,6 +546,12 @@ def measure(args) -> dict:
     writer.close()
     state = ts = None  # freed before the capture check; one_save still closes over the name
     torch.cuda.empty_cache()
+    try:
+        res["incremental"] = incremental_check(dev, base)
+    except Exception as e:  # reported in the table, the other checks still run
+        res["incremental"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    log(f"incremental: {res['incremental']}")
+    torch.cuda.empty_cache()
     res["capture"] = capture_check(dev, base)
     log(f"capture: save inside torch.cuda.graph refused={res['capture']['refusal_ok']}; save beside a global "
         f"capture ok={res['capture']['beside_ok']} {res['capture'].get('beside_capture_error', '')}")
@@ -602,6 +613,11 @@ def table(res: dict) -> str:
                      (c.get("refused") or c.get("capture_error") or "")[:60]))
         rows.append(("save beside a global capture", "capture valid" if c["beside_ok"] else "FAILED",
                      str(c.get("beside_capture_error") or c.get("beside_capture_save"))[:60]))
+        inc = res.get("incremental", {})
+        last = (inc.get("saves") or [{}])[-1]
+        rows.append(("incremental GPU save (4th)", "linked" if inc.get("ok") else "FAILED",
+                     inc.get("error") or f"{last.get('bytes_linked', 0) >> 20} MiB linked, "
+                     f"{last.get('bytes_written', 0) >> 20} MiB written, exact={inc.get('roundtrip_ok')}"))
         rows.append(("storage", res["fs"], f"io={res['backend_info']['backend']}"))
     if "tests_summary" in res:
         rows.append(("tests/test_cuda.py", res["tests_summary"], f"rc={res['tests_rc']}"))
@@ -618,7 +634,8 @@ def verdict(res: dict) -> bool:
     if "skipped" in res:
         return res["cpu_fork"]["ok"]
     return bool(res["roundtrip_ok"] and res["pool_pinned"] and res["runtime_already_loaded"] and res["fork"]["ok"]
-                and res["capture"]["refusal_ok"] and res["capture"]["beside_ok"])
+                and res["capture"]["refusal_ok"] and res["capture"]["beside_ok"]
+                and res.get("incremental", {}).get("ok", False))
 
 
 def main() -> int:

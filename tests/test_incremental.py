@@ -297,10 +297,12 @@ def test_ls_and_inspect_show_written_and_linked(tmp_path, capsys):
     assert "linked" in out
 
 
-def test_gpu_tensors_are_not_compared_and_stats_say_so(tmp_path):
-    """GPU tensors cannot be hashed from the source without a copy: an all-GPU state is
-    not planned incrementally, and beside host tensors only the host ones are linked.
-    (The columns say "cuda:0" for CPU tensors: the planner goes by the device names.)"""
+def test_gpu_tensors_are_planned_as_held_files(tmp_path):
+    """GPU tensors cannot be hashed from the source without a copy: their base stripes are
+    planned as held files (mirrors of the base stripe, linked or written by the save job
+    once staged: held.py, test_incremental_gpu_held.py); beside host tensors, the host
+    ones' stripes are compared and linked as before. (The columns say "cuda:0" for CPU
+    tensors: the planner goes by the device names.)"""
     frozen = frozen_base()
     save_run(str(tmp_path), 2, frozen)
     _, _, cols = flatten_columns(lora_state(3, frozen))
@@ -309,15 +311,24 @@ def test_gpu_tensors_are_not_compared_and_stats_say_so(tmp_path):
     planner = incremental.Planner(str(tmp_path / "step-3"), str(tmp), incremental.BaseCache(), 1)
     opts = dict(stripes=4, prefix="model", metadata=None, block=CHUNK)
     all_gpu = dataclasses.replace(cols, devices=["cuda:0"] * len(cols.keys))
-    assert planner(all_gpu, **opts) is None
-    assert planner.note == "off: GPU tensors are not compared (the save writes every stripe)"
+    p = planner(all_gpu, **opts)
+    assert planner.note == "on" and not p.linked and p.held and p.compared_bytes == 0
+    base = incremental.find_base(str(tmp_path / "step-3"))
+    for i, h in p.held.items():
+        src, expected = h.src, h.expected
+        f = p.files[i]  # mirrors its base stripe: same header, size and offsets
+        with open(src, "rb") as fh:
+            assert os.path.dirname(src) == base and fh.read(len(f.header)) == f.header
+        assert f.size == os.path.getsize(src) and expected
+        assert [te.offset for te in f.tensors] == sorted(te.offset for te in f.tensors)
     on_gpu = cols.keys.index("model.base.0")
     mixed = dataclasses.replace(cols, devices=[("cuda:0" if j == on_gpu else "cpu") for j in range(len(cols.keys))])
     p = planner(mixed, **opts)
-    assert planner.note == "on: host tensors only (1 GPU tensors are written, not compared)"
+    assert planner.note == "on"
     linked = {p.files[i].columns.keys[j] for i in p.linked for j in p.files[i].members}
-    assert "model.base.1" in linked and "model.base.0" not in linked
-    assert "model.base.0" in {f.columns.keys[j] for f in p.written for j in f.members}
+    held_keys = {p.files[i].columns.keys[j] for i in p.held for j in p.files[i].members}
+    assert "model.base.1" in linked and "model.base.0" in held_keys and not linked & held_keys
+    assert "model.base.0" in {f.columns.keys[j] for f in p.staged for j in f.members}
 
 
 @pytest.mark.nfs

@@ -83,13 +83,23 @@ void append_host_segments(const py::sequence& host_files, std::vector<Segment>& 
   }
 }
 
+// A held file: (index into files, the base stripe to link from, [(offset, len, checksum)]).
+using HeldSpec = std::tuple<size_t, std::string, std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>>;
+
 // Engine.start_save's arguments, parsed with the GIL held.
 std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<std::string, py::object, uint64_t>>& files,
                                       const py::sequence& segments, py::object keepalive, const std::string& backend,
                                       unsigned queue_depth, unsigned copy_threads, bool direct, const GivenStreams& streams,
-                                      bool hold_slots, const py::sequence& host_files, const py::object& remote) {
+                                      bool hold_slots, const py::sequence& host_files, const py::object& remote,
+                                      const std::vector<HeldSpec>& held) {
   std::vector<FileSpec> fs;
   for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
+  for (auto& [file, link_from, expected] : held) {
+    if (file >= fs.size()) throw py::index_error("held: no such file");
+    if (link_from.empty()) throw py::value_error("held: a held file needs the path of its base stripe");
+    fs[file].link_from = link_from;
+    for (auto& [off, len, sum] : expected) fs[file].expected.push_back(ExpectedPiece{off, len, sum});
+  }
   std::vector<int> devices;
   std::vector<Segment> segs = parse_segments(segments, devices);
   append_host_segments(host_files, segs);
@@ -199,7 +209,16 @@ void register_save(py::module_& m) {
              s.job->release_slots();
            },
            "Give a held save's slots back to the pool (after the job is done).")
-      .def("progress", [](const PySaveJob& s) { return std::make_pair(s.job->bytes_written(), s.job->bytes_total()); })
+      .def("held_results",
+           [](const PySaveJob& s) {
+             std::vector<std::pair<int, int>> out;
+             for (auto& r : s.job->held_results()) out.emplace_back(static_cast<int>(r.outcome), r.err);
+             return out;
+           },
+           "[(outcome, errno)] per file: 0 not held, 1 linked, 2 changed (written), 3 link refused "
+           "(written; errno), 4 pool too small to hold (written), 5 undecided (the job failed). "
+           "Final once checksummed.")
+      .def("progress", [](const PySaveJob& s) { return std::make_pair(s.job->bytes_done(), s.job->bytes_total()); })
       .def("stats", [](const PySaveJob& s) { return save_stats(*s.job); });
 }
 
@@ -211,6 +230,7 @@ void register_engine(py::module_& m) {
            py::arg("copy_threads") = defaults::copy_threads(),
            py::arg("direct") = true, py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
            py::arg("hold_slots") = false, py::arg("host_files") = py::list(), py::arg("remote") = py::none(),
+           py::arg("held") = std::vector<HeldSpec>{},
            "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "
            "[(address, nbytes, file, offset[, device])] with device -1 for host memory; host_files: more "
            "host-memory segments as columns, [(file, members, offsets, ptrs, nbytes)] (member k of a file is "
@@ -219,7 +239,9 @@ void register_engine(py::module_& m) {
            "(PyTorch's current streams; a device without one uses its legacy default stream). Returns once "
            "that ordering is in place. hold_slots: keep the staged image whole in the pool until "
            "SaveJob.release_slots() (a local snapshot). remote: an NfsClient: the files are paths in its export, "
-           "created there and written over its connections straight from the staging slots (nfs://).")
+           "created there and written over its connections straight from the staging slots (nfs://). "
+           "held: [(file, base stripe path, [(offset, len, checksum)])]: files staged but written only if a "
+           "checksum differs, else hard-linked from the base stripe (see SaveJob.held_results; local files only).")
       .def("reserve",
            [](Engine& e, uint64_t bytes, int device) {
              py::gil_scoped_release nogil;

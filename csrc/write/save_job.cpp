@@ -43,6 +43,7 @@ SaveJob::SaveJob(std::shared_ptr<StagingPool> pool, std::vector<FileSpec> files,
   hold_ = opt_.hold_slots && (pool_->max_slots() == 0 || plan_.chunks.size() <= pool_->max_slots());
   if (!device_chunks_.empty() && !opt_.copy_streams)
     throw std::invalid_argument("segments on a GPU need the engine's CUDA copy streams");
+  init_held();
 }
 
 SaveJob::~SaveJob() {
@@ -84,27 +85,12 @@ void SaveJob::start() {
   // a missing directory, a permission problem or a full disk is raised by
   // save_async itself instead of surfacing later.
   try {
-    for (auto& spec : specs_) {
+    for (size_t i = 0; i < specs_.size(); ++i) {
       auto f = std::make_unique<File>();
-      f->path = spec.path;
-      f->size = spec.size;
+      f->path = specs_[i].path;
+      f->size = specs_[i].size;
       files_.push_back(std::move(f));
-      if (opt_.remote) {
-        files_.back()->fd = opt_.remote->create(spec.path, spec.size);
-        continue;
-      }
-      OpenedFile of = open_for_write(spec.path, opt_.direct);
-      files_.back()->fd = of.fd;
-      files_.back()->direct = of.direct;
-      try {
-        preallocate(of.fd, round_up(spec.size, kAlign), spec.path);
-      } catch (const IoError& e) {
-        // Out of space is the save's failure (reported by its future, like a
-        // write that hits ENOSPC), not a bad argument: record it and let the
-        // job finish at once.
-        if (e.err() != ENOSPC && e.err() != EDQUOT) throw;
-        fail(std::current_exception());
-      }
+      if (!held_files_[i]) open_file(i);  // a held file is created only if it is written
     }
     IoCallback cb = [this](IoRequest* r, int64_t res) { on_io(r, res); };
     backend_ = opt_.remote ? opt_.remote->backend(opt_.queue_depth, cb) : make_backend(opt_.backend, opt_.queue_depth, cb);
@@ -117,6 +103,10 @@ void SaveJob::start() {
     defer_hash_ = pool_->reserve(plan_.chunks.size());
     reserved_ = true;
     pool_wait_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
+    // A held file keeps its slots until all of its chunks are staged: only safe
+    // when the pool has a slot for every chunk of the save.
+    holding_ = defer_hash_;
+    if (!holding_) stop_holding();
     slot_refs_.reset(new std::atomic<uint8_t>[plan_.chunks.size()]());
     ctl_.start([this] { run(); });
   } catch (...) {
@@ -136,6 +126,26 @@ void SaveJob::start() {
     // staging first (block=True does; with block=False the docstring says so).
     std::unique_lock<std::mutex> lk(ctl_.mutex());
     ctl_.cv().wait(lk, [&] { return fenced_ || ctl_.done(); });
+  }
+}
+
+void SaveJob::open_file(size_t i) {
+  File& f = *files_[i];
+  if (opt_.remote) {
+    f.fd = opt_.remote->create(f.path, f.size);
+    return;
+  }
+  OpenedFile of = open_for_write(f.path, opt_.direct);
+  f.fd = of.fd;
+  f.direct = of.direct;
+  try {
+    preallocate(of.fd, round_up(f.size, kAlign), f.path);
+  } catch (const IoError& e) {
+    // Out of space is the save's failure (reported by its future, like a
+    // write that hits ENOSPC), not a bad argument: record it and let the
+    // job finish at once.
+    if (e.err() != ENOSPC && e.err() != EDQUOT) throw;
+    fail(std::current_exception());
   }
 }
 
@@ -244,6 +254,7 @@ void SaveJob::finish_files() {
     return;
   }
   for (auto& f : files_) {
+    if (f->fd.load() < 0) continue;  // a held file that was linked, not written
     truncate_to(f->fd, f->size, f->path);
     fsync_fd(f->fd, f->path);
   }
@@ -278,6 +289,7 @@ void SaveJob::run() {
     landed_.clear();
     landed_count_ = 0;
   }
+  release_parked();  // held files left undecided by a failure or a cancel
   if (!failed() && !ctl_.cancelled()) {
     // The copy threads computed every checksum before they returned.
     {
@@ -335,7 +347,8 @@ SaveStats SaveJob::stats() const {
   }
   s.pin_s = pin_s_;
   s.backend = backend_name_;
-  for (auto& f : files_) (f->direct.load() ? s.files_direct : s.files_buffered)++;
+  for (auto& f : files_)
+    if (f->fd.load() >= 0) (f->direct.load() ? s.files_direct : s.files_buffered)++;  // not linked ones
   return s;
 }
 

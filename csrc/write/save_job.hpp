@@ -37,10 +37,38 @@
 
 namespace fw {
 
+// The checksum an unchanged piece of a held file must have: the piece of its
+// stripe at `offset` (chunk-aligned pieces, as the base checkpoint's manifest has them).
+struct ExpectedPiece {
+  uint64_t offset, len, checksum;
+};
+
 struct FileSpec {
   std::string path;
   std::string header;  // bytes at offset 0 (the padded safetensors header)
   uint64_t size = 0;   // exact final size
+  // A held file (incremental saves, save_held.cpp): when not empty, `link_from`
+  // is a stripe of the base checkpoint with the same header and layout. The file
+  // is staged and checksummed like any other, but its writes wait until all its
+  // chunks are: if every piece's checksum is the one in `expected`, `link_from`
+  // is hard-linked to `path` and nothing is written.
+  std::string link_from;
+  std::vector<ExpectedPiece> expected;
+};
+
+// What became of a held file (SaveJob::held_results).
+enum class HeldOutcome : int {
+  NotHeld = 0,       // an ordinary file
+  Linked = 1,        // its checksums matched: hard-linked from the base stripe
+  Changed = 2,       // a checksum differed: written
+  LinkRefused = 3,   // matched, but link(2) failed (errno given): written
+  PoolTooSmall = 4,  // the pool could not hold the save's slots at once: written, not held
+  Undecided = 5,     // the job failed or was cancelled first
+};
+
+struct HeldResult {
+  HeldOutcome outcome = HeldOutcome::NotHeld;
+  int err = 0;
 };
 
 struct SaveOptions {
@@ -114,7 +142,11 @@ class SaveJob {
   SaveStats stats() const;
   void set_pin_s(double s) { pin_s_ = s; }  // before the caller sees the job
   uint64_t bytes_written() const { return bytes_written_.load(); }
+  // Written or linked (a held file's bytes count once linked): for progress.
+  uint64_t bytes_done() const { return bytes_written_.load() + bytes_linked_.load(); }
   uint64_t bytes_total() const { return bytes_total_; }
+  // Per file (held or not): what became of it. Final once checksummed().
+  std::vector<HeldResult> held_results() const;
 
  private:
   struct File {
@@ -125,8 +157,28 @@ class SaveJob {
     int direct_fd = -1;  // kept open until the end after a fallback, closed then
   };
 
+  // A held file's state (save_held.cpp): its chunks, those still to stage,
+  // and the staged ones parked in their slots (under park_mu_) until decided.
+  struct Held {
+    std::vector<size_t> chunks;
+    std::atomic<size_t> unstaged{0};
+    std::vector<size_t> parked;
+    std::vector<ExpectedPiece> expected;  // sorted by offset
+    HeldResult result{HeldOutcome::Undecided, 0};
+  };
+
   // The life cycle, the writes and the slots (save_job.cpp).
   void run();
+  void open_file(size_t f);
+  // Held files (save_held.cpp).
+  void init_held();
+  bool is_held(size_t ci) const;
+  void chunk_ready(size_t ci);  // staged and checksummed: write it, or park it
+  void decide(uint32_t f);
+  bool matches(uint32_t f) const;
+  void write_held(uint32_t f, std::vector<size_t>& chunks);
+  void stop_holding();      // the pool is too small: every held file is written
+  void release_parked();    // after a failure: parked slots back to the pool
   void return_slot(char* buf, bool written);
   void slot_done(size_t ci);
   void write_chunk(size_t ci);
@@ -161,6 +213,7 @@ class SaveJob {
 
   uint64_t bytes_total_ = 0;
   std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<uint64_t> bytes_linked_{0};  // of held files linked, not written
   std::atomic<size_t> next_chunk_{0};  // into host_chunks_
   std::vector<size_t> host_chunks_, device_chunks_;  // chunks with no / some GPU bytes
   uint64_t device_bytes_ = 0;
@@ -192,6 +245,10 @@ class SaveJob {
   std::chrono::steady_clock::time_point t0_;
 
   std::mutex fallback_mu_;
+  // Per file, null when not held; holding_ once the pool holds every slot of the save.
+  std::vector<std::unique_ptr<Held>> held_files_;
+  bool holding_ = false;
+  mutable std::mutex park_mu_;
 };
 
 }  // namespace fw

@@ -108,7 +108,7 @@ bool SaveJob::write_landed_chunk() {
     const Piece& p = plan_.pieces[c.first_piece + i];
     if (segments_[p.segment].device >= 0) hashes_[p.hash_index] = checksum(slot + p.chunk_offset, p.len);
   }
-  write_chunk(ci);
+  chunk_ready(ci);
   return true;
 }
 
@@ -130,13 +130,15 @@ void SaveJob::stage_host_chunk(size_t& claimed, const std::function<bool()>& int
   if (!slot) return;
   const size_t ci = host_chunks_[claimed];
   claimed = SIZE_MAX;
-  copy_host_chunk(ci, slot, !defer_hash_);
-  if (defer_hash_) {
+  // A held chunk is checksummed as it is copied: its file is decided by them.
+  const bool defer = defer_hash_ && !is_held(ci);
+  copy_host_chunk(ci, slot, !defer);
+  if (defer) {
     slot_refs_[ci].store(2);
     unhashed.push_back(ci);
   }
   chunk_staged();
-  write_chunk(ci);
+  chunk_ready(ci);
 }
 
 // This thread's deferred checksums, newest first; false when cancelled meanwhile.

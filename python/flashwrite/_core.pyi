@@ -107,6 +107,8 @@ class Buffer:
 
 # A chunk of a held save: (stripe, offset in it, bytes, offset of its slot in the pool file or -1).
 ChunkSlot = tuple[int, int, int, int]
+# A held file: (index into files, base stripe to link from, [(offset, len, xxh3-64)] its pieces must have).
+HeldFile = tuple[int, str, Sequence[tuple[int, int, int]]]
 
 class SaveJob:
     def wait_staged(self, timeout: float | None = None) -> bool:
@@ -129,7 +131,7 @@ class SaveJob:
     def checksums(self) -> list[list[int]]:
         """Per input segment, the xxh3-64 of each chunk_bytes-aligned piece."""
     def progress(self) -> tuple[int, int]:
-        """(bytes_written, bytes_total)."""
+        """(bytes written or linked (held files), bytes_total)."""
     def stats(self) -> _SaveStats: ...
     def wait_checksummed(self, timeout: float | None = None) -> bool:
         """Wait until every chunk is staged and checksummed, or the job ended."""
@@ -142,6 +144,9 @@ class SaveJob:
     def pool_wait_s(self) -> float:
         """Seconds the start waited for the staging pool (a background reserve, or growing it)."""
     def chunk_slots(self) -> list[ChunkSlot]: ...
+    def held_results(self) -> list[tuple[int, int]]:
+        """(outcome, errno) per file: 0 not held, 1 linked, 2 changed (written), 3 link
+        refused (written), 4 pool too small to hold (written), 5 undecided (failed)."""
     def release_slots(self) -> None:
         """Give a held save's slots back to the pool (after the job is done)."""
 
@@ -153,11 +158,14 @@ class Engine:
     def start_save(self, files: Sequence[SaveFile], segments: Sequence[Segment], keepalive: Any,
                    backend: str = "auto", queue_depth: int = ..., copy_threads: int = ...,
                    direct: bool = True, streams: Sequence[Stream] = ..., hold_slots: bool = False,
-                   host_files: Sequence[HostFile] = ...) -> SaveJob:
+                   host_files: Sequence[HostFile] = ..., remote: Any = None,
+                   held: Sequence[HeldFile] = ...) -> SaveJob:
         """Open the stripes and start staging + writing; keepalive must own every
         segment address until staged. host_files: more host-memory segments as a
         plan's columns (no tuple per tensor). Returns once the GPU copies are ordered after
-        `streams`. Defaults: DEFAULTS["write_queue_depth"], DEFAULTS["copy_threads"]."""
+        `streams`. held: files staged but written only if a checksum differs from the
+        base stripe's, else hard-linked from it (local files only).
+        Defaults: DEFAULTS["write_queue_depth"], DEFAULTS["copy_threads"]."""
     @property
     def chunk_bytes(self) -> int: ...
     @property

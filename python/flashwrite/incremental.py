@@ -42,9 +42,13 @@ collective is added: on nfs:// every rank notes the commit that rank 0's broadca
 outcome reports (its next base), and ranks may even pick different bases. A DCP save does
 the same per rank, its DCP base seen as a multi-rank one (``flashwrite.dcp``).
 
+GPU tensors are not compared before staging: a base stripe holding some is planned as a
+*held* file that mirrors it, staged like any other, and linked by the native job if its
+checksums come out equal, else written (``held``; local targets only, on nfs:// GPU
+stripes are written).
+
 Not covered (the save then writes everything and ``SaveStats.incremental`` says why):
-GPU tensors (not compared: their content would have to be copied to the host first;
-beside host tensors, only the host tensors' stripes are linked), DCP saves to nfs://,
+DCP saves to nfs://,
 ``hf_model=``, and local snapshots (a snapshot in the memory tier is the staging pool's
 copy of the whole state; keeping the previous snapshot's unchanged pages would need the
 pool to hand slots from one save to the next).
@@ -61,7 +65,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import compare
+from . import compare, held
 from .commit import parse_temp_name
 from .errors import FlashwriteError
 from .flatten import Columns
@@ -100,14 +104,22 @@ class Plan:
     fallback_reason: str = ""
     compared_bytes: int = 0                        # bytes hashed from the source to compare
     watched_bytes: int = 0                         # bytes not hashed: no write reached them (write_watch)
+    held: dict[int, held.HeldFile] = field(default_factory=dict)  # held files (held.py)
+    settled: set[int] = field(default_factory=set)  # held files the job linked (held.settle)
+    held_settled: bool = False
 
     @property
-    def written(self) -> list[PlannedFile]:
+    def staged(self) -> list[PlannedFile]:
+        """The files the save job stages (held ones included), in its order."""
         return [f for i, f in enumerate(self.files) if i not in self.linked]
 
     @property
+    def written(self) -> list[PlannedFile]:
+        return [f for i, f in enumerate(self.files) if i not in self.linked and i not in self.settled]
+
+    @property
     def linked_bytes(self) -> int:
-        return sum(self.files[i].size for i in self.linked)
+        return sum(self.files[i].size for i in self.linked | self.settled)
 
 
 # ------------------------------------------------------------------ the base
@@ -299,6 +311,29 @@ def _link(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], whe
     return claimed
 
 
+def _hold(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], where: dict[str, int],
+          files: list[int], prefix: str, target: Target) -> set[int]:
+    """Plan the base stripes ``files`` (tensors not compared: on a GPU) as held files
+    mirroring them (``held``); the columns they cover."""
+    m = base.manifest
+    mirrors = []
+    for fi in files:
+        fe = m.files[fi]
+        src = os.path.join(base.path, fe.name)
+        header = _read_header(target, src, fe.header_bytes, fe.size)
+        if header is not None and _header_meta(header) == HEADER_META:
+            mirrors.append((fi, src, header))
+    claimed: set[int] = set()
+    for k, (fi, src, header) in enumerate(mirrors):
+        entries = sorted(by_file[fi], key=lambda te: te.offset)
+        members = [where[te.key] for te in entries]
+        name = stripe_name(f"{prefix}-held", k, len(mirrors))
+        out.files.append(PlannedFile(name, header, m.files[fi].size, columns, members, [te.offset for te in entries]))
+        out.held[len(out.files) - 1] = held.held_file(src, entries, m.block_bytes)
+        claimed.update(members)
+    return claimed
+
+
 def _plan_rest(out: Plan, columns: Columns, left: list[int], stable: list[int], *, stripes: int, prefix: str,
                metadata: dict[str, str] | None) -> None:
     """Plan what is to be written: the tensors unchanged at this save in stripes of their
@@ -335,13 +370,20 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     for te in m.tensors.values():
         by_file[te.file].append(te)
     cands = compare.candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
+    holds = held.candidates(columns, m, by_file, where, seq % RECHECK_HOT_EVERY == 0) if target is LOCAL else []
+    if held.HOLD_HOST and target is LOCAL:
+        cands, holds = [], holds + cands
     changed, compared, unchanged_files, watched = compare.changed(columns, m, by_file, where, cands, threads)
     # "Unchanged at the last save": tensors of candidate stripes that passed.
-    looked = {te.key for fi in cands for te in by_file[fi]}
+    # (and of held candidates: those that cannot be mirrored, carrying a save's metadata, go stable)
+    looked = {te.key for fi in cands + holds for te in by_file[fi]}
     out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared, watched_bytes=watched)
     claimed = _link(out, columns, base, by_file, where, unchanged_files, tmp, prefix, target)
+    claimed |= _hold(out, columns, base, by_file, where, holds, prefix, target)
     left = [j for j in range(len(columns.keys)) if j not in claimed]
-    stable = [j for j in left if columns.keys[j] in looked and columns.keys[j] not in changed]
+    hints = held.stable_hints(m)  # unchanged beside a changed tensor of a held file, at the last save
+    stable = [j for j in left if (columns.keys[j] in looked and columns.keys[j] not in changed)
+              or columns.keys[j] in hints]
     _plan_rest(out, columns, left, stable, stripes=stripes, prefix=prefix, metadata=metadata)
     return out
 
@@ -349,10 +391,12 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
 def annotate(manifest: dict, p: Plan) -> dict:
     """Mark the linked and hot stripes in ``manifest`` and add its incremental section."""
     for i, fe in enumerate(manifest["files"]):
-        if i in p.linked:
+        if i in p.linked or i in p.settled:
             fe["linked"] = True
         elif i in p.hot:
             fe["hot"] = True
+            if i in p.held and p.held[i].changed is not None:
+                fe["changed"] = p.held[i].changed
     manifest[SECTION] = {"base": p.base, "seq": p.seq, "linked_bytes": p.linked_bytes,
                          "written_bytes": sum(f.size for f in p.written), "link_fallbacks": p.fallbacks}
     return manifest
@@ -399,9 +443,9 @@ class Planner:
 
     def __call__(self, columns: Columns, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
                  block: int) -> Plan | None:
-        on_gpu = sum(d != "cpu" for d in columns.devices)
+        on_gpu = sum(d != "cpu" for d in columns.devices) if self.target is not LOCAL else 0
         if on_gpu and on_gpu == len(columns.devices):
-            self.note = "off: GPU tensors are not compared (the save writes every stripe)"
+            self.note = "off: GPU tensors are not compared on nfs:// (the save writes every stripe)"
             return None
         path = self.base_path()
         if path is None:
@@ -409,7 +453,7 @@ class Planner:
                          " (nfs://: only one this Writer committed there counts; the save writes every stripe)")
             return None
         if on_gpu:
-            self.note = f"on: host tensors only ({on_gpu} GPU tensors are written, not compared)"
+            self.note = f"on: host tensors only ({on_gpu} GPU tensors are written on nfs://, not compared)"
         try:
             base = self.cache.get(path, self.target)
         except (OSError, ValueError, FlashwriteError) as e:  # a damaged base is not linked from; the save writes everything

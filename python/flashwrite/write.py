@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from . import _core, gcpause, hf, nfs
+from . import _core, gcpause, held, hf, nfs
 from . import cuda as _cuda
 from . import defaults as _defaults
 from .flatten import diagnose, flatten_columns
@@ -67,7 +67,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                 hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
                 if rest:
                     files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
-            written = iplan.written if iplan is not None else files
+            written = iplan.staged if iplan is not None else files  # held files too: linked or written by the job
             keepalive, segments, host_files, streams = _stage_sources(written)
             if iplan is not None:
                 columns.sources = None  # the linked stripes' tensors are not staged: not held either
@@ -77,7 +77,8 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in written], segments,
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
                             hold_slots=hold_slots, host_files=host_files,
-                            remote=nfs.remote_for(directory))  # nfs://: straight to the server
+                            remote=nfs.remote_for(directory),  # nfs://: straight to the server
+                            held=held.specs(iplan) if iplan is not None else [])
     if streams and engine.pin_error:
         _warn_unpinned(engine.pin_error)
     stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(columns.keys),
@@ -87,10 +88,15 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     sw.hf_section = hf_section
     if iplan is not None:
         sw.incremental = iplan
-        stats.bytes_linked, stats.stripes_linked = iplan.linked_bytes, len(iplan.linked)
-        stats.link_fallbacks, stats.compared_bytes = iplan.fallbacks, iplan.compared_bytes
-        stats.watched_bytes = iplan.watched_bytes
+        _incremental_stats(stats, iplan)
+        stats.compared_bytes, stats.watched_bytes = iplan.compared_bytes, iplan.watched_bytes
     return sw
+
+
+def _incremental_stats(stats: SaveStats, iplan: Any) -> None:
+    """What an incremental save wrote and linked (again once its held files are settled)."""
+    stats.bytes_written, stats.bytes_linked = sum(f.size for f in iplan.written), iplan.linked_bytes
+    stats.stripes_linked, stats.link_fallbacks = len(iplan.linked) + len(iplan.settled), iplan.fallbacks
 
 
 def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int, int, int, int]], list[tuple],
@@ -202,8 +208,13 @@ class StripeWrite:
         with gcpause.paused():
             incr = self.incremental
             sums = iter(self.job.checksums())  # one list per non-empty tensor, in plan order
-            written = self.files if incr is None else incr.written
+            written = self.files if incr is None else incr.staged
             by_key = {p.key: (next(sums) if p.nbytes else []) for f in written for p in f.tensors}
+            if incr is not None and incr.held:  # the job decided them before it was checksummed
+                note = held.settle(incr, self.job.held_results(), by_key)
+                _incremental_stats(self.stats, incr)
+                if note:
+                    self.stats.incremental = f"on: {note}"
             if incr is not None:
                 by_key.update(incr.checksums)
             m = build_manifest(self.files, by_key, self.aliases, self.tree, self.engine.chunk_bytes,
