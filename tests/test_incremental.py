@@ -149,8 +149,6 @@ def test_off_by_default_on_writer_and_save(tmp_path):
     s = fw.save(lora_state(3, frozen), str(tmp_path / "c"), incremental=True)
     assert s.incremental == "on" and s.bytes_linked > 0
     assert_same(fw.load(str(tmp_path / "c")), lora_state(3, frozen))
-    with pytest.raises(ValueError, match="local_snapshots"):
-        fw.Writer(incremental=True, local_snapshots=True)
 
 
 def test_link_refused_falls_back_to_writing(tmp_path, monkeypatch):

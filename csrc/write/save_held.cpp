@@ -3,7 +3,8 @@
 // as a file that mirrors it byte for byte. Its chunks are staged and
 // checksummed like any other, but parked in their slots; once the last one is,
 // the checksums decide: all as expected -> the base stripe is hard-linked to
-// the file's path (nothing written, the slots go back), else -> written.
+// the file's path (nothing written, the slots go back, or stay for the local
+// snapshot of a save that keeps its slots), else -> written.
 //
 // Holding is safe only when no staging waits for a held slot: the job holds
 // only when the pool has a slot for every chunk of the save (its reservation
@@ -26,7 +27,6 @@ void SaveJob::init_held() {
     FileSpec& s = specs_[f];
     if (s.link_from.empty()) continue;
     if (opt_.remote) throw std::invalid_argument("held files are for local stripes, not remote ones: " + s.path);
-    if (opt_.hold_slots) throw std::invalid_argument("held files cannot be part of a save that keeps its slots");
     auto h = std::make_unique<Held>();
     h->expected = std::move(s.expected);
     std::sort(h->expected.begin(), h->expected.end(),
@@ -93,7 +93,7 @@ void SaveJob::decide(uint32_t f) {
     if (::link(specs_[f].link_from.c_str(), specs_[f].path.c_str()) == 0) {
       for (size_t ci : chunks) {
         bytes_linked_ += plan_.chunks[ci].data_len;
-        pool_->release(requests_[ci].buf);
+        return_slot(requests_[ci].buf, true);  // kept for a local snapshot (hold_slots), else back to the pool
       }
       std::lock_guard<std::mutex> lk(park_mu_);
       h.result = HeldResult{HeldOutcome::Linked, 0};

@@ -102,7 +102,7 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     target, final = resolve(path, "save")
     make_planner, note = None, ""
     if incremental is not None:
-        note = _incremental.refusal(local_snapshots=tier is not None, hf_model=False) or ""
+        note = _incremental.refusal(hf_model=False) or ""
         if not note:
             make_planner = incremental(final, target, (coord.rank, coord.size))
     strategy = AgreedCommit(coord, final, commit.shared_temp_dir_for(final, coord.nonce, seq), overwrite, target,

@@ -11,6 +11,10 @@ chunks are staged, equal checksums hard-link the base stripe to its name (nothin
 written, its slots go back), any difference writes it. A refused link (EXDEV, EPERM,
 a base deleted meanwhile) writes it too, counted in ``SaveStats.link_fallbacks``.
 
+A save with a local snapshot (the memory tier keeps the staging pool's copy of the whole
+state) plans every candidate stripe so, host tensors too: its bytes are staged for the
+snapshot either way, and a linked file's slots stay with the snapshot.
+
 The links are made by the job's copy threads before it reports itself durable, so the
 directory fsync before the manifest covers them (``commit.finalize``). The stall does
 not grow: the staging is what a full save does. Holding needs the staging pool to hold

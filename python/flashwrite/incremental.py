@@ -47,11 +47,14 @@ GPU tensors are not compared before staging: a base stripe holding some is plann
 checksums come out equal, else written (``held``; local targets only, on nfs:// GPU
 stripes are written).
 
+With local snapshots (the memory tier) every stripe must be staged, since the snapshot is
+the staging pool's copy of the whole state: every candidate stripe is then a held file,
+staged and linked on storage by the job (``plan(hold_all=True)``). The snapshot itself is
+copied whole at each save; keeping the previous snapshot's unchanged pages would need the
+pool to hand the same slots to the same bytes from one save to the next.
+
 Not covered (the save then writes everything and ``SaveStats.incremental`` says why):
-DCP saves to nfs://,
-``hf_model=``, and local snapshots (a snapshot in the memory tier is the staging pool's
-copy of the whole state; keeping the previous snapshot's unchanged pages would need the
-pool to hand slots from one save to the next).
+DCP saves to nfs:// and ``hf_model=``.
 """
 
 from __future__ import annotations
@@ -358,9 +361,11 @@ def _plan_rest(out: Plan, columns: Columns, left: list[int], stable: list[int], 
 
 
 def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
-         threads: int, target: Target = LOCAL) -> Plan:
+         threads: int, target: Target = LOCAL, hold_all: bool = False) -> Plan:
     """Compare the state of ``columns`` with ``base``, link the stripes that did not change
-    into ``tmp`` (the save's temporary directory on ``target``), and plan the rest."""
+    into ``tmp`` (the save's temporary directory on ``target``), and plan the rest.
+    hold_all: every candidate stripe is a held file (a save whose local snapshot needs
+    every byte staged), none is compared before staging."""
     m = base.manifest
     section = m.raw.get(SECTION) if isinstance(m.raw.get(SECTION), dict) else {}
     prev_seq = section.get("seq", 0) if isinstance(section.get("seq"), int) else 0
@@ -371,7 +376,7 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
         by_file[te.file].append(te)
     cands = compare.candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
     holds = held.candidates(columns, m, by_file, where, seq % RECHECK_HOT_EVERY == 0) if target is LOCAL else []
-    if held.HOLD_HOST and target is LOCAL:
+    if (held.HOLD_HOST or hold_all) and target is LOCAL:
         cands, holds = [], holds + cands
     changed, compared, unchanged_files, watched = compare.changed(columns, m, by_file, where, cands, threads)
     # "Unchanged at the last save": tensors of candidate stripes that passed.
@@ -442,7 +447,9 @@ class Planner:
         return None
 
     def __call__(self, columns: Columns, *, stripes: int, prefix: str, metadata: dict[str, str] | None,
-                 block: int) -> Plan | None:
+                 block: int, stage_all: bool = False) -> Plan | None:
+        """stage_all: the save keeps every staged byte (a local snapshot): candidate stripes
+        are held files, staged and then linked by the job, not linked before staging."""
         on_gpu = sum(d != "cpu" for d in columns.devices) if self.target is not LOCAL else 0
         if on_gpu and on_gpu == len(columns.devices):
             self.note = "off: GPU tensors are not compared on nfs:// (the save writes every stripe)"
@@ -466,13 +473,11 @@ class Planner:
             return None
         base = Base(base.path, rank_part(m, self.rank[0]) if self.rank is not None else m)
         return plan(columns, base, self.tmp, stripes=stripes, prefix=prefix, metadata=metadata, threads=self.threads,
-                    target=self.target)
+                    target=self.target, hold_all=stage_all)
 
 
-def refusal(*, local_snapshots: bool, hf_model: bool) -> str | None:
+def refusal(*, hf_model: bool) -> str | None:
     """Why an incremental save falls back to writing everything here, or None."""
-    if local_snapshots:
-        return "off: local snapshots keep a whole staged state (the save writes every stripe)"
     if hf_model:
         return "off: hf_model= saves are not incremental yet (the save writes every stripe)"
     return None

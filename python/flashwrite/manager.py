@@ -94,9 +94,11 @@ class CheckpointManager:
     in root are not checkpoints to this manager.
     incremental: hard-link the stripes that did not change since the previous checkpoint
     instead of writing them (``flashwrite.incremental``); every checkpoint stays whole on
-    its own, so retention may delete any of them. Default: on without local snapshots
-    (with process_group, each rank links from its own part of the previous checkpoint;
-    where it cannot apply, saves write every stripe and ``SaveStats.incremental`` says why).
+    its own, so retention may delete any of them. Default: on (with process_group, each
+    rank links from its own part of the previous checkpoint; with local snapshots, every
+    stripe is staged for the snapshot and the unchanged ones are linked on storage instead
+    of written; where it cannot apply, saves write every stripe and
+    ``SaveStats.incremental`` says why).
     on_commit: ``on_commit(step, path)`` runs on the commit thread after each save has
     committed (and retention has run), before ``wait()`` returns; an error it raises is
     logged (the checkpoint itself is committed).
@@ -126,9 +128,7 @@ class CheckpointManager:
         self.allow_pickle = allow_pickle
         self._tier = self._writer.local_tier
         self.keep_local = keep_local
-        if incremental is None:
-            incremental = not self._writer.local_snapshots
-        self.incremental = bool(incremental)
+        self.incremental = True if incremental is None else bool(incremental)
         self.local_dir = self._tier.dir if self._tier is not None else None
         self.process_group = process_group
         self._rank: tuple[int, int] | None = None  # (rank, size) in a multi-rank run

@@ -58,7 +58,8 @@ class Writer:
     incremental: stripes whose tensors did not change since the newest committed checkpoint
     beside the target (on nfs://: the last one this Writer committed there) are hard-linked
     from it instead of written (``flashwrite.incremental``; per save:
-    ``save_async(incremental=)``). Not with local_snapshots.
+    ``save_async(incremental=)``). With local_snapshots the snapshot is whole and the
+    unchanged stripes are linked on storage.
     """
 
     def __init__(self, stripes: int | None = None, queue_depth: int | None = None,
@@ -92,9 +93,6 @@ class Writer:
         self.copy_threads = copy_threads or defaults.COPY_THREADS
         if neighbour_copies and not local_snapshots:
             raise ValueError("neighbour_copies=True needs local_snapshots=True")
-        if incremental and local_snapshots:
-            raise ValueError("incremental=True does not work with local_snapshots=True yet: a local snapshot "
-                             "keeps a whole staged state")
         self.incremental = bool(incremental)
         self._bases = _incremental.BaseCache()
         self._tier = LocalTier(local_dir, neighbour_copies) if local_snapshots else None
@@ -307,7 +305,7 @@ class Writer:
         planner: Callable[[str], Any] | None = None
         note = ""
         if incr:
-            note = _incremental.refusal(local_snapshots=self._tier is not None, hf_model=hf_model is not None) or ""
+            note = _incremental.refusal(hf_model=hf_model is not None) or ""
             if not note:
                 planner = _incremental.planner_for(path, target, self._bases, self.copy_threads)
         # The next incremental save's base, where directories are not scanned (nfs://).

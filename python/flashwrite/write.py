@@ -55,8 +55,10 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
             hf_section = None
             iplan = None
             if incremental is not None and hf_model is None:
+                # A save that keeps its slots (a local snapshot) stages every stripe: its
+                # unchanged ones are held files, linked by the job once staged.
                 iplan = incremental(columns, stripes=stripes, prefix=prefix, metadata=metadata,
-                                    block=engine.chunk_bytes)
+                                    block=engine.chunk_bytes, stage_all=hold_slots)
             if iplan is not None:
                 files = iplan.files
             elif hf_model is None:
