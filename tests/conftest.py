@@ -8,6 +8,7 @@ import flashwrite as fw
 from fuse_util import fuse_faults_exe, fuse_mount  # noqa: F401  (fixtures of the FUSE fault tests)
 
 from nfs_fixtures import nfs_server, nfs_staging  # noqa: F401  (a real NFS server, for tests marked nfs)
+from cuda_fixtures import fake_cudart  # noqa: F401  (the stand-in CUDA runtime)
 
 # Bounds what one test may write (see disk_guard.py): a runaway test fails alone.
 pytest_plugins = ["disk_guard", "pytester"]

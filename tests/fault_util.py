@@ -206,3 +206,24 @@ class Zygote:
             self.proc.stdout.close()
             self._reader.join(5)
             self._log.close()
+
+
+def kill_at_random(code: str, rng, trials: int):
+    """Run ``python -c code`` once to the end (a base for later runs, and the time one run
+    takes), then ``trials`` times more, each killed with SIGKILL at a random moment within
+    that time. Yields after each trial whether it was killed mid-run; the caller then
+    checks what the victim left."""
+    import signal
+    import sys
+    import time
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+    window = time.monotonic() - t0
+    for _ in range(trials):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.3, max(0.4, window)))
+        killed = p.poll() is None
+        if killed:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        yield killed

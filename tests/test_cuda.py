@@ -425,18 +425,6 @@ def test_fallback_when_the_native_runtime_is_unusable(gpu, tmp_path):
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="session")
-def fake_cudart(tmp_path_factory):
-    import shutil
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        pytest.skip("no C++ compiler to build the stand-in CUDA runtime")
-    out = str(tmp_path_factory.mktemp("fakecudart") / "libfakecudart.so")
-    subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", out, os.path.join(HERE, "fake_cudart.cpp"),
-                    "-lpthread"], check=True, capture_output=True, timeout=300)
-    return out
-
-
 def _fake(fake_cudart, scenario, tmp_path, **env):
     env = {"FLASHWRITE_CUDA_RUNTIME": fake_cudart, **{k: str(v) for k, v in env.items()}}
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_CUDART")}

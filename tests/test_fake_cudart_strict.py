@@ -12,13 +12,12 @@ import textwrap
 
 import pytest
 
-from test_cuda import fake_cudart  # noqa: F401  (built once per session)
 
 H2D, D2H = 1, 2
 
 
 @pytest.fixture
-def rt(fake_cudart):  # noqa: F811
+def rt(fake_cudart):
     lib = ctypes.CDLL(fake_cudart)
     lib.fake_cudart_malloc.restype = ctypes.c_void_p
     lib.fake_cudart_malloc.argtypes = [ctypes.c_size_t]
@@ -72,7 +71,7 @@ def _child(code, fake, **env):
                           timeout=60, env=full)
 
 
-def test_cpu_reads_and_writes_of_device_memory_fault(fake_cudart):  # noqa: F811
+def test_cpu_reads_and_writes_of_device_memory_fault(fake_cudart):
     for op in ("ctypes.string_at(dev, 16)", "ctypes.memset(dev, 0, 16)"):
         r = _child(f"""
             import ctypes, sys
@@ -101,7 +100,7 @@ def test_pageable_copies_allowed_when_registration_is_made_to_fail(rt):
         del os.environ["FAKE_CUDART_ALLOW_PAGEABLE"]
 
 
-def test_event_destroyed_while_its_record_is_pending(fake_cudart):  # noqa: F811
+def test_event_destroyed_while_its_record_is_pending(fake_cudart):
     # CUDA frees such an event once the stream has passed it; the stand-in used to
     # free it at once while the stream thread still signalled it.
     r = _child("""
@@ -180,7 +179,7 @@ _CAPTURE = """
 """
 
 
-def test_capture_forbids_syncs_from_other_threads_as_cuda_does(fake_cudart):  # noqa: F811
+def test_capture_forbids_syncs_from_other_threads_as_cuda_does(fake_cudart):
     r = _child(_CAPTURE, fake_cudart)
     assert r.returncode == 0, r.stderr
     res = eval(r.stdout.strip().splitlines()[-1])  # a dict of tuples printed by the child

@@ -8,9 +8,6 @@ import errno
 import os
 import random
 import shutil
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,7 +19,7 @@ from flashwrite.errors import CorruptCheckpointError
 from flashwrite.flatten import flatten_columns
 from flashwrite.format import read_manifest
 
-from fault_util import flip_byte, need_root, tmpfs
+from fault_util import flip_byte, kill_at_random, need_root, tmpfs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHUNK = 1 << 20
@@ -383,18 +380,9 @@ def test_kill9_during_incremental_saves(tmp_path):
     root = str(tmp_path / "ck")
     frozen = frozen_base()
     code = _VICTIM.format(here=HERE, root=root)
-    # One clean run gives the later ones a base to link from, and a time per run.
-    t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
-    window = time.monotonic() - t0
     killed, linked_seen = 0, False
-    for trial in range(10):
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.3, max(0.4, window)))
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            killed += 1
-        p.wait()
+    for was_killed in kill_at_random(code, rng, 10):  # the clean first run gives the others a base
+        killed += was_killed
         mgr = fw.CheckpointManager(root)  # cleans what the victim left
         steps = mgr.all_steps()
         assert steps, f"seed {seed}: no checkpoint left"

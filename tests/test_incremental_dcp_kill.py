@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from flashwrite.format import MANIFEST_NAME, read_manifest
 
 from test_incremental import assert_same
 from test_incremental_dcp import flat_of
-from test_incremental_dist_kill import HERE, _reap, _start
+from test_incremental_dist_kill import HERE, kill_a_rank_at_random
 
 _RANK = """
 import datetime, os, shutil, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
@@ -62,22 +61,14 @@ def test_kill9_of_a_rank_during_incremental_dcp_saves(tmp_path):
     rng = random.Random(seed)
     root = str(tmp_path / "ck")
     code = _RANK.format(here=HERE)
-    clean = _start(code, tmp_path, root, 0, 1)  # gives the trials a base, and a time per run
-    t0 = time.monotonic()
-    _reap(clean, time.monotonic() + 180)
-    assert [p.returncode for p in clean] == [0, 0]
-    window = time.monotonic() - t0
-    killed, linked_seen = 0, False
-    for trial in range(1, 6):
+
+    def next_start() -> int:
         done = _committed(root)
-        start = int(done[-1].split("-")[1]) + 1 if done else 1
-        procs = _start(code, tmp_path, root, trial, start)
-        time.sleep(rng.uniform(0.0, window))
-        victim = procs[rng.randrange(2)]
-        if victim.poll() is None:
-            os.kill(victim.pid, signal.SIGKILL)
-            killed += 1
-        _reap(procs, time.monotonic() + 60)  # the survivor fails on the lost peer (or finishes)
+        return int(done[-1].split("-")[1]) + 1 if done else 1
+
+    killed, linked_seen = 0, False
+    for was_killed in kill_a_rank_at_random(code, tmp_path, root, rng, 5, next_start):
+        killed += was_killed
         done = _committed(root)
         assert done, f"seed {seed}: no checkpoint left"
         for name in done:  # every committed checkpoint is whole and byte-exact

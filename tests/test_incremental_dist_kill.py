@@ -67,6 +67,27 @@ def _reap(procs: list[subprocess.Popen], deadline: float) -> None:
         p.stdout.close()
 
 
+def kill_a_rank_at_random(code: str, tmp, root: str, rng, trials: int, next_start):
+    """Run both ranks of ``code`` once to the end (a base for later runs, and the time one
+    run takes), then ``trials`` times more from step ``next_start()``, one rank killed with
+    SIGKILL at a random moment within that time (the survivor fails on the lost peer, or
+    finishes). Yields after each trial whether a rank was killed mid-run."""
+    clean = _start(code, tmp, root, 0, 1)
+    t0 = time.monotonic()
+    _reap(clean, time.monotonic() + 180)
+    assert [p.returncode for p in clean] == [0, 0]
+    window = time.monotonic() - t0
+    for trial in range(1, trials + 1):
+        procs = _start(code, tmp, root, trial, next_start())
+        time.sleep(rng.uniform(0.0, window))
+        victim = procs[rng.randrange(2)]
+        killed = victim.poll() is None
+        if killed:
+            os.kill(victim.pid, signal.SIGKILL)
+        _reap(procs, time.monotonic() + 60)
+        yield killed
+
+
 @pytest.mark.slow
 def test_kill9_of_a_rank_during_incremental_multi_rank_saves(tmp_path):
     seed = int(os.environ.get("FLASHWRITE_TEST_SEED") or time.time_ns() % 2**32)
@@ -74,21 +95,10 @@ def test_kill9_of_a_rank_during_incremental_multi_rank_saves(tmp_path):
     rng = random.Random(seed)
     root = str(tmp_path / "ck")
     code = _RANK.format(here=HERE)
-    clean = _start(code, tmp_path, root, 0, 1)  # gives the trials a base, and a time per run
-    t0 = time.monotonic()
-    _reap(clean, time.monotonic() + 180)
-    assert [p.returncode for p in clean] == [0, 0]
-    window = time.monotonic() - t0
     killed, linked_seen = 0, False
-    for trial in range(1, 6):
-        start = (fw.CheckpointManager(root).latest_step() or 0) + 1
-        procs = _start(code, tmp_path, root, trial, start)
-        time.sleep(rng.uniform(0.0, window))
-        victim = procs[rng.randrange(2)]
-        if victim.poll() is None:
-            os.kill(victim.pid, signal.SIGKILL)
-            killed += 1
-        _reap(procs, time.monotonic() + 60)  # the survivor fails on the lost peer (or finishes)
+    for was_killed in kill_a_rank_at_random(code, tmp_path, root, rng, 5,
+                                            lambda: (fw.CheckpointManager(root).latest_step() or 0) + 1):
+        killed += was_killed
         mgr = fw.CheckpointManager(root)  # cleans what the killed save left
         steps = mgr.all_steps()
         assert steps, f"seed {seed}: no checkpoint left"

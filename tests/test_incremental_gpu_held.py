@@ -11,7 +11,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,20 +22,11 @@ import torch
 import flashwrite as fw
 from flashwrite import held
 
+from fault_util import kill_at_random
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LINKED, CHANGED, REFUSED, POOL_TOO_SMALL, UNDECIDED = held.LINKED, held.CHANGED, held.REFUSED, \
     held.POOL_TOO_SMALL, held.UNDECIDED
-
-
-@pytest.fixture(scope="module")
-def fake_cudart(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        pytest.skip("no C++ compiler to build the stand-in CUDA runtime")
-    out = str(tmp_path_factory.mktemp("fakecudart") / "libfakecudart.so")
-    subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", out, os.path.join(HERE, "fake_cudart.cpp"),
-                    "-lpthread"], check=True, capture_output=True, timeout=300)
-    return out
 
 
 def _run(fake_cudart, scenario, tmp_path, base_dir=None, **env):
@@ -263,17 +253,9 @@ def test_kill9_during_saves_with_held_files(tmp_path):
     rng = random.Random(seed)
     root = str(tmp_path / "ck")
     code = _VICTIM.format(here=HERE, root=root)
-    t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
-    window = time.monotonic() - t0
     killed, held_linked = 0, False
-    for _ in range(8):
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.3, max(0.4, window)))
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            killed += 1
-        p.wait()
+    for was_killed in kill_at_random(code, rng, 8):
+        killed += was_killed
         mgr = fw.CheckpointManager(root)  # cleans what the victim left
         assert mgr.all_steps() and [e for e in os.listdir(root) if commit.is_temp_name(e)] == []
         for s in mgr.all_steps():

@@ -13,7 +13,6 @@ import torch
 
 import flashwrite as fw
 from flashwrite import _core
-from test_cuda import fake_cudart  # noqa: F401  (built once per session)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,7 +56,7 @@ def test_thread_creation_failing_anywhere_never_crashes_hangs_or_leaks(tmp_path)
     assert out["fds_after"] == out["fds_before"], out
 
 
-def test_copy_batch_without_an_event_fails_the_save_cleanly(fake_cudart, tmp_path):  # noqa: F811
+def test_copy_batch_without_an_event_fails_the_save_cleanly(fake_cudart, tmp_path):
     # issue() records no event when cudaEventRecord fails; land() then synchronizes the
     # stream, outside any try before this change (a throw there terminated the process).
     out = _child("record_fails", tmp_path, {"FLASHWRITE_CUDA_RUNTIME": fake_cudart, "FAKE_CUDART_FAIL_RECORD": "2"})

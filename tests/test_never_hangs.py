@@ -13,7 +13,6 @@ import torch
 
 import flashwrite as fw
 from flashwrite import _core
-from test_cuda import fake_cudart  # noqa: F401  (the stand-in runtime, built once per session)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
