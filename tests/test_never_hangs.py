@@ -44,7 +44,7 @@ def test_trim_never_frees_the_slots_of_a_starting_save(tmp_path):
     # Before the fix: trim() between reserve() and the first acquire() unmapped the
     # job's slots and wait_staged() never returned (6 of 20 iterations).
     out = _child("trim_race", tmp_path)
-    assert out == {"hung": False, "freed_while_running": 0}
+    assert out == {"hung": False, "freed_while_staging": 0}
 
 
 @pytest.mark.slow  # README's command leaves it out; CI runs it (-m slow)
