@@ -42,6 +42,18 @@ def private(n: int) -> mmap.mmap:
     return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
+def own_memory(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in a private mapping of its own. The low-level tests make a
+    _core.WriteWatch of their own; the kernel refuses to register a range that another
+    userfaultfd (the process-wide watch of the incremental saves before them, or an earlier
+    test's) already holds, as heap tensors beside them may be."""
+    m = private(-(-t.nbytes // 4096) * 4096)
+    out = torch.frombuffer(m, dtype=torch.uint8)[:t.nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    out._keep = m  # the mapping lives as long as the tensor
+    return out
+
+
 def flip(address: int) -> None:
     """Change one byte with a plain store (no torch op)."""
     b = ctypes.c_ubyte.from_address(address)
@@ -66,7 +78,7 @@ def own(flags: list[int]) -> bool:
 
 
 def test_untouched_memory_is_clean_and_a_store_is_seen_once(watch):
-    t = torch.randn(4 * MiB // 4)
+    t = own_memory(torch.randn(4 * MiB // 4))
     (r,) = protected(watch, t)
     assert not own(watch.scan([r]))
     assert not own(watch.scan([r]))  # reading does not count
@@ -91,7 +103,7 @@ def test_page_aligned_memory_reports_exactly(watch):
 
 
 def test_a_store_behind_torchs_back_is_seen(watch):
-    t = torch.randn(2 * MiB // 4)
+    t = own_memory(torch.randn(2 * MiB // 4))
     (r,) = protected(watch, t)
     v = t._version
     ctypes.memset(t.data_ptr() + MiB + 17, 0x5A, 1)
@@ -100,7 +112,7 @@ def test_a_store_behind_torchs_back_is_seen(watch):
 
 
 def test_kernel_stores_into_the_memory_are_seen(watch, tmp_path):
-    t = torch.zeros(2 * MiB, dtype=torch.uint8)
+    t = own_memory(torch.zeros(2 * MiB, dtype=torch.uint8))
     (r,) = protected(watch, t)
     p = tmp_path / "bytes"
     p.write_bytes(os.urandom(4096))
@@ -119,7 +131,7 @@ def test_flashwrites_own_load_into_the_tensors_is_seen(watch, tmp_path):
     g = torch.Generator().manual_seed(3)
     saved = {"w": torch.randn(4 * MiB // 4, generator=g)}
     fw.save(saved, str(tmp_path / "ck"))
-    state = {"w": torch.zeros(4 * MiB // 4)}
+    state = {"w": own_memory(torch.zeros(4 * MiB // 4))}
     (r,) = protected(watch, state["w"])
     fw.load(str(tmp_path / "ck"), into=state)
     assert torch.equal(state["w"], saved["w"])
