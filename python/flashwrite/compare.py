@@ -20,25 +20,27 @@ from .format import Manifest, piece_ranges
 
 
 def candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int],
-                recheck: bool) -> list[int]:
-    """Base stripes whose tensors are all in the state alike (host memory, same dtype and
-    shape); stripes marked hot last time only when ``recheck``."""
+               recheck: bool) -> tuple[list[int], list[int]]:
+    """Base stripes whose tensors are all in the state alike (same dtype, shape and size),
+    as (those all in host memory: compared here, those with some on a GPU: held files,
+    ``held``); stripes marked hot last time only when ``recheck``."""
     hot_files = {f.get("name") for f in m.raw.get("files", []) if isinstance(f, dict) and f.get("hot")}
-    cands: list[int] = []
+    host: list[int] = []
+    device: list[int] = []
     for fi, entries in enumerate(by_file):
         if not entries or (m.files[fi].name in hot_files and not recheck):
             continue
-        ok = True
+        ok, on_gpu = True, False
         for te in entries:
             j = where.get(te.key)
-            if (j is None or columns.devices[j] != "cpu" or columns.nbytes[j] != te.nbytes
-                    or dtypes.dtype_name(columns.dtypes[j]) != te.dtype
+            if (j is None or columns.nbytes[j] != te.nbytes or dtypes.dtype_name(columns.dtypes[j]) != te.dtype
                     or columns.shapes[j] != ",".join(map(str, te.shape))):
                 ok = False
                 break
+            on_gpu = on_gpu or columns.devices[j] != "cpu"
         if ok:
-            cands.append(fi)
-    return cands
+            (device if on_gpu else host).append(fi)
+    return host, device
 
 
 def changed(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int], cands: list[int],

@@ -29,8 +29,6 @@ import errno
 from dataclasses import dataclass
 from typing import Any
 
-from . import dtypes
-from .flatten import Columns
 from .format import Manifest, piece_ranges
 
 # Tests only: plan host tensors' candidate stripes as held files too, instead of comparing
@@ -49,29 +47,6 @@ class HeldFile:
     expected: list[tuple[int, int, int]]  # (offset, bytes, checksum) of every piece
     sums: dict[str, list[int]]            # the base's checksums per tensor
     changed: list[str] | None = None      # once written for a change: the tensors that changed
-
-
-def candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int],
-               recheck: bool) -> list[int]:
-    """Base stripes whose tensors are all in the state alike (same dtype, shape and size)
-    with at least one of them not in host memory; stripes marked hot last time only when
-    ``recheck``."""
-    hot_files = {f.get("name") for f in m.raw.get("files", []) if isinstance(f, dict) and f.get("hot")}
-    out: list[int] = []
-    for fi, entries in enumerate(by_file):
-        if not entries or (m.files[fi].name in hot_files and not recheck):
-            continue
-        ok, device = True, False
-        for te in entries:
-            j = where.get(te.key)
-            if (j is None or columns.nbytes[j] != te.nbytes or dtypes.dtype_name(columns.dtypes[j]) != te.dtype
-                    or columns.shapes[j] != ",".join(map(str, te.shape))):
-                ok = False
-                break
-            device = device or columns.devices[j] != "cpu"
-        if ok and device:
-            out.append(fi)
-    return out
 
 
 def held_file(src: str, entries: list[Any], block: int) -> HeldFile:

@@ -276,23 +276,38 @@ def _header_meta(header: bytes) -> Any:
         return None
 
 
+def _mirrorable(base: Base, files: list[int], target: Target) -> list[tuple[int, str, bytes]]:
+    """(file, path, header bytes) of the base stripes ``files`` that a new stripe can
+    mirror byte for byte: whole, and carrying no save's metadata (the others are planned
+    as stable instead)."""
+    out = []
+    for fi in files:
+        fe = base.manifest.files[fi]
+        src = os.path.join(base.path, fe.name)
+        header = _read_header(target, src, fe.header_bytes, fe.size)
+        if header is not None and _header_meta(header) == HEADER_META:
+            out.append((fi, src, header))
+    return out
+
+
+def _mirror(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], where: dict[str, int], fi: int,
+            name: str, header: bytes) -> list[Any]:
+    """Plan base stripe ``fi`` again as ``name`` (its header, its tensors at the same
+    offsets); its entries, by offset."""
+    entries = sorted(by_file[fi], key=lambda te: te.offset)
+    out.files.append(PlannedFile(name, header, base.manifest.files[fi].size, columns, [where[te.key] for te in entries],
+                                 [te.offset for te in entries]))
+    return entries
+
+
 def _link(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], where: dict[str, int],
           unchanged_files: list[int], tmp: str, prefix: str, target: Target) -> set[int]:
     """Hard-link the unchanged stripes into ``tmp`` under their final names
     (<prefix>-linked-K-of-N: a link is never renamed); the columns they cover. After the
     first link that fails, the rest are written (counted in ``out.fallbacks``)."""
-    m = base.manifest
     claimed: set[int] = set()
-    linkable = []
-    for fi in unchanged_files:
-        fe = m.files[fi]
-        src = os.path.join(base.path, fe.name)
-        header = _read_header(target, src, fe.header_bytes, fe.size)
-        if header is not None and _header_meta(header) == HEADER_META:
-            linkable.append((fi, src, header))
-        # else damaged, or carrying a save's metadata: planned as stable instead
+    linkable = _mirrorable(base, unchanged_files, target)
     for k, (fi, src, header) in enumerate(linkable):
-        fe = m.files[fi]
         name = stripe_name(f"{prefix}-linked", k, len(linkable))
         if out.fallback_reason:
             out.fallbacks += 1
@@ -304,13 +319,11 @@ def _link(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], whe
             out.fallback_reason = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror} (linking {src})"
             log.info("flashwrite: incremental save writes the stripes it could not link: %s", out.fallback_reason)
             continue
-        entries = sorted(by_file[fi], key=lambda te: te.offset)
-        members = [where[te.key] for te in entries]
-        out.files.append(PlannedFile(name, header, fe.size, columns, members, [te.offset for te in entries]))
+        entries = _mirror(out, columns, base, by_file, where, fi, name, header)
         out.linked.add(len(out.files) - 1)
         for te in entries:
             out.checksums[te.key] = [int(h, 16) for h in te.checksums]
-        claimed.update(members)
+        claimed.update(where[te.key] for te in entries)
     return claimed
 
 
@@ -318,22 +331,12 @@ def _hold(out: Plan, columns: Columns, base: Base, by_file: list[list[Any]], whe
           files: list[int], prefix: str, target: Target) -> set[int]:
     """Plan the base stripes ``files`` (tensors not compared: on a GPU) as held files
     mirroring them (``held``); the columns they cover."""
-    m = base.manifest
-    mirrors = []
-    for fi in files:
-        fe = m.files[fi]
-        src = os.path.join(base.path, fe.name)
-        header = _read_header(target, src, fe.header_bytes, fe.size)
-        if header is not None and _header_meta(header) == HEADER_META:
-            mirrors.append((fi, src, header))
     claimed: set[int] = set()
+    mirrors = _mirrorable(base, files, target)
     for k, (fi, src, header) in enumerate(mirrors):
-        entries = sorted(by_file[fi], key=lambda te: te.offset)
-        members = [where[te.key] for te in entries]
-        name = stripe_name(f"{prefix}-held", k, len(mirrors))
-        out.files.append(PlannedFile(name, header, m.files[fi].size, columns, members, [te.offset for te in entries]))
-        out.held[len(out.files) - 1] = held.held_file(src, entries, m.block_bytes)
-        claimed.update(members)
+        entries = _mirror(out, columns, base, by_file, where, fi, stripe_name(f"{prefix}-held", k, len(mirrors)), header)
+        out.held[len(out.files) - 1] = held.held_file(src, entries, base.manifest.block_bytes)
+        claimed.update(where[te.key] for te in entries)
     return claimed
 
 
@@ -374,8 +377,9 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     by_file: list[list[Any]] = [[] for _ in m.files]
     for te in m.tensors.values():
         by_file[te.file].append(te)
-    cands = compare.candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
-    holds = held.candidates(columns, m, by_file, where, seq % RECHECK_HOT_EVERY == 0) if target is LOCAL else []
+    cands, holds = compare.candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
+    if target is not LOCAL:
+        holds = []  # held files are local stripes: on nfs:// GPU stripes are written
     if (held.HOLD_HOST or hold_all) and target is LOCAL:
         cands, holds = [], holds + cands
     changed, compared, unchanged_files, watched = compare.changed(columns, m, by_file, where, cands, threads)
