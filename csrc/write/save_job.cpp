@@ -100,7 +100,7 @@ void SaveJob::start() {
     // checksums can wait until staging is over (each chunk keeps its slot until
     // then). Else each chunk is checksummed as it is copied, and slots recycle.
     const auto wait0 = std::chrono::steady_clock::now();
-    defer_hash_ = pool_->reserve(plan_.chunks.size());
+    defer_hash_ = pool_->reserve(plan_.chunks.size(), /*hold=*/true, opt_.abort.get());
     reserved_ = true;
     pool_wait_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
     // A held file keeps its slots until all of its chunks are staged: only safe

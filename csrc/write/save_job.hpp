@@ -87,6 +87,9 @@ struct SaveOptions {
   // Stripes on a server (nfs://): created there and written by its backend, each
   // request reported once durable there; no local files, truncate or fsync.
   std::shared_ptr<RemoteFiles> remote;
+  // Set by the caller to stop a start() that still waits for the staging pool
+  // (a first save faulting in its slab): start() then throws, nothing started.
+  std::shared_ptr<std::atomic<bool>> abort;
 };
 
 // Where one chunk of a held save lies: stripe, offset in it, bytes, and the
