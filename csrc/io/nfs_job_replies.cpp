@@ -264,6 +264,10 @@ void WriteBackend::on_commit(WOp& op, int status, void* data) {
     } else {
       lp.progress = Clock::now();
       std::memcpy(verf, res->COMMIT3res_u.resok.verf, NFS3_WRITEVERFSIZE);
+      if (spoil_commits_ > 0) {  // test only: as if the server had restarted since the WRITEs
+        --spoil_commits_;
+        verf[0] ^= 0xFF;
+      }
     }
   }
   bool requeued = false;
@@ -281,6 +285,7 @@ void WriteBackend::on_commit(WOp& op, int status, void* data) {
     } else {
       // Written under another verifier: the server restarted and may have lost it.
       q->have_verf = q->mixed = false;
+      files_->note_rewrite();
       f.open++;
       open_++;
       std::vector<SubOp> subs;
