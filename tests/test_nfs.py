@@ -222,6 +222,18 @@ def test_save_rewrites_the_chunks_a_changed_verifier_covers(nfs_server, monkeypa
     assert_same(fw.load(local), state)
 
 
+def test_save_rewrites_a_chunk_written_under_mixed_verifiers(nfs_server, monkeypatch):
+    """A chunk whose WRITEs came back under different verifiers (a restart between two of
+    them) is written again even though its last WRITE's verifier matches the COMMIT's.
+    One RPC in flight, so the spoiled first piece of a 4-piece chunk replies before the
+    rest (test hook: FLASHWRITE_NFS_TEST_SPOIL_WRITE_VERIFIER)."""
+    monkeypatch.setenv("FLASHWRITE_NFS_TEST_SPOIL_WRITE_VERIFIER", "1")
+    state = _big_state(8, seed=4)
+    stats = fw.save(state, nfs_server.url("ck") + "?connections=1&depth=1", stripes=1, chunk_bytes=4 << 20)
+    assert stats.extra["nfs_rewrites"] == 1, stats.extra
+    assert_same(fw.load(os.path.join(nfs_server.export, "ck")), state)
+
+
 def test_save_fails_when_the_verifier_never_settles(nfs_server, monkeypatch):
     """Every COMMIT under another verifier than its WRITEs: the save gives up after its
     rounds of rewrites with a named error, and commits nothing."""

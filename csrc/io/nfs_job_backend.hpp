@@ -155,6 +155,10 @@ class WriteBackend : public IoBackend {
   // COMMIT replies are taken as if the server had restarted (their verifier altered),
   // so the rewrite of what they cover is exercised deterministically. 0: off.
   int spoil_commits_ = 0;
+  // Test only (FLASHWRITE_NFS_TEST_SPOIL_WRITE_VERIFIER=N): the first N WRITE replies
+  // for a piece before the last of its request come back under another verifier, so
+  // that request's pieces are mixed while its last one matches the COMMIT. 0: off.
+  int spoil_writes_ = 0;
   std::mutex mu_;
   std::condition_variable drained_;
   std::deque<SubOp> queue_;
