@@ -175,6 +175,7 @@ py::dict save_stats(const SaveJob& j) {
   d["files_buffered"] = s.files_buffered;
   d["device_bytes"] = s.device_bytes;
   d["pin_s"] = s.pin_s;
+  d["rewrites"] = s.rewrites;
   return d;
 }
 

@@ -107,6 +107,7 @@ struct SaveStats {
   double pin_s = 0;  // page-locking the pool while this save started (Engine::start_save)
   std::string backend;
   unsigned files_direct = 0, files_buffered = 0;
+  uint64_t rewrites = 0;  // nfs://: chunks written again (RemoteFiles::rewrites)
 };
 
 class SaveJob {
@@ -239,6 +240,10 @@ class SaveJob {
   // chunk's slot is free again only once both its write and its checksum are
   // done; slot_refs_[ci] counts them down from 2 (0: not deferred).
   bool defer_hash_ = false;
+  // Test only (FLASHWRITE_TEST_DEFER_HASH_DELAY_MS, read per job): each copy thread
+  // waits this long before its deferred checksums, so a slot given back before its
+  // checksum read it is reused by another save first, every time. 0: off.
+  int test_hash_delay_ms_ = 0;
   std::unique_ptr<std::atomic<uint8_t>[]> slot_refs_;
   std::mutex held_mu_;
   std::vector<char*> held_;  // written slots kept for the snapshot

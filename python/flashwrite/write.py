@@ -190,6 +190,8 @@ class StripeWrite:
         stats.pool_bytes = self.engine.pool_bytes
         stats.pinned = self.engine.pool_pinned
         stats.pin_s = native["pin_s"]
+        if native["backend"] == "nfs":  # chunks sent again: a COMMIT came back under another write verifier
+            stats.extra["nfs_rewrites"] = native["rewrites"]
         return self.manifest()
 
     def manifest(self) -> dict:
