@@ -21,6 +21,10 @@ for it (a failure is logged when it happens and raised by the next wait).
 has committed, so a checkpoint in flight is never a candidate and never counted; a checkpoint
 is never visible before it is whole, so ``resume_from_checkpoint=True`` finds the newest
 committed one. Resuming loads the model, optimizer, scheduler, scaler and RNG states from it.
+The best model is the Trainer's: ``best_model_checkpoint`` counts the checkpoint being saved
+(still in flight) as the Trainer's does, rotation protects it, and ``load_best_model_at_end``
+loads its weights through flashwrite, after the saves in flight have committed (so does the
+``save_total_limit=1`` clean-up at the end of training).
 The staging pool (one per trainer, reused by every save) is reserved in the background after
 the first step that does not save, so the first checkpoint does not allocate it in the loop.
 
@@ -144,8 +148,9 @@ class FlashwriteTrainerMixin:
     def _fw_committed(self, run_dir: str, path: str) -> None:
         """After each commit, on the commit thread: the Trainer's own rotation."""
         mgr = self._fw_managers.get(run_dir)
-        if mgr is not None and mgr._inflight is not None and mgr._inflight.path == path:
-            self.flashwrite_stats.append(mgr._inflight.future.result())
+        pending = mgr.in_flight() if mgr is not None else None
+        if pending is not None and pending[1] == path:
+            self.flashwrite_stats.append(pending[2].result())
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
@@ -211,11 +216,7 @@ class FlashwriteTrainerMixin:
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         mgr = self._fw_manager(run_dir)
-        if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]
-                and self.state.best_global_step):
-            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.exists(best_dir) or (mgr._inflight is not None and mgr._inflight.path == best_dir):
-                self.state.best_model_checkpoint = best_dir
+        self._fw_record_best(mgr, run_dir)
         if self.args.should_save:
             for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
                        if isinstance(cb, ExportableState)]:
@@ -235,6 +236,19 @@ class FlashwriteTrainerMixin:
         if self.args.push_to_hub:
             mgr.wait()
             self._push_from_checkpoint(output_dir)
+
+    def _fw_record_best(self, mgr: CheckpointManager, run_dir: str) -> None:
+        """``best_model_checkpoint``, as the Trainer sets it right after ``save_model``: the
+        best step's directory if it exists by then, which the checkpoint of this very step
+        does for the Trainer. Here that one (like an earlier save still in flight) is not
+        on disk yet, and it counts too: the first wait after a failed save raises."""
+        if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]
+                and self.state.best_global_step):
+            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            best, pending = self.state.best_global_step, mgr.in_flight()
+            if (best == self.state.global_step and self.args.should_save) or os.path.exists(best_dir) \
+                    or (pending is not None and pending[0] == best):
+                self.state.best_model_checkpoint = best_dir
 
     def wait_for_checkpoints(self) -> None:
         """Block until every checkpoint save in flight has committed (and rotation has
@@ -256,9 +270,23 @@ class FlashwriteTrainerMixin:
         self.wait_for_checkpoints()
         return out
 
+    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any) -> Any:
+        # Before the best model is loaded and the save_total_limit=1 clean-up lists the
+        # checkpoints: a save still in flight would commit after that clean-up.
+        self.wait_for_checkpoints()
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
     def _load_best_model(self) -> None:
         self.wait_for_checkpoints()
-        return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        if not is_flashwrite_checkpoint(best):
+            return super()._load_best_model()
+        # Not the Trainer's way: its index branch would read model.safetensors.index.json,
+        # which (for a model that is not a PreTrainedModel) names the whole training state.
+        log.info("loading the best model from flashwrite checkpoint %s (score: %s)", best, self.state.best_metric)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        state = load(best, map_location="cpu", allow_pickle=self._fw_allow_pickle)
+        model.load_state_dict(state[MODEL_KEY])
 
     # ---------------------------------------------------------------- resuming
 
