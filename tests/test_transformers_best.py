@@ -18,22 +18,9 @@ from flashwrite import transformers as fwt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import transformers_child as child  # noqa: E402
+from transformers_child import Plain  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-class Plain(torch.nn.Module):
-    """A model that is not a PreTrainedModel (no config, no _keys_to_ignore_on_save)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(64, 16)
-        self.out = torch.nn.Linear(16, 64)
-
-    def forward(self, input_ids, labels=None):
-        logits = self.out(self.emb(input_ids))
-        return {"loss": torch.nn.functional.cross_entropy(logits.view(-1, 64), labels.view(-1)), "logits": logits}
 
 
 class _Snapshots(transformers.TrainerCallback):

@@ -9,9 +9,12 @@ or, for a subclass of Trainer (TRL's ``SFTTrainer``, your own)::
     SFTTrainer = flashwrite.transformers.with_flashwrite(SFTTrainer)
 
 Every ``save_steps`` checkpoint then is one flashwrite checkpoint, ``output_dir/checkpoint-N``:
-the model in the ``hf_model=`` layout (``from_pretrained("checkpoint-N")`` loads it, with
-``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them), the optimizer, LR scheduler, gradient scaler
-and RNG states (python, numpy, torch, CUDA) in the same stripes, and ``trainer_state.json``,
+the model (any ``nn.Module``) in the ``hf_model=`` layout, under its own names in the shards
+that ``model.safetensors.index.json`` lists, with a PreTrainedModel's ``config.json`` and
+``generation_config.json`` as ``save_pretrained`` writes them (``from_pretrained("checkpoint-N")``, transformers'
+``load_sharded_checkpoint`` and the Trainer's own loaders read it; there is no single
+``model.safetensors``: docs/transformers.md says why), the optimizer, LR scheduler, gradient scaler
+and RNG states (python, numpy, torch, CUDA) in ``state-*`` stripes beside them, and ``trainer_state.json``,
 ``training_args.bin`` and the tokenizer's files, written the Trainer's way, inside the same
 atomic commit (``extra_files=``). The training loop waits only for the state to be staged in
 host memory; writing goes on while it trains. At most one save is in flight; the next one,
@@ -110,7 +113,7 @@ class FlashwriteTrainerMixin:
         self._fw_writer: Writer | None = None
         self._fw_managers: dict[str, CheckpointManager] = {}
         self._fw_resume: tuple[str, dict] | None = None
-        self._fw_warned = False
+        self._fw_warned = self._fw_warned_layout = False
         self.flashwrite_stats: list = []
         self.add_callback(_ReservePool(self))
         _LIVE.add(self)
@@ -227,11 +230,16 @@ class FlashwriteTrainerMixin:
                     self.state.stateful_callbacks[name] = cb.state()
         if not self.args.should_save:
             return
-        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        pretrained = isinstance(unwrapped, PreTrainedModel)
-        files = self._fw_small_files(unwrapped)
+        files = self._fw_small_files(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+        state = self._fw_state()
+        fits = _hf_layout_fits(state)
+        if not fits and not self._fw_warned_layout:
+            self._fw_warned_layout = True
+            log.warning("flashwrite.transformers: the model's tensors cannot be stored under their own names (none, "
+                        "or names that clash with the rest of the state): model.safetensors.index.json names the "
+                        "whole training state, and the Trainer's own loaders cannot read the model from it")
         # Waits for the save in flight (if any) to commit, then returns once this one is staged.
-        mgr.save(step, self._fw_state(), overwrite=True, hf_model=MODEL_KEY if pretrained else None,
+        mgr.save(step, state, overwrite=True, hf_model=MODEL_KEY if fits else None,
                  extra_files=files)
         if self.args.push_to_hub:
             mgr.wait()
@@ -358,6 +366,17 @@ class _ReservePool(transformers.TrainerCallback):
         writer = trainer._fw_writer_for_saves()
         if writer.pool_bytes == 0:
             writer.reserve(trainer._fw_state())
+
+
+def _hf_layout_fits(state: dict) -> bool:
+    """Whether the model's tensors can go under their own names into the stripes that
+    model.safetensors.index.json lists (``hf_model=``), as the Trainer's model.safetensors
+    holds them, for any model: not when it has no tensors, or a name that could be the
+    name of a tensor elsewhere in the state (then the index names the whole state)."""
+    model = state[MODEL_KEY]
+    heads = {k.split(".", 1)[0] for k in model if isinstance(k, str)}
+    return (any(isinstance(v, torch.Tensor) for v in model.values()) and all(isinstance(k, str) for k in model)
+            and not heads & (set(state) - {MODEL_KEY}))
 
 
 def _rng_states() -> dict:
