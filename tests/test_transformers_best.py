@@ -162,3 +162,34 @@ def test_save_total_limit_1_leaves_only_the_best_once_train_returns(tmp_path):
         hold.gate.set()
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+
+
+def test_a_best_checkpoint_in_flight_at_the_next_save_is_recorded_and_kept(tmp_path):
+    """The best checkpoint (step 2) still in flight when the next save (step 4) starts: it
+    is recorded by then, as the Trainer (whose step-2 directory exists by then) has it, and
+    save_total_limit=1 rotation after step 4's commit must not delete it."""
+    trainer, snaps = _scored(tmp_path, EARLY, save_total_limit=1, load_best_model_at_end=True)
+    gate = threading.Event()
+    recorded = {}
+
+    class HoldFromStep2(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 1:  # step 2's commit queues behind this
+                trainer._fw_writer._committer().submit(gate.wait, 20)
+
+    record = trainer._fw_record_best
+
+    def record_then_release(run_dir):
+        record(run_dir)
+        if trainer.state.global_step == 4:
+            recorded[4] = (trainer.state.best_model_checkpoint, os.path.exists(tmp_path / "checkpoint-2"))
+            gate.set()
+    trainer._fw_record_best = record_then_release
+    trainer.add_callback(HoldFromStep2())
+    try:
+        trainer.train()
+    finally:
+        gate.set()
+    assert recorded[4] == (str(tmp_path / "checkpoint-2"), False)  # recorded while still in flight
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+    assert _same(trainer.model.state_dict(), snaps.weights[2])

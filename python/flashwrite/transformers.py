@@ -219,7 +219,7 @@ class FlashwriteTrainerMixin:
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         mgr = self._fw_manager(run_dir)
-        self._fw_record_best(mgr, run_dir)
+        self._fw_record_best(run_dir)
         if self.args.should_save:
             for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
                        if isinstance(cb, ExportableState)]:
@@ -245,17 +245,17 @@ class FlashwriteTrainerMixin:
             mgr.wait()
             self._push_from_checkpoint(output_dir)
 
-    def _fw_record_best(self, mgr: CheckpointManager, run_dir: str) -> None:
+    def _fw_record_best(self, run_dir: str) -> None:
         """``best_model_checkpoint``, as the Trainer sets it right after ``save_model``: the
         best step's directory if it exists by then, which the checkpoint of this very step
-        does for the Trainer. Here that one (like an earlier save still in flight) is not
-        on disk yet, and it counts too: the first wait after a failed save raises."""
+        does for the Trainer. Here that one is not on disk yet (it is being staged), and it
+        counts too; if its save fails, the next wait raises that. A best checkpoint is so
+        recorded by its own save, in flight or not when the next one starts."""
         if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]
                 and self.state.best_global_step):
             best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            best, pending = self.state.best_global_step, mgr.in_flight()
-            if (best == self.state.global_step and self.args.should_save) or os.path.exists(best_dir) \
-                    or (pending is not None and pending[0] == best):
+            if (self.state.best_global_step == self.state.global_step and self.args.should_save) \
+                    or os.path.exists(best_dir):
                 self.state.best_model_checkpoint = best_dir
 
     def wait_for_checkpoints(self) -> None:
