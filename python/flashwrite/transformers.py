@@ -289,8 +289,8 @@ class FlashwriteTrainerMixin:
         best = self.state.best_model_checkpoint
         if not is_flashwrite_checkpoint(best):
             return super()._load_best_model()
-        # Not the Trainer's way: its index branch would read model.safetensors.index.json,
-        # which (for a model that is not a PreTrainedModel) names the whole training state.
+        # As resume does, not the Trainer's way: every byte verified, a strict load, and
+        # the model found also where the index names the whole state (_hf_layout_fits).
         log.info("loading the best model from flashwrite checkpoint %s (score: %s)", best, self.state.best_metric)
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         state = load(best, map_location="cpu", allow_pickle=self._fw_allow_pickle)
