@@ -367,3 +367,67 @@ def test_a_forked_child_watches_on_its_own(tmp_path):
     assert "error" not in child, child
     assert child["same"] is True and child["watched"] == 0
     assert child["linked"] >= 3 * 2 * MiB  # the other three frozen tensors are still linked
+
+
+# ------------------------------------------------------------------ many written runs (issue 33, item 3)
+
+BATCH = 512  # page regions per PAGEMAP_SCAN call (csrc/core/write_watch.cpp, kRegions)
+
+
+def test_a_write_after_the_512th_written_run_of_one_span_is_seen(watch):
+    """One scan call returns at most 512 runs of written pages; the scan goes on where the
+    kernel stopped. Pieces sharing a page form one span, so a write to a piece that comes
+    after 600 separately written runs of its neighbours must still be reported."""
+    pages = 2000
+    m = private(pages * 4096)
+    m.write(os.urandom(pages * 4096))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    # 40 pieces of 49.5 pages end to end: each shares its first and last page with a neighbour
+    step = 49 * 4096 + 2048
+    ranges = [(base + 100 + i * step, step) for i in range(40)]
+    assert all(watch.arm(ranges))
+    watch.scan(ranges)
+    assert not any(f & write_watch.INSIDE for f in watch.scan(ranges))
+    runs = BATCH + 100
+    for k in range(runs):  # every other page from page 1: that many separate runs
+        flip(base + (1 + 2 * k) * 4096 + 9)
+    last = (1 + 2 * runs) * 4096  # the pages after them are clean...
+    victim = next(i for i, (a, n) in enumerate(ranges) if a - base >= last + 8192)
+    flip(ranges[victim][0] + ranges[victim][1] // 2)  # ... but this one's middle
+    flags = watch.scan(ranges)
+    assert flags[victim] & write_watch.INSIDE, (victim, flags)
+    for i, (a, n) in enumerate(ranges):
+        if a - base > last + 4096 and i != victim and i != victim - 1 and i != victim + 1:
+            assert not flags[i] & write_watch.INSIDE, i  # and the others after them were not reported
+    assert not any(f & write_watch.INSIDE for f in watch.scan(ranges))  # all protected again
+    m.close()
+
+
+def test_an_incremental_save_after_600_written_runs_writes_the_tensor_written_after_them(tmp_path):
+    """The save's view of item 3: two tensors side by side in one mapping, their pieces
+    sharing pages (one span); the first written in 600+ separate pages, the second in one
+    place only. The second's stripe is written, not linked, and loads as it is now."""
+    _watch_or_skip()
+    if write_watch.why_off():
+        pytest.skip(write_watch.why_off())
+    na, n = 8 * MiB, 4 * MiB
+    m = private(na + n + 3 * 4096)
+    # two storages (views of one would be saved as one), neither page aligned: their pieces share pages
+    a = torch.frombuffer(m, dtype=torch.uint8, offset=128, count=na)
+    b = torch.frombuffer(m, dtype=torch.uint8, offset=128 + na, count=n)
+    g = torch.Generator().manual_seed(5)
+    a.copy_(torch.randint(0, 256, (na,), dtype=torch.uint8, generator=g))
+    b.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+    root = str(tmp_path)
+    with fw.Writer(stripes=2, chunk_bytes=MiB, incremental=True) as w:
+        for s in range(1, 4):
+            st = w.save({"a": a, "b": b}, os.path.join(root, f"step-{s}"))
+        assert st.watched_bytes == na + n  # both recorded: nothing hashed at step 3
+        for k in range(BATCH + 100):  # 612 separate written runs in a (pages 1 to 1223 of its 2048)
+            flip(a.data_ptr() + (1 + 2 * k) * 4096)
+        flip(b.data_ptr() + n - 3 * MiB // 2)  # b: one byte, in a later piece
+        st = w.save({"a": a, "b": b}, os.path.join(root, "step-4"))
+        out = fw.load(os.path.join(root, "step-4"))
+    assert torch.equal(out["b"], b) and torch.equal(out["a"], a)
+    assert st.bytes_written >= na + n
+    m.close()
