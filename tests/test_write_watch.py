@@ -431,3 +431,76 @@ def test_an_incremental_save_after_600_written_runs_writes_the_tensor_written_af
     assert torch.equal(out["b"], b) and torch.equal(out["a"], a)
     assert st.bytes_written >= na + n
     m.close()
+
+
+# ------------------------------------------------------------------ the periodic re-hash (issue 33)
+
+
+def frozen_saves(root, frozen, steps, **kw):
+    """Saves of a frozen state only: every piece is hashed (and recorded) by the second."""
+    with fw.Writer(stripes=2, chunk_bytes=MiB, incremental=True, **kw) as w:
+        for s in range(1, steps + 1):
+            yield w, w.save({"model": frozen, "step": s}, os.path.join(root, f"step-{s}"))
+
+
+def test_the_periodic_rehash_catches_a_write_the_watch_missed(tmp_path, monkeypatch):
+    """A watch made to miss a write on purpose (``BLIND``) links a changed tensor, until the
+    re-hash due every FLASHWRITE_WATCH_RECHECK_EVERY passes finds it: then its stripe is
+    written, SaveStats counts the miss, and a warning names it."""
+    _watch_or_skip()
+    if write_watch.why_off():
+        pytest.skip(write_watch.why_off())
+    monkeypatch.setenv(write_watch.RECHECK_ENV, "3")  # hashed, then vouched for twice, then hashed again
+    frozen = big_frozen()
+    fbytes = sum(t.nbytes for t in frozen.values())
+    t = frozen["base.1"]
+    root = str(tmp_path)
+    saves = frozen_saves(root, frozen, 6)
+    stats = [next(saves)[1] for _ in range(3)]
+    assert stats[2].watched_bytes == fbytes and stats[2].rechecked_bytes == 0  # step 2 hashed, 3 trusted
+    monkeypatch.setattr(write_watch, "BLIND", lambda r: t.data_ptr() <= r[0] < t.data_ptr() + t.nbytes)
+    flip(t.data_ptr() + MiB + 4096 * 3 + 1)
+    want = t.clone()
+    _, st4 = next(saves)
+    # the blind watch vouched for it (trusted a second time): linked, the earlier bytes
+    assert st4.watched_bytes == fbytes and st4.watch_misses == 0 and st4.bytes_written == 0
+    assert not torch.equal(fw.load(os.path.join(root, "step-4"))["model"]["base.1"], want)
+    with pytest.warns(RuntimeWarning, match=r"missed a write to 1 tensors \(model\.base\.1\)"):
+        _, st5 = next(saves)
+    assert st5.watch_misses == 1 and st5.rechecked_bytes == fbytes and st5.watched_bytes == 0
+    assert st5.bytes_written >= t.nbytes and st5.bytes_linked >= fbytes // 2  # the other stripe
+    out = fw.load(os.path.join(root, "step-5"))["model"]
+    assert torch.equal(out["base.1"].view(torch.uint8), want.view(torch.uint8))
+    for k, x in frozen.items():
+        assert torch.equal(out[k].view(torch.uint8), x.view(torch.uint8)), k
+    monkeypatch.setattr(write_watch, "BLIND", None)
+    _, st6 = next(saves)  # re-recorded: trusted again (base.1, changed at step 5, is a hot stripe now)
+    saves.close()
+    assert st6.watched_bytes == fbytes - t.nbytes and st6.watch_misses == 0 and st6.compared_bytes == 0
+
+
+def test_the_rehash_interval_setting(monkeypatch):
+    monkeypatch.delenv(write_watch.RECHECK_ENV, raising=False)
+    assert 1 <= write_watch.recheck_every() == write_watch.RECHECK_EVERY <= 16
+    monkeypatch.setenv(write_watch.RECHECK_ENV, "1")
+    assert write_watch.recheck_every() == 1
+    for bad in ("0", "-3", "often"):
+        monkeypatch.setenv(write_watch.RECHECK_ENV, bad)
+        with pytest.raises(ValueError, match=write_watch.RECHECK_ENV):
+            write_watch.recheck_every()
+
+
+def test_every_piece_is_hashed_again_at_least_every_n_saves(tmp_path, monkeypatch):
+    """With no miss: each record vouches for at most N-1 saves in a row; the Nth hashes
+    the frozen base again and still links it."""
+    _watch_or_skip()
+    if write_watch.why_off():
+        pytest.skip(write_watch.why_off())
+    monkeypatch.setenv(write_watch.RECHECK_ENV, "4")
+    frozen = big_frozen(2)
+    fbytes = sum(t.nbytes for t in frozen.values())
+    stats = [st for _, st in frozen_saves(str(tmp_path), frozen, 10)]
+    # step 1 writes, 2 hashes; then 3 vouched, 1 re-hashed, and again
+    assert [s.rechecked_bytes for s in stats] == [0, 0, 0, 0, 0, fbytes, 0, 0, 0, fbytes]
+    assert [s.watched_bytes for s in stats] == [0, 0, fbytes, fbytes, fbytes, 0, fbytes, fbytes, fbytes, 0]
+    assert all(s.watch_misses == 0 and s.bytes_linked >= fbytes for s in stats[1:])
