@@ -120,3 +120,22 @@ def test_a_base_saved_with_another_checksum_block_is_not_linked_from(tmp_path, m
         for k, v in frozen.items():
             assert same_bytes(out[k], v), (s, k)
         assert fw.verify(os.path.join(root, f"step-{s}"))
+
+
+@pytest.mark.parametrize("hold_host", [False, True], ids=["compared", "held"])
+def test_the_same_bytes_as_another_dtype_are_written_with_it(tmp_path, monkeypatch, hold_host):
+    """float32 bytes now viewed as int32: same size, same shape, same checksums; the stripe
+    (whose header says F32) must not be linked, or the tensor loads as float32."""
+    monkeypatch.setattr(held, "HOLD_HOST", hold_host)
+    frozen = frozen_state()
+    root = str(tmp_path)
+    with fw.Writer(stripes=3, chunk_bytes=64 * KiB, incremental=True) as w:
+        w.save(state(1, frozen), os.path.join(root, "step-1"))
+        w.save(state(2, frozen), os.path.join(root, "step-2"))
+        frozen = {**frozen, "small": frozen["small"].view(torch.int32)}
+        st = w.save(state(3, frozen), os.path.join(root, "step-3"))
+    out = fw.load(os.path.join(root, "step-3"))["model"]
+    assert out["small"].dtype == torch.int32
+    for k, v in frozen.items():
+        assert same_bytes(out[k], v), k
+    assert st.bytes_written >= frozen["small"].nbytes and st.bytes_linked >= frozen["big"].nbytes
