@@ -148,14 +148,19 @@ class SaveStats:
     # link_fallbacks counts stripes written because the file system refused a link;
     # compared_bytes what was hashed from the source to compare; watched_bytes what was
     # compared without hashing, because the kernel saw no write to it since a save hashed
-    # it (write_watch.py). incremental: "" when not asked, else "on", "on: no earlier
-    # checkpoint to link from", or "off: <why>".
+    # it (write_watch.py); rechecked_bytes what the watch vouched for but was hashed again
+    # all the same (each piece at least every FLASHWRITE_WATCH_RECHECK_EVERY saves, default
+    # 16), watch_misses how many tensors that re-hash found changed, a write the watch missed
+    # (written, not linked, with a warning naming them). incremental: "" when not asked,
+    # else "on", "on: no earlier checkpoint to link from", or "off: <why>".
     bytes_written: int = 0
     bytes_linked: int = 0
     stripes_linked: int = 0
     link_fallbacks: int = 0
     compared_bytes: int = 0
     watched_bytes: int = 0
+    rechecked_bytes: int = 0
+    watch_misses: int = 0
     incremental: str = ""
     extra: dict = field(default_factory=dict)
 

@@ -92,6 +92,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
         sw.incremental = iplan
         _incremental_stats(stats, iplan)
         stats.compared_bytes, stats.watched_bytes = iplan.compared_bytes, iplan.watched_bytes
+        stats.rechecked_bytes, stats.watch_misses = iplan.rechecked_bytes, iplan.watch_misses
     return sw
 
 
