@@ -6,8 +6,6 @@ python lightning_contract_child.py save DIR   -> fit 2 steps on one process: a N
                                                 hyper-parameters and a Hydra-style Net (DictConfig)
 python lightning_contract_child.py load DIR   -> a new process: load those with
                                                 flashwrite.lightning.load_from_checkpoint
-python lightning_contract_child.py exit PATH  -> a save that fails (PATH is on a full file system)
-                                                and that nothing waits for before the process exits
 Each prints one JSON line last.
 """
 
@@ -103,10 +101,6 @@ def main():
         out = {"net": digest(net), "net_hparams": dict(net.hparams), "data_hparams": dict(data.hparams),
                "hydra": digest(hydra), "hydra_type": type(hydra.hparams).__name__,
                "hydra_name": hydra.hparams.name, "hydra_hparams": OmegaConf.to_container(hydra.hparams)}
-    elif mode == "exit":
-        io = FlashwriteCheckpointIO()
-        io.save_checkpoint({"w": torch.zeros(4 << 20)}, where)  # fails in the background; nobody waits
-        out = {"returned": True}
     print(json.dumps(out))
 
 
