@@ -146,6 +146,25 @@ def test_a_name_in_flight_exists_and_is_never_overwritten_by_another_save(tmp_pa
     assert torch.equal(fw.load(path)["w"], torch.zeros(1 << 20))
 
 
+def test_what_a_crash_mid_save_leaves_never_wins_ckpt_path_last(tmp_path):
+    from flashwrite.lightning import _claim, _unclaim
+    ck = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True)
+    _trainer([FlashwriteCheckpointIO()], [ck], steps=2).fit(Net(), _data())
+    crashed = str(tmp_path / "last-v1.ckpt")
+    assert _claim(crashed) == crashed  # what a save to a new name had made when its process died
+    _unclaim(crashed, None)  # (this process lives on: the name is no longer in flight)
+    assert os.path.isdir(crashed) and not os.listdir(crashed) and os.path.getmtime(crashed) == 0
+    seen = {}
+
+    class Start(pl.Callback):
+        def on_train_start(self, trainer, module):
+            seen["step"] = trainer.global_step
+
+    ck2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True)
+    _trainer([FlashwriteCheckpointIO()], [ck2, Start()], steps=3).fit(Net(), _data(), ckpt_path="last")
+    assert seen["step"] == 2  # resumed from the real last.ckpt, not the empty directory
+
+
 # ------------------------------------------------------------------ 7: save_last="link"
 
 
