@@ -18,7 +18,6 @@ import torch
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
 
 from flashwrite.lightning import FlashwriteCheckpointIO, load_from_checkpoint
 
@@ -39,7 +38,7 @@ class Net(pl.LightningModule):
 class HydraNet(pl.LightningModule):
     """The Hydra pattern: the module takes the config (a DictConfig) and saves it as its hyper-parameters."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg):  # an OmegaConf DictConfig
         super().__init__()
         self.save_hyperparameters(cfg)
         self.net = torch.nn.Linear(8, cfg.model.hidden)
@@ -91,10 +90,12 @@ def main():
     elif mode == "save":
         net, data = Net(hidden=5, lr=0.2), Data(batch_size=4, seed=3)
         trainer(os.path.join(where, "net")).fit(net, data)
+        from omegaconf import OmegaConf
         hydra = HydraNet(OmegaConf.create(CFG))
         trainer(os.path.join(where, "hydra")).fit(hydra, Data())
         out = {"net": digest(net), "hydra": digest(hydra)}
     elif mode == "load":
+        from omegaconf import OmegaConf
         net = load_from_checkpoint(Net, os.path.join(where, "net", "epoch=0-step=2.ckpt"))
         data = load_from_checkpoint(Data, os.path.join(where, "net", "epoch=0-step=2.ckpt"))
         hydra = load_from_checkpoint(HydraNet, os.path.join(where, "hydra", "epoch=0-step=2.ckpt"))
