@@ -21,13 +21,14 @@ def _overwrite_default(fn) -> bool:
     return inspect.signature(fn).parameters["overwrite"].default
 
 
-def test_overwrite_defaults_to_false_everywhere():
+def test_overwrite_defaults_to_false_everywhere_but_dcp():
     from flashwrite.dcp import FlashwriteStorageWriter
 
     assert _overwrite_default(Writer.save_async) is False
     assert _overwrite_default(CheckpointManager.save) is False
     assert _overwrite_default(CheckpointManager.save_async) is False
-    assert _overwrite_default(FlashwriteStorageWriter.__init__) is False
+    # DCP's contract (torch's FileSystemWriter): code written for DCP saves to one path again
+    assert _overwrite_default(FlashwriteStorageWriter.__init__) is True
 
 
 def _files(path) -> dict[str, bytes]:
@@ -39,7 +40,7 @@ def _files(path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("how", ["save", "async_save"])
-def test_the_dcp_writer_refuses_to_replace_a_checkpoint_unless_asked(tmp_path, how):
+def test_the_dcp_writer_refuses_to_replace_a_checkpoint_with_overwrite_false(tmp_path, how):
     import torch.distributed.checkpoint as dcp
 
     from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
@@ -56,7 +57,7 @@ def test_the_dcp_writer_refuses_to_replace_a_checkpoint_unless_asked(tmp_path, h
     run(first)
     before = _files(tmp_path / "ck")
     with pytest.raises(BaseException) as ei:  # DCP wraps it in CheckpointException, a BaseException
-        run(second)
+        run(second, overwrite=False)
     assert isinstance(ei.value, CheckpointExistsError) or "CheckpointExistsError" in str(ei.value), ei.value
     assert _files(tmp_path / "ck") == before          # the first checkpoint, byte for byte
     assert sorted(os.listdir(tmp_path)) == ["ck"]     # and no temporary directory left beside it

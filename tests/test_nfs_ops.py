@@ -207,14 +207,14 @@ def test_dcp_round_trip_through_nfs_and_across_paths(nfs_server):
     got = _zeros_like(sd2)
     dcp.load(got, storage_reader=FlashwriteStorageReader(nfs_server.url("local")), no_dist=True)
     assert_same(got, sd2)
-    # checkpoint_id= on reused instances; no overwrite without asking
+    # checkpoint_id= on reused instances; no overwrite with overwrite=False
     w2, r2 = FlashwriteStorageWriter(stripes=1), FlashwriteStorageReader()
     dcp.save(sd2, storage_writer=w2, checkpoint_id=nfs_server.url("by-id"), no_dist=True)
     got = _zeros_like(sd2)
     dcp.load(got, storage_reader=r2, checkpoint_id=nfs_server.url("by-id"), no_dist=True)
     assert_same(got, sd2)
     with pytest.raises(CheckpointException) as ei:  # DCP wraps what the storage raised, by rank
-        dcp.save(sd, storage_writer=FlashwriteStorageWriter(url, stripes=2), no_dist=True)
+        dcp.save(sd, storage_writer=FlashwriteStorageWriter(url, stripes=2, overwrite=False), no_dist=True)
     assert isinstance(ei.value.failures[0][0], fw.CheckpointExistsError)
     assert temp_entries(nfs_server.export) == []
 

@@ -28,8 +28,12 @@ reusable staging pool (``Writer.save_async(block=True)`` semantics) while the
 writes continue; the background ``dcp.save`` then only waits for them and
 commits. Without a path (``checkpoint_id=`` given to ``async_save``) the state is
 copied to cached host buffers instead and written from there. Use the default
-planner and the thread executor with ``async_save``; one save at a time per writer
-instance.
+planner and the thread executor with ``async_save`` (the process executor is refused
+at the call); one save at a time per writer instance.
+
+DCP's contract (``contract``): ``overwrite=True`` by default, as ``FileSystemWriter``,
+replacing the checkpoint atomically; ``overwrite=False`` refuses a checkpoint with
+DCP's own "Checkpoint already exists" error and writes into an empty directory.
 
 Incremental saves: with a ``Writer(incremental=True)`` (or
 ``FlashwriteStorageWriter(path, incremental=True)``) each rank hard-links the stripes of
@@ -42,7 +46,7 @@ GPU tensors, another world size or a base that is not such a DCP checkpoint: wri
 
 Layout: ``writer`` (the StorageWriter/AsyncStager), ``reader`` (the
 StorageReader), ``section`` (the manifest's ``dcp`` section and the per-item
-storage data).
+storage data), ``contract`` (where DCP's rules replace flashwrite's: overwrite, executor).
 """
 
 from .reader import FlashwriteStorageReader

@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from .. import commit
 from ..coord import coordinator
-from ..errors import CheckpointExistsError, FlashwriteError
+from ..errors import FlashwriteError
 from ..format import build_index, parse_manifest
 from ..future import SaveStats
 from ..plan import rank_prefix
@@ -37,6 +37,7 @@ from ..session import Commit, SaveSession
 from ..locate import resolve
 from ..target import LOCAL, Target, check_path, shown, url_scheme
 from ..write import StripeWrite
+from . import contract
 from .section import InlineItem, StoredChunk, as_ranks_base, build_manifest, item_key, stored_chunks
 
 __all__ = ["FlashwriteStorageWriter"]
@@ -167,8 +168,8 @@ class DcpCommit(Commit):
     def commit(self, sw: StripeWrite | None, manifest: dict) -> SaveStats | None:
         try:
             parse_manifest(json.dumps(manifest).encode())  # what a reader will check, before it is visible
-            commit.finalize(self.tmp, self.final, manifest, build_index(manifest), self.overwrite,
-                            target=self.target)
+            contract.check_target(self.final, self.overwrite, self.target)  # DCP's rule; finalize then replaces
+            commit.finalize(self.tmp, self.final, manifest, build_index(manifest), True, target=self.target)
         except BaseException:
             self.discard()
             raise
@@ -181,11 +182,13 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     path: the checkpoint directory (or pass ``checkpoint_id`` to dcp.save); a local path or
     an nfs:// URL (the stripes then go from the staging pool straight to the server, as a
     ``flashwrite.save`` to it does).
-    overwrite: replace an existing checkpoint atomically. False by default, as everywhere in
-    flashwrite (``save``, ``Writer.save``, ``CheckpointManager.save``): a save that would
-    replace a committed checkpoint raises ``CheckpointExistsError`` unless asked to, since
-    a refused save is loud and a replaced checkpoint is gone for good. (torch's own
-    ``FileSystemWriter`` overwrites by default: pass ``overwrite=True`` for that.)
+    overwrite: DCP's contract, as torch's ``FileSystemWriter``: True by default, the
+    checkpoint at the path is replaced atomically (the earlier one stays whole until the
+    new one is committed); with False a checkpoint there is refused with DCP's own
+    "Checkpoint already exists" error (a ``RuntimeError`` and a ``CheckpointExistsError``)
+    and an empty directory is written into. Unlike the rest of flashwrite (``save``,
+    ``Writer.save``, ``CheckpointManager.save`` default to False), since code written for
+    DCP saves to one path again and again. See ``flashwrite.dcp.contract``.
     writer: a ``flashwrite.Writer`` to use; otherwise the shared one for ``writer_options``
     (stripes, queue_depth, chunk_bytes, backend, direct, max_staging_bytes, copy_threads; incremental:
     link the stripes that did not change, see ``flashwrite.dcp``).
@@ -197,7 +200,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
 
     _synchronize_after_execute = False  # stage() returns only once staged
 
-    def __init__(self, path: str | os.PathLike | None = None, *, overwrite: bool = False, writer: Any = None,
+    def __init__(self, path: str | os.PathLike | None = None, *, overwrite: bool = True, writer: Any = None,
                  process_group: Any = None, coordination_group: Any = None, timeout: float | None = None,
                  **writer_options: Any):
         super().__init__()
@@ -220,7 +223,12 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
 
     # ------------------------------------------------------------ AsyncStager
 
+    def __reduce__(self) -> Any:
+        # DCP's process executor pickles the writer; the staged saves and the Writer live in this process.
+        raise TypeError(f"cannot pickle {type(self).__name__}: {contract.PROCESS_MESSAGE}")
+
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        contract.refuse_process_executor()  # before anything is staged
         if self._fixed_path is None:
             return self._copy_stage(state_dict)
         t0 = time.perf_counter()
@@ -235,7 +243,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         local = planner.create_local_plan()
         mine_sizes = [(it.index, _chunk_bytes(it)) for it in local.items]
         proposal = commit.temp_dir_for(final)
-        refuse = commit.target_problem(final, self.overwrite, target)
+        refuse = contract.target_problem(final, self.overwrite, target)
 
         def exchange(obj: Any) -> list:
             if coord is None:
@@ -247,8 +255,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         gathered = exchange((mine_sizes, final, proposal, refuse))
         if len({g[1] for g in gathered}) != 1:
             raise ValueError(f"ranks stage into different paths: {sorted({g[1] for g in gathered})}")
-        if gathered[0][3]:
-            raise CheckpointExistsError(17, gathered[0][3], target.show(final))
+        contract.raise_problem(gathered[0][3], final, target)
         owner = _assign_owners([g[0] for g in gathered])
         tmp = gathered[0][2]
         sw, tensors, inline, error = None, {}, {}, None
@@ -335,11 +342,10 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         with _unfinished_lock:
             for old in _unfinished.pop(self.path, set()) - {tmp}:
                 commit.discard(old, target)
+        contract.check_target(final, self.overwrite, target)
         if tmp is None:
-            tmp = target.temp_dir_of(commit.prepare(final, self.overwrite, target))
+            tmp = target.temp_dir_of(commit.prepare(final, True, target))  # DCP's rule checked above
             target.drop_staging(tmp)  # each rank's write_data sends its own stripes (DcpCommit.prepare)
-        else:
-            commit.check_target(final, self.overwrite, target)
         with _unfinished_lock:
             _unfinished[self.path].add(tmp)
         if self._current is not None:
