@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from flashwrite.sizes import parse_size
+from flashwrite.system.sizes import parse_size
 
 SIZES = [parse_size(s) for s in os.environ.get("FLASHWRITE_BENCH_SIZES", "64MiB,256MiB,1GiB").split(",") if s]
 SWEEP_SIZE = parse_size(os.environ.get("FLASHWRITE_SWEEP_SIZE", "512MiB"))

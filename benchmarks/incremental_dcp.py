@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import flashwrite as fw
-from flashwrite.dcp import FlashwriteStorageWriter
+from flashwrite.integrations.dcp import FlashwriteStorageWriter
 
 ADAPTER_BYTES = 32 << 20
 

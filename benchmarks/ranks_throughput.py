@@ -42,7 +42,7 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
     from torch.distributed.checkpoint import FileSystemWriter
 
     import flashwrite as fw
-    from flashwrite.dcp import FlashwriteStorageWriter
+    from flashwrite.integrations.dcp import FlashwriteStorageWriter
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))

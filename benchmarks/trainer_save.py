@@ -34,7 +34,7 @@ def child(mode: str, out: str, steps: int, save_steps: int, result: str) -> None
     import torch
     import transformers
 
-    from flashwrite.transformers import FlashwriteTrainer
+    from flashwrite.integrations.transformers import FlashwriteTrainer
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=64)

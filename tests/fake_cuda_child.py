@@ -16,9 +16,9 @@ import time
 import torch
 
 from flashwrite import _core
-from flashwrite.flatten import flatten
+from flashwrite.saving.flatten import flatten
 from flashwrite.format import read_manifest
-from flashwrite.plan import plan_files
+from flashwrite.saving.plan import plan_files
 
 fake = ctypes.CDLL(os.environ["FLASHWRITE_CUDA_RUNTIME"])  # the same handle the engine uses
 fake.fake_cudart_enqueue_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int]

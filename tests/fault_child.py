@@ -44,10 +44,11 @@ def _hit(phase: str, pause: tuple[str, int] | None) -> None:
 
 def install_probes(pause: tuple[str, int] | None) -> None:
     import flashwrite._core as core
-    from flashwrite import commit, target
+    from flashwrite.saving import commit
+    from flashwrite.targets import target
     from flashwrite.format import MANIFEST_NAME
 
-    save = sys.modules["flashwrite.save"]  # the module (flashwrite.save is the function)
+    save = sys.modules["flashwrite.saving.save"]  # the module (flashwrite.save is the function)
 
     def wrap(owner, name, classify, after=None):
         real = getattr(owner, name)

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from flashwrite import commit
+from flashwrite.saving import commit
 
 _BASES: dict[int, torch.Tensor] = {}
 

@@ -20,7 +20,7 @@ except ImportError:
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-from flashwrite.lightning import FlashwriteCheckpointIO
+from flashwrite.integrations.lightning import FlashwriteCheckpointIO
 
 
 class Net(pl.LightningModule):

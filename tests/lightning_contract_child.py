@@ -19,7 +19,7 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from flashwrite.lightning import FlashwriteCheckpointIO, load_from_checkpoint
+from flashwrite.integrations.lightning import FlashwriteCheckpointIO, load_from_checkpoint
 
 
 class Net(pl.LightningModule):

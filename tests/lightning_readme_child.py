@@ -90,7 +90,7 @@ def main():
         out["lightning_load"] = "ok"
     except IsADirectoryError:
         out["lightning_load"] = "IsADirectoryError"
-    from flashwrite.lightning import load_from_checkpoint
+    from flashwrite.integrations.lightning import load_from_checkpoint
     again = load_from_checkpoint(LitModel, last, lr=0.5)
     out["helper_same_weights"] = all(torch.equal(a, b) for a, b in
                                      zip(again.state_dict().values(), model.state_dict().values()))

@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import flashwrite  # noqa: E402
-from flashwrite import commit  # noqa: E402
+from flashwrite.saving import commit  # noqa: E402
 from fault_util import make_state  # noqa: E402
 
 

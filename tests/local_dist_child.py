@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import flashwrite  # noqa: E402
-from flashwrite import commit  # noqa: E402
+from flashwrite.saving import commit  # noqa: E402
 from conftest import assert_same  # noqa: E402
 from fault_util import make_state  # noqa: E402
 

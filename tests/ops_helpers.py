@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import flashwrite as fw
-from flashwrite.cli import main
+from flashwrite.ops.main import main
 
 
 def state(seed: int = 0) -> dict:

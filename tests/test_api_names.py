@@ -22,7 +22,7 @@ def _overwrite_default(fn) -> bool:
 
 
 def test_overwrite_defaults_to_false_everywhere_but_dcp():
-    from flashwrite.dcp import FlashwriteStorageWriter
+    from flashwrite.integrations.dcp import FlashwriteStorageWriter
 
     assert _overwrite_default(Writer.save_async) is False
     assert _overwrite_default(CheckpointManager.save) is False
@@ -43,7 +43,7 @@ def _files(path) -> dict[str, bytes]:
 def test_the_dcp_writer_refuses_to_replace_a_checkpoint_with_overwrite_false(tmp_path, how):
     import torch.distributed.checkpoint as dcp
 
-    from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
+    from flashwrite.integrations.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 
     def run(sd, **kw):
         w = FlashwriteStorageWriter(tmp_path / "ck", stripes=2, **kw)

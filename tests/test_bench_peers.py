@@ -21,7 +21,7 @@ def _trap(folder, name: str, marker) -> None:
 
 def _bench(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "FLASHWRITE_PEERS_FILE"}
-    return subprocess.run([sys.executable, "-m", "flashwrite.cli", "bench", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "flashwrite", "bench", *args], capture_output=True, text=True,
                           timeout=300, cwd=cwd, env=env)
 
 

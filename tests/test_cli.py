@@ -13,15 +13,15 @@ import torch
 
 import flashwrite as fw
 from flashwrite.bench import devicelimit, overhead, report, runner
-from flashwrite.cli import main
+from flashwrite.ops.main import main
 from flashwrite.bench.state import make_state, planned_bytes, state_bytes
-from flashwrite.sizes import fmt_bytes, parse_size
+from flashwrite.system.sizes import fmt_bytes, parse_size
 
 COLUMNS = ["stall_s", "durable_s", "gbps", "vs_device", "cpu_s_per_gib", "rss_growth", "load_s", "load_vs_device"]
 
 
 def cli(*args: str, cwd: str | None = None, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flashwrite.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "flashwrite", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env=None if env is None else {**os.environ, **env})
 
 
@@ -205,7 +205,7 @@ def test_one_version_readable_everywhere():
     import flashwrite._core as core
     assert fw.__version__ == version("flashwrite") == core.__version__
     assert re.fullmatch(r"\d+\.\d+\.\d+([.-]?\w+)*", fw.__version__)
-    for mod in ("flashwrite", "flashwrite.cli"):
+    for mod in ("flashwrite", "flashwrite.ops.main"):
         r = subprocess.run([sys.executable, "-m", mod, "--version"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == f"flashwrite {fw.__version__}"

@@ -20,9 +20,10 @@ import torch
 
 from fault_util import flip_byte
 import flashwrite as fw
-from flashwrite import _core, dtypes
-from flashwrite.flatten import flatten
-from flashwrite.plan import plan_files
+from flashwrite import _core
+from flashwrite.format import dtypes
+from flashwrite.saving.flatten import flatten
+from flashwrite.saving.plan import plan_files
 from flashwrite.format import decode_manifest_json
 
 # --------------------------------------------------------------------------- helpers
@@ -614,7 +615,7 @@ def test_gather_lays_small_tensors_out_as_their_stripe_and_keeps_their_order():
     # cuda.gather is device-agnostic; on CPU tensors (marked as on "device 0") it shows the
     # layout the engine then copies with one cudaMemcpyAsync per chunk.
     import ctypes
-    from flashwrite import cuda as fw_cuda
+    from flashwrite.system import cuda as fw_cuda
     g = torch.Generator().manual_seed(3)
     small = [torch.randn(16 * (1 + i % 5), generator=g) for i in range(12)]
     big = torch.randn(40_000, generator=g)  # 160 KB: over the gather limit below

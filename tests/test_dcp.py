@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import flashwrite as fw
-from flashwrite import commit
-from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
+from flashwrite.saving import commit
+from flashwrite.integrations.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 from flashwrite.format import FORMAT_VERSION
 from flashwrite.format import decode_manifest_json
 

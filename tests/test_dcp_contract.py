@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from flashwrite import commit
-from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
+from flashwrite.saving import commit
+from flashwrite.integrations.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 from flashwrite.errors import CheckpointExistsError
 
 from dist_helpers import Cluster

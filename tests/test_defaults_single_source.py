@@ -99,8 +99,9 @@ def test_the_cpu_count_rule_is_not_restated():
 
 
 def test_public_signatures_take_their_defaults_from_DEFAULTS():
-    from flashwrite import distributed, read
-    from flashwrite.dcp import FlashwriteStorageReader
+    from flashwrite.saving import distributed
+    from flashwrite.loading import read
+    from flashwrite.integrations.dcp import FlashwriteStorageReader
 
     d = _core.DEFAULTS
     for f in (flashwrite.load, read.read_tensors, distributed.load, FlashwriteStorageReader.__init__):

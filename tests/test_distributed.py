@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import flashwrite as fw
-from flashwrite import commit
-from flashwrite.distributed import DistributedSaveError
+from flashwrite.saving import commit
+from flashwrite.saving.distributed import DistributedSaveError
 from flashwrite.format import FORMAT_VERSION
 from flashwrite.format import decode_manifest_json
 
@@ -197,7 +197,7 @@ def _one_rank_fails_to_write(root: str, bad: int) -> dict:
 
 
 def _neighbour_copies_with_a_failure(root: str, shm: str, bad: int) -> dict:
-    from flashwrite import local
+    from flashwrite.tier import snapshot as local
     rank, pg = dist.get_rank(), dist.group.WORLD
     mine = os.path.join(shm, f"r{rank}")
     w = fw.Writer(local_snapshots=True, local_dir=mine, neighbour_copies=True, **WORLD_OPTS)
@@ -259,7 +259,7 @@ def _one_rank_votes_fail_when_durable(root: str, bad: int) -> dict:
     """Every rank writes its stripes durably; then rank ``bad`` votes to fail (its fsync
     reports EIO, injected after the real one). The committing rank must honour that vote:
     nothing is committed, every rank raises, promptly (not after the coordination timeout)."""
-    from flashwrite import write
+    from flashwrite.saving import write
 
     rank = dist.get_rank()
     real = write.StripeWrite.wait_durable

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 from shim_util import build_shim, preload_env, run_child
 
-from flashwrite import commit
+from flashwrite.saving import commit
 from flashwrite.format import MANIFEST_NAME
 
 O_CREAT = os.O_CREAT

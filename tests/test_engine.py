@@ -18,7 +18,7 @@ import flashwrite as fw
 from fault_util import flip_byte, mounted
 from flashwrite import _core
 
-load_module = sys.modules["flashwrite.load"]  # the module; flashwrite.load is the function
+load_module = sys.modules["flashwrite.loading.load"]  # the module; flashwrite.load is the function
 
 
 def _state(mib=8, n=4, seed=0):
@@ -315,7 +315,7 @@ def test_sources_are_freed_once_staged(tmp_path, monkeypatch):
     """After save_async returns, flashwrite holds no reference to the caller's tensors
     (or to contiguous copies it made), so dropping them frees the memory at once, not
     when the checkpoint commits. The commit is held back to make that observable."""
-    from flashwrite import commit
+    from flashwrite.saving import commit
 
     release = threading.Event()
     real_finalize = commit.finalize
@@ -364,7 +364,7 @@ print("RESULT", st.direct, st.files_buffered)
 
 def test_default_writer_options_at_default_values_share_one_pool():
     from flashwrite.defaults import STRIPES
-    from flashwrite.save import default_writer
+    from flashwrite.saving.save import default_writer
 
     assert default_writer() is default_writer(backend="auto", direct=True)
     # An explicit stripes=4 is not "no setting": it overrides a saved tuning, so it is its own writer.
@@ -377,7 +377,7 @@ def test_every_writer_option_reaches_the_shared_writer(tmp_path, shmdir):
     through to Writer.save_async, which refused it)."""
     import inspect
 
-    from flashwrite.save import _WRITER_OPTIONS, default_writer
+    from flashwrite.saving.save import _WRITER_OPTIONS, default_writer
 
     assert set(_WRITER_OPTIONS) == set(inspect.signature(fw.Writer.__init__).parameters) - {"self"}
     sd = {"a": torch.arange(10.0)}

@@ -24,7 +24,7 @@ from conftest import assert_same
 from fault_util import Zygote, fill, flip_byte, loop_ext4, make_state, need_root, temp_entries, tmpfs
 
 import flashwrite as fw
-from flashwrite import commit
+from flashwrite.saving import commit
 from flashwrite.format import decode_manifest_json
 
 # --------------------------------------------------------------------------- kill -9

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashwrite as fw
-from flashwrite import dtypes
+from flashwrite.format import dtypes
 from flashwrite.errors import CorruptCheckpointError
 from flashwrite.format import MANIFEST_NAME, encode_manifest
 from flashwrite.format import decode_manifest_json

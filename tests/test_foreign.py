@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flashwrite as fw
-from flashwrite import dtypes
+from flashwrite.format import dtypes
 from flashwrite.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 ST_DTYPES = [dt for dt in dtypes.supported_dtypes() if dtypes.safetensors_code(dt)]

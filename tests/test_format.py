@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import _core, dtypes
+from flashwrite import _core
+from flashwrite.format import dtypes
 from flashwrite.format import FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME, read_manifest
 from flashwrite.format import decode_manifest_json
 

@@ -30,7 +30,7 @@ from conftest import assert_same
 from fault_util import make_state
 
 import flashwrite as fw
-from flashwrite import commit
+from flashwrite.saving import commit
 
 pytestmark = pytest.mark.fuse
 

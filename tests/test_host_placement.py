@@ -14,10 +14,11 @@ from conftest import assert_same
 
 from fault_util import flip_byte
 import flashwrite as fw
-from flashwrite import _core, dtypes
+from flashwrite import _core
+from flashwrite.format import dtypes
 from flashwrite.errors import ChecksumMismatchError
 from flashwrite.format import read_manifest
-from flashwrite.read import _read_chunk
+from flashwrite.loading.read import _read_chunk
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

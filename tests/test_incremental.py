@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import commit, incremental
+from flashwrite.saving import commit
+from flashwrite.incremental import link as incremental
 from flashwrite.errors import CorruptCheckpointError
-from flashwrite.flatten import flatten_columns
+from flashwrite.saving.flatten import flatten_columns
 from flashwrite.format import read_manifest
 
 from fault_util import flip_byte, kill_at_random, need_root, tmpfs
@@ -286,7 +287,7 @@ def test_ls_and_inspect_show_written_and_linked(tmp_path, capsys):
     assert r["totals"]["written_bytes"] == stats[-1].bytes_written
     e = {x.name: x for x in list_checkpoints(str(tmp_path))}["step-3"]
     assert e.linked_bytes == stats[-1].bytes_linked and e.written_bytes == stats[-1].bytes_written
-    from flashwrite.cli import main
+    from flashwrite.ops.main import main
     assert main(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "linked" in out

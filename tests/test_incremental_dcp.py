@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import flashwrite as fw
-from flashwrite import incremental
-from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
+from flashwrite.incremental import link as incremental
+from flashwrite.integrations.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 from flashwrite.format import decode_manifest_json, encode_manifest, read_manifest
 from flashwrite.ops.diff import diff
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import commit
+from flashwrite.saving import commit
 from flashwrite.format import MANIFEST_NAME, read_manifest
 
 from test_incremental import assert_same

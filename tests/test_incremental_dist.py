@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import flashwrite as fw
-from flashwrite import incremental
+from flashwrite.incremental import link as incremental
 from flashwrite.format import read_manifest
 from flashwrite.ops.diff import diff
 

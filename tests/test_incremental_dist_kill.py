@@ -16,7 +16,7 @@ import time
 import pytest
 
 import flashwrite as fw
-from flashwrite import commit
+from flashwrite.saving import commit
 from flashwrite.format import read_manifest
 
 from test_incremental import assert_same

@@ -13,7 +13,7 @@ import textwrap
 
 from shim_util import build_shim, preload_env
 
-from flashwrite import commit
+from flashwrite.saving import commit
 from flashwrite.format import MANIFEST_NAME
 
 _RANK = textwrap.dedent("""

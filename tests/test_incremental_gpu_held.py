@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import held
+from flashwrite.incremental import held
 
 from fault_util import kill_at_random
 
@@ -246,7 +246,7 @@ def test_kill9_during_saves_with_held_files(tmp_path):
     """kill -9 at random moments of incremental saves whose stripes are held files: every
     committed checkpoint stays whole and byte-exact (the links are made before the
     directory fsync that precedes the manifest), and held files were linked."""
-    from flashwrite import commit
+    from flashwrite.saving import commit
     from flashwrite.format import read_manifest
     seed = int(os.environ.get("FLASHWRITE_TEST_SEED") or time.time_ns() % 2**32)
     print(f"seed {seed}")

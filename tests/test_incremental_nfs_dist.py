@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 import flashwrite as fw
-from flashwrite import nfs
+from flashwrite.targets import nfs
 from flashwrite.format import read_manifest
 
 from dist_helpers import Cluster

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import held
+from flashwrite.incremental import held
 from flashwrite.format import piece_ranges, read_manifest
 from fault_util import fill, need_root, tmpfs
 

@@ -18,7 +18,7 @@ import torch
 from conftest import assert_same
 
 import flashwrite as fw
-from flashwrite import commit
+from flashwrite.saving import commit
 
 _STATE = textwrap.dedent("""
     import torch

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("lightning.pytorch", reason="Lightning is not installed (pip install 'flashwrite[lightning]')")
 
 import flashwrite as fw  # noqa: E402
-from flashwrite.lightning import FlashwriteCheckpointIO  # noqa: E402
+from flashwrite.integrations.lightning import FlashwriteCheckpointIO  # noqa: E402
 
 CHILD = os.path.join(os.path.dirname(__file__), "lightning_child.py")
 

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 import flashwrite as fw  # noqa: E402
-from flashwrite.lightning import FlashwriteCheckpointIO  # noqa: E402
+from flashwrite.integrations.lightning import FlashwriteCheckpointIO  # noqa: E402
 
 # Lightning's own warnings in a short CPU run (few workers, no logger, torch's pytree deprecations)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -147,7 +147,7 @@ def test_a_name_in_flight_exists_and_is_never_overwritten_by_another_save(tmp_pa
 
 
 def test_what_a_crash_mid_save_leaves_never_wins_ckpt_path_last(tmp_path):
-    from flashwrite.lightning import _claim, _unclaim
+    from flashwrite.integrations.lightning import _claim, _unclaim
     ck = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True)
     _trainer([FlashwriteCheckpointIO()], [ck], steps=2).fit(Net(), _data())
     crashed = str(tmp_path / "last-v1.ckpt")

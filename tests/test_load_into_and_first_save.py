@@ -7,8 +7,8 @@ import torch
 from conftest import assert_same
 
 import flashwrite as fw
-from flashwrite import read as _read
-from flashwrite.save import default_writer
+from flashwrite.loading import read as _read
+from flashwrite.saving.save import default_writer
 from flashwrite.errors import ChecksumMismatchError
 from fault_util import flip_byte
 
@@ -228,7 +228,7 @@ def test_a_save_during_the_preparation_finds_its_slots_there(tmp_path):
     # The save's reservation meets the preparation's in whatever order: the pool ends at
     # one save's worth, never the two added up (a preparation used to hold a reservation
     # after growing the pool, and a save that came in between grew it again).
-    from flashwrite.save import _planned_bytes
+    from flashwrite.saving.save import _planned_bytes
     sd = _big(4)
     for i in range(3):
         with fw.Writer() as w:

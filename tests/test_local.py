@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import CheckpointManager, Writer, local
+from flashwrite import CheckpointManager, Writer
+from flashwrite.tier import snapshot as local
 from conftest import assert_same
 from fault_util import flip_byte, make_state, tmpfs
 from local_child import staging_state

@@ -16,9 +16,9 @@ from conftest import assert_same
 from fault_util import flip_byte, make_state, temp_entries
 
 import flashwrite as fw
-from flashwrite import commit
+from flashwrite.saving import commit
 from flashwrite.format import decode_manifest_json
-from flashwrite.sizes import fmt_bytes
+from flashwrite.system.sizes import fmt_bytes
 
 N = 1 << 14  # small states: these tests are about policy, not bandwidth
 

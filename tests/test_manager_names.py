@@ -95,7 +95,7 @@ def test_manager_save_options_follow_the_writers_signature():
     # Derived from Writer.save_async, less what the manager sets itself: a save option
     # added there reaches CheckpointManager.save without a second list to keep.
     import inspect
-    from flashwrite.manager_setup import SAVE_OPTIONS
+    from flashwrite.manager.setup import SAVE_OPTIONS
     kw = {k for k, p in inspect.signature(fw.Writer.save_async).parameters.items()
           if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert set(SAVE_OPTIONS) == {"hf_model", "hf_config", "extra_files"} and set(SAVE_OPTIONS) <= kw

@@ -19,7 +19,8 @@ import torch
 import flashwrite as fw
 from conftest import assert_same
 from fault_util import fill, flip_byte, loop_ext4, make_state, temp_entries
-from flashwrite import _core, nfs
+from flashwrite import _core
+from flashwrite.targets import nfs
 from nfs_fixtures import serving
 from nfs_server import Export
 

@@ -15,7 +15,8 @@ import torch
 import flashwrite as fw
 from conftest import assert_same
 from fault_util import flip_byte, make_state, temp_entries
-from flashwrite import cli, nfs
+from flashwrite.ops import main as cli
+from flashwrite.targets import nfs
 
 pytestmark = [pytest.mark.nfs, pytest.mark.usefixtures("nfs_staging")]
 

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 import flashwrite as fw
 from conftest import assert_same
 from fault_util import flip_byte, temp_entries
-from flashwrite import nfs
-from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
+from flashwrite.targets import nfs
+from flashwrite.integrations.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 from flashwrite.format import decode_manifest_json
 from ops_helpers import run, save, state
 

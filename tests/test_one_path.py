@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 import flashwrite as fw
-from flashwrite import commit
+from flashwrite.saving import commit
 from flashwrite.format import validate as fmt  # where read_manifest finds parse_manifest
 
 from conftest import assert_same
 from dist_helpers import Cluster
 
-read_module = sys.modules["flashwrite.read"]
+read_module = sys.modules["flashwrite.loading.read"]
 
 
 def _state(rank: int = 0) -> dict:
@@ -231,7 +231,7 @@ def _save_world(path: str) -> None:
 def test_the_dcp_reader_parses_once_per_read_data_call(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
+    from flashwrite.integrations.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 
     sd = {f"t{i}": torch.randn(64 << 10) for i in range(6)}  # 256 KiB each
     dcp.save(sd, storage_writer=FlashwriteStorageWriter(tmp_path / "ck", stripes=6))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import tuning
+from flashwrite.targets import tuning
 from ops_helpers import run
 
 

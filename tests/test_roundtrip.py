@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashwrite as fw
-from flashwrite import dtypes
+from flashwrite.format import dtypes
 
 
 def _sample(dt, shape, seed=0):
@@ -271,7 +271,7 @@ def test_load_never_mixes_two_checkpoints_when_the_path_is_swapped(ckdir, monkey
                 w.save({"step": 2, "w": torch.full((1000,), 2.0)}, ckdir / "ck", overwrite=True)
             return m
 
-        monkeypatch.setattr(sys.modules["flashwrite.read"], "read_manifest", read_then_swap)
+        monkeypatch.setattr(sys.modules["flashwrite.loading.read"], "read_manifest", read_then_swap)
         try:
             out = fw.load(ckdir / "ck", verify=False)
         except fw.CorruptCheckpointError as e:

@@ -18,8 +18,8 @@ from safetensors import safe_open
 
 import flashwrite as fw
 from flashwrite import _core
-from flashwrite.flatten import MAX_DEPTH, flatten, flatten_columns
-from flashwrite.plan import plan_files
+from flashwrite.saving.flatten import MAX_DEPTH, flatten, flatten_columns
+from flashwrite.saving.plan import plan_files
 
 
 def _header(path):
@@ -173,7 +173,7 @@ def test_plan_drops_its_sources_once_staged(ckdir):
     _, _, columns = flatten_columns({"a": torch.ones(4), "b": torch.ones(8)})
     files = plan_files(None, 2, columns=columns)
     assert [p.key for f in files for p in f.tensors] and columns.sources is not None
-    from flashwrite.write import _stage_sources
+    from flashwrite.saving.write import _stage_sources
     keepalive, segments, host_files, streams = _stage_sources(files)
     assert columns.sources is None and not segments and not streams
     assert sorted(j for _, members, *_ in host_files for j in members) == [0, 1]

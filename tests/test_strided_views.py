@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashwrite as fw
-from flashwrite import dtypes
+from flashwrite.format import dtypes
 
 DTYPES = dtypes.supported_dtypes()
 # Same-size dtypes with copy kernels: the expected values are computed on these twins of

@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate")
 
 import flashwrite as fw  # noqa: E402
-from flashwrite import transformers as fwt  # noqa: E402
-from flashwrite.commit import is_temp_name  # noqa: E402
+from flashwrite.integrations import transformers as fwt  # noqa: E402
+from flashwrite.saving.commit import is_temp_name  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate")
 
-from flashwrite import transformers as fwt  # noqa: E402
+from flashwrite.integrations import transformers as fwt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import transformers_child as child  # noqa: E402

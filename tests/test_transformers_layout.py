@@ -17,7 +17,7 @@ pytest.importorskip("accelerate", reason="the Trainer needs accelerate")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import flashwrite as fw  # noqa: E402
-from flashwrite import transformers as fwt  # noqa: E402
+from flashwrite.integrations import transformers as fwt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import transformers_child as child  # noqa: E402

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import cli, target
-from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
+from flashwrite.ops import main as cli
+from flashwrite.targets import target
+from flashwrite.integrations.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 
 URLS = ["s3://bucket/ck", "file:///tmp/ck", "gs://b/ck?x=1"]
 # Taken by save/load/verify, refused by the rest; nothing listens at 127.0.0.1:9 (discard).
@@ -91,7 +92,7 @@ def test_load_entry_points_refuse_urls(in_empty_dir, url):
         with pytest.raises(fw.UnsupportedTargetError) as ei:
             call()  # load_async included: refused at the call, not through the future
         assert url in str(ei.value)
-    from flashwrite.load import read_tensors
+    from flashwrite.loading.load import read_tensors
     with pytest.raises(fw.UnsupportedTargetError):
         read_tensors(url)
 
@@ -165,7 +166,8 @@ def test_export_resolution_takes_the_longest_prefix_in_any_listed_order(monkeypa
     """Nested exports: the export of a path is the longest listed prefix of it, whatever
     order the server lists them in (ganesha lists them in the reverse of its config); a
     name that only starts like an export ("/srv/outer/innerx") is not inside it."""
-    from flashwrite import _core, nfs
+    from flashwrite import _core
+    from flashwrite.targets import nfs
     monkeypatch.setattr(_core, "nfs_exports", lambda server, timeout_ms: list(listed), raising=False)
     assert nfs.find_export("h", "/srv/outer/inner/a/ck", 1) == "/srv/outer/inner"
     assert nfs.find_export("h", "/srv/outer/inner", 1) == "/srv/outer/inner"

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite import _core, write_watch
+from flashwrite import _core
+from flashwrite.incremental import write_watch
 
 MiB = 1 << 20
 

@@ -11,7 +11,7 @@ import sys
 import torch
 import transformers
 
-from flashwrite.transformers import FlashwriteTrainer
+from flashwrite.integrations.transformers import FlashwriteTrainer
 
 
 def tiny_model():

@@ -6,14 +6,20 @@ checkpoint is a directory of valid safetensors files plus a manifest.
 """
 
 from ._core import __version__
-from .errors import (CheckpointExistsError, ChecksumMismatchError, CorruptCheckpointError, DistributedSaveError,
-                     FlashwriteError, UnsafeCheckpointError)
+from .errors import (
+    CheckpointExistsError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    DistributedSaveError,
+    FlashwriteError,
+    UnsafeCheckpointError,
+)
 from .future import CheckpointFuture, LoadFuture, LoadStats, SaveFuture, SaveStats
-from .info import backend_info
-from .load import load, load_async, verify
-from .manager import CheckpointManager
-from .save import Writer, prepare, save, save_async
-from .target import UnsupportedTargetError
+from .system.info import backend_info
+from .loading.load import load, load_async, verify
+from .manager.manager import CheckpointManager
+from .saving.save import Writer, prepare, save, save_async
+from .targets.target import UnsupportedTargetError
 
 __all__ = [
     "__version__",

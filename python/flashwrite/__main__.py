@@ -3,6 +3,6 @@ directory is not on PATH."""
 
 import sys
 
-from .cli import main
+from .ops.main import main
 
 sys.exit(main())

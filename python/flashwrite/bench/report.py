@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any, TextIO
 
-from ..sizes import fmt_bytes
+from ..system.sizes import fmt_bytes
 
 GiB = 1 << 30
 

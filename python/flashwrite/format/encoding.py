@@ -18,10 +18,18 @@ import json
 import zlib
 from typing import Any
 
-from .. import gcpause
+from ..system import gcpause
 from ..errors import CorruptCheckpointError
-from .manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_ENCODING, PACKED_FIELD, PACKED_SINCE, SEAL_FIELD,
-                       TABLE_FIELDS, piece_count)
+from .manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    PACKED_ENCODING,
+    PACKED_FIELD,
+    PACKED_SINCE,
+    SEAL_FIELD,
+    TABLE_FIELDS,
+    piece_count,
+)
 
 
 def content_digest(raw: dict) -> str:

@@ -8,9 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import dtypes
+from . import dtypes
 from .._core import CHECKSUM_ALGORITHM
-from ..plan import PlannedFile
 
 # 2: the tree may hold view, ndarray and npscalar nodes and tensor flags (param, rg).
 # 3: the manifest carries manifest_checksum, a SHA-256 of its own content.
@@ -97,7 +96,7 @@ def assemble(files: list[dict], tensors: dict[str, dict], aliases: dict[str, str
     return m
 
 
-def build_manifest(files: list[PlannedFile], checksums: dict[str, list[int]], aliases: dict[str, str], tree: Any,
+def build_manifest(files: list[Any], checksums: dict[str, list[int]], aliases: dict[str, str], tree: Any,
                    block_bytes: int, writer_version: str, metadata: dict[str, str] | None = None,
                    rank_info: dict | None = None, hf: dict | None = None) -> dict:
     tensors = {}

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from ..errors import CorruptCheckpointError, FlashwriteError
-from ..flatten import referenced_keys
+from .tree import referenced_keys
 from .manifest import MANIFEST_NAME, Manifest, assemble
 
 MAX_WORLD_SIZE = 1 << 20

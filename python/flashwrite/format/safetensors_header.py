@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import dtypes
+from . import dtypes
 from ..errors import CorruptCheckpointError
-from ..plan import MAX_HEADER_BYTES
+from .._core import MAX_HEADER_BYTES  # safetensors' own limit on a header (the native parser's too)
 from .table import INT_LIMIT, MAX_DIMS
 
 METADATA_KEY = "__metadata__"

@@ -3,7 +3,7 @@ manifest says of that stripe: the same tensors, dtypes, shapes and byte ranges."
 
 from __future__ import annotations
 
-from .. import dtypes
+from . import dtypes
 from ..errors import CorruptCheckpointError
 from . import safetensors_header
 from .manifest import FileEntry, TensorEntry

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import dtypes
+from . import dtypes
 from ..errors import CorruptCheckpointError
 from .manifest import MANIFEST_NAME, FileEntry, TensorEntry
 

@@ -11,14 +11,23 @@ import re
 import stat
 from typing import Any
 
-from .. import gcpause
+from ..system import gcpause
 from .._core import CHECKSUM_ALGORITHM
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..plan import MAX_HEADER_BYTES
-from ..target import local_path
+from .safetensors_header import MAX_HEADER_BYTES
 from .encoding import content_digest, unpack_table
-from .manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD, PACKED_SINCE, READABLE_VERSIONS, SEAL_FIELD,
-                       SEALED_SINCE, TABLE_FIELDS, FileEntry, Manifest)
+from .manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    PACKED_FIELD,
+    PACKED_SINCE,
+    READABLE_VERSIONS,
+    SEAL_FIELD,
+    SEALED_SINCE,
+    TABLE_FIELDS,
+    FileEntry,
+    Manifest,
+)
 from .table import check_table, checked_int
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # used with fullmatch: no trailing newline
@@ -62,7 +71,7 @@ def check_manifest_seal(raw: Any) -> None:
 
 def read_manifest(path: str | os.PathLike, *, shown: str | None = None) -> Manifest:
     """Read and check ``path``/flashwrite.json; messages name ``shown`` (default: path)."""
-    fpath = os.path.join(local_path(path, "read manifest"), MANIFEST_NAME)
+    fpath = os.path.join(os.fspath(path), MANIFEST_NAME)  # a local directory: a target reads its own
     mpath = os.path.join(shown, MANIFEST_NAME) if shown is not None else fpath
     if not os.path.isdir(path):
         raise FileNotFoundError(2, "checkpoint directory not found", os.fspath(shown or path))

@@ -12,8 +12,8 @@ import sys
 import time
 from typing import Any
 
-from ..sizes import fmt_bytes
-from ..tuning import save_tuning, store_path
+from ..system.sizes import fmt_bytes
+from ..targets.tuning import save_tuning, store_path
 from .common import OK, PROBLEM, Problem, guarded, print_json, print_table
 from .convert import convert
 from .diff import diff
@@ -24,7 +24,7 @@ from .sources import FORMATS
 from .tune import tune
 from .tune_nfs import save_nfs_tuning, tune_nfs
 from .tune_nfs import store_path as nfs_store_path
-from ..target import url_scheme
+from ..targets.target import url_scheme
 
 
 def _when(t: float | None) -> str:

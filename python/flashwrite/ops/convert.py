@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 
-from .. import _core, commit, defaults, dtypes
-from ..flatten import FlatTensor, unflatten
+from .. import _core, defaults
+from ..saving import commit
+from ..format import dtypes
+from ..saving.flatten import FlatTensor, unflatten
 from ..format import build_index, build_manifest, piece_ranges
-from ..plan import PlannedFile, plan_files
-from ..locate import resolve
-from ..target import LOCAL, Target, check_path, shown, url_scheme
+from ..saving.plan import PlannedFile, plan_files
+from ..targets.locate import resolve
+from ..targets.target import LOCAL, Target, check_path, shown, url_scheme
 from .common import UsageError
 from .sources import FORMATS, META_KEY, SIDECAR, Item, Source, detect, flat_tree, open_source
 

@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from ..format import Manifest, TensorEntry, read_manifest
-from ..locate import local_view, resolve
-from ..target import Target, shown
+from ..targets.locate import local_view, resolve
+from ..targets.target import Target, shown
 from . import tree as _tree
 from .inspect import key_matcher
 

@@ -8,9 +8,9 @@ import re
 from typing import Any
 
 from ..format import Manifest, read_manifest
-from ..locate import local_view
-from ..target import url_scheme
-from ..incremental import SECTION, byte_counts
+from ..targets.locate import local_view
+from ..targets.target import url_scheme
+from ..incremental.link import SECTION, byte_counts
 from . import tree as _tree
 
 

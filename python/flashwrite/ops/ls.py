@@ -21,11 +21,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .. import _core, commit, local
+from .. import _core
+from ..saving import commit
+from ..tier import snapshot as local
 from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD
-from ..locate import resolve
-from ..target import LOCAL, Target, local_path, url_scheme
-from ..incremental import byte_counts
+from ..targets.locate import resolve
+from ..targets.target import LOCAL, Target, local_path, url_scheme
+from ..incremental.link import byte_counts
 
 VERIFIED_NAME = ".flashwrite-verified.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")

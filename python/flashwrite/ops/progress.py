@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Callable, TextIO
 
-from ..sizes import fmt_bytes
+from ..system.sizes import fmt_bytes
 
 
 class Progress:

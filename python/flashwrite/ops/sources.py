@@ -21,12 +21,13 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import _core, dtypes
+from .. import _core
+from ..format import dtypes
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
-from ..flatten import flatten, referenced_keys
+from ..saving.flatten import flatten, referenced_keys
 from ..format import MANIFEST_NAME, check_member_name, piece_ranges, read_manifest, safetensors_header
-from ..locate import local_view, resolve
-from ..target import shown
+from ..targets.locate import local_view, resolve
+from ..targets.target import shown
 from .ls import read_json_small
 from .tree import walk
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Any, Iterator
 
-from ..flatten import MAX_DEPTH
+from ..format.tree import MAX_DEPTH
 
 
 def _key_text(n: Any) -> str:

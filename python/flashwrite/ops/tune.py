@@ -23,10 +23,10 @@ from typing import Any, Callable
 import torch
 
 from .. import defaults
-from ..target import local_path
+from ..targets.target import local_path
 from ..bench import devicelimit
-from ..save import Writer
-from ..tuning import mount_of
+from ..saving.save import Writer
+from ..targets.tuning import mount_of
 
 STRIPES = (1, 2, 4, 8, 16)
 QUEUE_DEPTHS = (4, 8, 16, 32, 64)

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from .. import nfs
-from ..load import load
-from ..save import Writer
-from ..nfs import store_path
+from ..targets import nfs
+from ..loading.load import load
+from ..saving.save import Writer
+from ..targets.nfs import store_path
 
 CONNECTIONS = (1, 2, 4, 8, 16)
 DEFAULT_SIZE = 256 << 20

@@ -1,0 +1,135 @@
+"""Load: the public ``load``, ``load_async`` and ``verify``.
+
+``load`` reads on one rank, or (``process_group=``) this rank's part of a
+multi-rank checkpoint; both go through ``read.load_state`` (see ``read.py`` for
+the data path).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from typing import Any
+
+from .. import defaults
+from ..saving import distributed
+from . import foreign
+from ..system import gcpause
+from ..format import MANIFEST_NAME
+from ..future import LoadFuture, LoadStats, launch_load
+from .read import CheckpointDir, LoadResult, load_foreign, load_state, read_tensors
+from ..targets.locate import local_view
+from ..targets.target import check_path
+
+__all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult", "LoadFuture", "LoadStats"]
+
+
+def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, verify: bool = True, *,
+         allow_pickle: bool = False, strict: bool = True, backend: str = "auto", direct: bool = True,
+         queue_depth: int = defaults.READ_QUEUE_DEPTH, process_group: Any = None, zero_copy: bool = False) -> Any:
+    """Load a checkpoint and return the nested structure that was saved.
+
+    ``path`` may also be plain safetensors that flashwrite did not write: a
+    ``.safetensors`` file, a directory with a Hugging Face ``*.safetensors.index.json``
+    (or that index file itself: the shards it lists), or a directory of ``*.safetensors``
+    files. A flashwrite checkpoint's own ``model.safetensors.index.json`` stands for its
+    directory. That returns the flat ``{name: tensor}``
+    dict ``safetensors.torch.load_file`` would (merged across shards), read by the same
+    engine (to CPU, or straight to a GPU with map_location).
+
+    map_location: "cpu" (default), a device, a {saved_device: device} dict, or None
+    for the devices they were saved from.
+    zero_copy: CPU tensors are views of one buffer per stripe file instead of
+    owning their memory: fewer allocations, but any one tensor keeps its whole stripe
+    file's buffer alive, and offset views upset APIs that ignore storage offsets
+    (``torch.set_rng_state``). For inference-style loads that keep the whole state.
+    into: an existing (nested) state dict; its tensors are filled in place and it is
+    returned. strict: with into, every saved tensor must have a destination.
+    CUDA destinations are filled chunk by chunk, each chunk verified before it is
+    copied: if the load fails part way (a damaged chunk, an I/O error), some GPU
+    destinations may already hold the new values while others keep the old ones.
+    verify: check every byte against the save-time checksums.
+    allow_pickle: unpickle objects saved with allow_pickle=True (executes code:
+    only for trusted checkpoints).
+    process_group: return this rank's state of a checkpoint saved by every rank of
+    a group of the same size (reading only its stripes). Without it, a multi-rank
+    checkpoint loads as ``{rank: state}``.
+    """
+    check_path(path, "load")  # a URL other than nfs:// is refused before anything else
+    options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
+                   backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
+    # One pause of the collector for the whole load (one collection after it, not one
+    # per stage): a state of 100,000 tensors is 100,000s of new objects (see gcpause).
+    with gcpause.paused(), _fetched(path, "load") as local:
+        return _load(local, process_group, options)
+
+
+def _fetched(path: str | os.PathLike, what: str):
+    """A local path to read ``path`` from (``locate.local_view``)."""
+    return local_view(path, what)
+
+
+def _load(path: str | os.PathLike, process_group: Any, options: dict) -> Any:
+    map_location, into, backend, direct, queue_depth = (options[k] for k in ("map_location", "into", "backend",
+                                                                                "direct", "queue_depth"))
+    indexed = foreign.indexed_dir(os.fspath(path))
+    if indexed is not None and os.path.lexists(os.path.join(indexed, MANIFEST_NAME)):
+        path = indexed  # a flashwrite checkpoint's index file: the checkpoint it belongs to
+    if foreign.is_foreign(os.fspath(path)):
+        if into is not None or process_group is not None:
+            raise ValueError(f"{os.fspath(path)} is plain safetensors, not a flashwrite checkpoint: load it without "
+                             "into= or process_group=")
+        return load_foreign(os.fspath(path), map_location=map_location, backend=backend, direct=direct,
+                            queue_depth=queue_depth)
+    if process_group is not None:
+        return distributed.load(path, process_group=process_group, **options)
+    return load_state(path, **options)
+
+
+_load_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_load_pool_lock = threading.Lock()
+
+
+def load_async(path: str | os.PathLike, **kwargs: Any) -> LoadFuture:
+    """``load(path, **kwargs)`` on a background thread (two loads run at once, more wait
+    their turn). Returns a ``LoadFuture``: a ``concurrent.futures.Future`` of the same
+    family as ``save_async``'s (``result()``, ``done()``, ``wait()``, ``stats``).
+    A path that can never load (an unsupported URL) raises here, not through the future."""
+    global _load_pool
+    check_path(path, "load_async")
+    with _load_pool_lock:
+        if _load_pool is None:
+            _load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="flashwrite-load")
+        pool = _load_pool
+    return launch_load(os.fspath(path), lambda: load(path, **kwargs), pool.submit)
+
+
+def verify(path: str | os.PathLike, progress: Any = None) -> dict:
+    """Check a checkpoint offline: manifest, stripe sizes and headers, every checksum.
+    Raises CorruptCheckpointError (naming file and tensor) or returns a summary.
+
+    One stripe at a time, so memory holds one stripe, not the checkpoint. progress:
+    told of each stripe checked (``start(total_bytes, what)``, ``advance(n)``,
+    ``finish()``), as ``flashwrite verify``'s bar is."""
+    t0 = time.perf_counter()
+    with _fetched(check_path(path, "verify"), "verify") as local, CheckpointDir(local) as ck:
+        m = ck.manifest
+        by_file: dict[int, set[str]] = {}
+        for k, e in m.tensors.items():
+            by_file.setdefault(e.file, set()).add(k)
+        if progress is not None:
+            progress.start(sum(f.size for f in m.files), f"verify {os.path.basename(os.path.normpath(path))}")
+        try:
+            for fi, fe in enumerate(m.files):
+                if fi in by_file:
+                    ck.read(keys=by_file[fi], verify=True)  # raises on any mismatch; buffers freed at once
+                if progress is not None:
+                    progress.advance(fe.size)
+        finally:
+            if progress is not None:
+                progress.finish()
+    return {"path": os.fspath(path), "files": len(m.files), "tensors": len(m.tensors),
+            "bytes": sum(f.size for f in m.files), "writer_version": m.writer_version,
+            "seconds": time.perf_counter() - t0}

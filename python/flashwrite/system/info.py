@@ -1,0 +1,45 @@
+"""What the native engine will do on this machine, for users and bug reports."""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+from typing import Any
+
+from .. import _core
+from ..targets import tuning as _tuning
+
+
+def backend_info(path: str | os.PathLike | None = None, *, initialize_cuda: bool | None = None) -> dict[str, Any]:
+    """Which I/O backend ``backend="auto"`` uses, whether io_uring works at run time,
+    whether O_DIRECT works in ``path`` (a directory; default: the current one), and
+    whether a CUDA runtime was found.
+
+    CUDA is not initialised here unless it already is (by PyTorch, or a save of GPU
+    tensors) or ``initialize_cuda=True``: a process that initialised CUDA and then
+    forks (DataLoader workers) has children that cannot use CUDA. Uninitialised,
+    ``info["cuda"]`` names the runtime found, with ``"available": None`` and
+    ``"device_count": None`` (unknown) and ``"initialized": False``."""
+    directory = os.fspath(path) if path is not None else os.getcwd()
+    if os.path.isfile(directory):
+        directory = os.path.dirname(os.path.abspath(directory))
+    ring_err = _core.io_uring_probe() if _core.io_uring_compiled() else _errno.ENOSYS
+    return {
+        "version": _core.__version__,
+        "backend": "io_uring" if _core.io_uring_compiled() and ring_err == 0 else "threads",
+        "io_uring_compiled": _core.io_uring_compiled(),
+        "io_uring_runtime": ring_err == 0,
+        "io_uring_error": None if ring_err == 0 else f"{_errno.errorcode.get(ring_err, ring_err)}: {os.strerror(ring_err)}",
+        "directory": os.path.abspath(directory),
+        "direct_io": _core.probe_direct(directory),
+        "checksum": _core.CHECKSUM_ALGORITHM,
+        "cuda": _core.cuda_info(initialize=_cuda_initialized() if initialize_cuda is None else initialize_cuda),
+        # What Writer() would use here: a tuning saved for this file system, else the defaults.
+        "settings": _tuning.resolve(directory, {}),
+    }
+
+
+def _cuda_initialized() -> bool:
+    """Whether PyTorch has initialised CUDA in this process (then asking costs nothing)."""
+    import torch
+    return bool(torch.cuda.is_initialized())

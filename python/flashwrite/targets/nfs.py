@@ -1,0 +1,436 @@
+"""nfs:// targets: checkpoints on an NFSv3 server, with no mount and no root.
+
+``nfs://HOST[:PORT]/EXPORT/PATH[?connections=N&depth=D&timeout=S&mountport=P]``
+
+- The export is found from the server's export list (MOUNT EXPORT through the
+  portmapper): the longest exported prefix of the URL's path wins, and the rest is
+  the path inside the export. NFSv3 names an export by its real path on the server.
+- PORT (or ``nfsport=``) and ``mountport=`` skip the portmapper for those services;
+  with ``mountport=`` the export is the longest prefix the server lets us mount.
+- ``connections`` (default 4, or what ``flashwrite tune nfs://... --save`` measured
+  for the export): TCP connections for bulk transfers, each with
+  ``depth`` (default 16) WRITE or READ RPCs in flight; ``timeout`` (seconds,
+  default 10): the longest wait for the server without progress before an
+  operation fails with an error naming the server and the operation.
+
+The transfers run in the native core (``_core.NfsClient``, csrc/io/nfs_*.cpp) on
+libnfs, loaded at run time. A save stages and checksums its stripes exactly as a
+local save does, into the staging pool, and sends each chunk from its pool slot
+straight to the server with UNSTABLE WRITEs over the connections (no local copy);
+a chunk's slot is reused only once a COMMIT of its stripe returned the verifier its
+WRITEs did (a server restart between WRITE and COMMIT means the chunk is written
+again). Then the index and the manifest (committed the same way), then the rename.
+NFSv3 servers make directory operations stable before replying, so there is no
+directory fsync. A load copies the checkpoint's small files (manifest, index) into a
+directory in /dev/shm, with a sparse placeholder holding only the header for each
+stripe, and the load job reads the stripes over the connections straight into its
+bounce slots and destinations (no local copy of the bytes); the directory is removed
+when the call returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import urllib.parse
+from dataclasses import dataclass
+
+from .. import _core
+from .target import Target, UnsupportedTargetError
+from .tuning import config_dir
+
+__all__ = ["NfsUrl", "parse_url", "NfsTarget", "target_for"]
+
+DEFAULT_CONNECTIONS = 4
+DEFAULT_DEPTH = 16
+DEFAULT_TIMEOUT_S = 10.0
+_QUERY_KEYS = {"connections", "depth", "timeout", "nfsport", "mountport"}
+
+
+@dataclass(frozen=True)
+class NfsUrl:
+    server: str
+    path: str                 # the path on the server (export + path inside it)
+    nfs_port: int = 0
+    mount_port: int = 0
+    connections: int = DEFAULT_CONNECTIONS
+    depth: int = DEFAULT_DEPTH
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    explicit: frozenset = frozenset()  # the query parameters the URL gave
+
+
+def parse_url(url: str) -> NfsUrl:
+    """Split an nfs:// URL; a malformed one raises UnsupportedTargetError saying what is wrong."""
+    u = urllib.parse.urlsplit(url)
+
+    def bad(why: str) -> UnsupportedTargetError:
+        return UnsupportedTargetError(f"{url!r}: {why} (expected nfs://HOST[:PORT]/EXPORT/PATH"
+                                      "[?connections=N&depth=D&timeout=S&mountport=P])", url=url, scheme="nfs")
+
+    if u.scheme.lower() != "nfs":
+        raise bad("not an nfs:// URL")
+    if not u.hostname:
+        raise bad("no server")
+    path = os.path.normpath("/" + u.path.lstrip("/")) if u.path else "/"
+    if path == "/":
+        raise bad("no export path")
+    q = urllib.parse.parse_qs(u.query, keep_blank_values=True)
+    unknown = set(q) - _QUERY_KEYS
+    if unknown:
+        raise bad(f"unknown parameter(s) {sorted(unknown)}; known: {sorted(_QUERY_KEYS)}")
+
+    def num(key: str, default: float, cast=int, low: float = 1) -> float:
+        if key not in q:
+            return default
+        try:
+            v = cast(q[key][-1])
+        except ValueError:
+            raise bad(f"{key}={q[key][-1]!r} is not a number") from None
+        if v < low:
+            raise bad(f"{key} must be at least {low}")
+        return v
+
+    try:
+        port = u.port or 0
+    except ValueError:
+        raise bad("bad port") from None
+    return NfsUrl(server=u.hostname, path=path, nfs_port=int(num("nfsport", port)),
+                  mount_port=int(num("mountport", 0)), connections=int(num("connections", DEFAULT_CONNECTIONS)),
+                  depth=int(num("depth", DEFAULT_DEPTH)), timeout_s=float(num("timeout", DEFAULT_TIMEOUT_S, float, 0.1)),
+                  explicit=frozenset(q))
+
+
+def _require_libnfs(url: str, what: str) -> None:
+    if not hasattr(_core, "NfsClient") or not _core.nfs_available():
+        reason = _core.nfs_unavailable_reason() if hasattr(_core, "nfs_unavailable_reason") else "no NFS client"
+        raise UnsupportedTargetError(f"{what}: {url!r} needs libnfs: {reason}", url=url, scheme="nfs")
+
+
+def find_export(server: str, path: str, timeout_s: float) -> str:
+    """The longest export of ``server`` that is ``path`` or a parent of it (the export
+    list comes from the server's MOUNT service, found through its portmapper)."""
+    exports = _core.nfs_exports(server, int(timeout_s * 1000))
+    best = ""
+    for e in exports:
+        e = os.path.normpath(e)
+        if (path == e or path.startswith(e.rstrip("/") + "/")) and len(e) > len(best):
+            best = e
+    if not best:
+        raise FileNotFoundError(2, f"no export of {server} contains {path} (exports: {', '.join(exports) or 'none'})",
+                                f"nfs://{server}{path}")
+    return best
+
+
+def _mount_longest(u: NfsUrl) -> tuple[str, NfsTarget]:
+    """With mountport= the portmapper is not asked, so neither is the export list: the
+    longest prefix of the path the server lets us mount is the export."""
+    parts = u.path.rstrip("/").split("/")
+    refused: OSError | None = None
+    for i in range(len(parts), 1, -1):
+        export = "/".join(parts[:i])
+        try:
+            return export, NfsTarget(u, export)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.ENOENT, errno.EPERM):
+                raise
+            refused = e
+    raise FileNotFoundError(2, f"the server mounts no prefix of {u.path} ({refused})",
+                            f"nfs://{u.server}:{u.mount_port}{u.path}")
+
+
+class NfsTarget(Target):
+    """Checkpoints in one export of one NFS server. Paths are inside the export ("/run/ck")."""
+
+    name = "nfs"
+
+    def __init__(self, url: NfsUrl, export: str):
+        self.url = url
+        self.export = export
+        self.client = _core.NfsClient(url.server, export, nfs_port=url.nfs_port, mount_port=url.mount_port,
+                                      connections=url.connections, depth=url.depth,
+                                      timeout_ms=int(url.timeout_s * 1000))
+        self._staging: dict[str, str] = {}  # local staging directory -> temporary directory on the server
+        self._lock = threading.Lock()
+
+    def show(self, path: str) -> str:
+        """The URL of ``path`` (for messages and stats)."""
+        return self.client.url(path)
+
+    def exists(self, path: str) -> bool:
+        return self.client.stat(path)[0]
+
+    def is_dir(self, path: str) -> bool:
+        return self.client.stat(path)[1]
+
+    def is_file(self, path: str) -> bool:
+        exists, is_dir, _ = self.client.stat(path)
+        return exists and not is_dir
+
+    def list(self, path: str) -> list[str]:
+        return self.client.listdir(path)
+
+    def make_dirs(self, path: str) -> None:
+        parts = [p for p in path.split("/") if p]
+        cur = ""
+        for p in parts:
+            cur += "/" + p
+            exists, is_dir, _ = self.client.stat(cur)
+            if not exists:
+                try:
+                    self.client.mkdir(cur)
+                except FileExistsError:
+                    pass
+            elif not is_dir:
+                raise NotADirectoryError(20, "not a directory", self.show(cur))
+
+    def make_dir(self, path: str) -> None:
+        self.client.mkdir(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.client.rename(src, dst)
+
+    def remove_file(self, path: str) -> None:
+        self.client.unlink(path)
+
+    def fsync_dir(self, path: str) -> None:
+        pass  # NFSv3 makes CREATE, MKDIR, RENAME and REMOVE stable before it replies
+
+    def remove_tree(self, path: str) -> None:
+        try:
+            exists, is_dir, _ = self.client.stat(path)
+            if not exists:
+                return
+            if is_dir:
+                for name in self.client.listdir(path):
+                    self.remove_tree(f"{path}/{name}")
+                self.client.rmdir(path)
+            else:
+                self.client.unlink(path)
+        except OSError:
+            pass  # best effort, as shutil.rmtree(ignore_errors=True)
+
+    def write_durable(self, path: str, data: bytes) -> None:
+        self.client.write_file(path, data, True)
+
+    def link(self, src: str, dst: str) -> None:
+        self.client.link(src, dst)  # NFSv3 makes LINK stable before it replies
+
+    def read_at(self, path: str, offset: int, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        n = self.client.read_into(path, buf, offset)
+        return bytes(buf[:n])
+
+    def file_size(self, path: str) -> int | None:
+        exists, is_dir, size = self.client.stat(path)
+        return size if exists and not is_dir else None
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        exists, is_dir, size = self.client.stat(path)
+        if not exists:
+            raise FileNotFoundError(2, "no such file", self.show(path))
+        if is_dir:
+            raise ValueError(f"{self.show(path)} is not a regular file")
+        if size > limit:  # checked before reading: no allocation sized by a hostile file
+            raise ValueError(f"{self.show(path)} is larger than {limit} bytes")
+        return self.read_at(path, 0, size)
+
+    def temp_dir_of(self, staging: str) -> str:
+        with self._lock:
+            return self._staging.get(staging, staging)
+
+    def open_stripe(self, path: str, write: bool) -> int:
+        raise UnsupportedTargetError(f"{self.show(path)}: stripes on nfs:// are sent by the NFS client, not opened",
+                                     url=self.show(path), scheme="nfs")
+
+    # ---- the engine sends the stripes straight to the server (Engine.start_save's remote=)
+
+    def staging_dir(self, tmp: str) -> str:
+        """``tmp`` itself: the save's stripes go from the staging pool to the server over
+        the connections (``remote_for``), each chunk committed before its slot is reused."""
+        with _direct_lock:
+            _direct[tmp] = self
+        return tmp
+
+    def upload(self, staging: str) -> str:
+        self.drop_staging(staging)  # every stripe was committed by the save job itself
+        return staging
+
+    def discard_staging(self, staging: str) -> None:
+        self.drop_staging(staging)
+        self.remove_tree(staging)
+
+    def drop_staging(self, staging: str) -> None:
+        with _direct_lock:
+            if _direct.get(staging) is self:
+                del _direct[staging]
+
+    def download(self, path: str) -> str:
+        """A fresh local directory standing for the checkpoint directory ``path``: its small
+        files copied, each ``.safetensors`` stripe a sparse placeholder of its size holding
+        only its header (what the reader checks before it reads). A load of that directory
+        reads the stripes from the server (``reader_for``), straight into its bounce slots
+        and destinations. Remove it with ``forget_download``."""
+        local = tempfile.mkdtemp(prefix="flashwrite-nfs-", dir=_staging_root())
+        try:
+            exists, is_dir, _ = self.client.stat(path)
+            if not exists or not is_dir:
+                raise FileNotFoundError(2, "checkpoint directory not found", self.show(path))
+            for name in self.client.listdir(path):
+                exists, is_dir, size = self.client.stat(f"{path}/{name}")
+                if is_dir:
+                    continue
+                fd = os.open(os.path.join(local, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    if not size:
+                        continue
+                    os.ftruncate(fd, size)
+                    if name.endswith(".safetensors"):
+                        head = self._header(f"{path}/{name}", size)
+                        os.pwrite(fd, head, 0)
+                        continue
+                    with mmap.mmap(fd, size) as m:  # straight into the copy's pages
+                        n = self.client.read_into(f"{path}/{name}", m, 0)
+                    if n != size:
+                        os.ftruncate(fd, n)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            shutil.rmtree(local, ignore_errors=True)
+            raise
+        with _direct_lock:
+            _reads[local] = (self, path)
+        return local
+
+    def _header(self, path: str, size: int) -> bytes:
+        """The first bytes of a safetensors file: its 8-byte length and its JSON header."""
+        buf = bytearray(min(size, 1 << 16))
+        n = self.client.read_into(path, buf, 0)
+        head = bytes(buf[:n])
+        if n >= 8:
+            want = min(size, 8 + int.from_bytes(head[:8], "little"))
+            if want > n and want <= 100 << 20:
+                rest = bytearray(want - n)
+                head += bytes(rest[:self.client.read_into(path, rest, n)])
+        return head
+
+
+def forget_download(local: str) -> None:
+    """Remove a directory ``download`` made."""
+    with _direct_lock:
+        _reads.pop(local, None)
+    shutil.rmtree(local, ignore_errors=True)
+
+
+def reader_for(directory: str) -> tuple | None:
+    """(NfsClient, directory on the server) a load of the local ``directory`` (made by
+    ``NfsTarget.download``) reads its stripes from, else None."""
+    with _direct_lock:
+        hit = _reads.get(os.path.abspath(directory))
+    return (hit[0].client, hit[1]) if hit is not None else None
+
+
+# A save's temporary directory on a server -> its target, while the save writes there.
+_direct: dict[str, NfsTarget] = {}
+# A load's local stand-in directory (NfsTarget.download) -> (target, checkpoint directory there).
+_reads: dict[str, tuple[NfsTarget, str]] = {}
+_direct_lock = threading.Lock()
+
+
+def remote_for(directory: str) -> object | None:
+    """The ``_core.NfsClient`` a save into ``directory`` sends its stripes through (the
+    temporary directory of an nfs:// save, see ``NfsTarget.staging_dir``), else None."""
+    with _direct_lock:
+        t = _direct.get(directory)
+    return t.client if t is not None else None
+
+
+def _staging_root() -> str:
+    return os.environ.get("FLASHWRITE_NFS_STAGING") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
+_targets: dict[tuple, NfsTarget] = {}
+_targets_lock = threading.Lock()
+
+
+def tuning_key(server: str, nfs_port: int, export: str) -> str:
+    return f"nfs://{server}{f':{nfs_port}' if nfs_port else ''}{export}"
+
+
+_tunings: tuple[float, dict] | None = None
+
+
+def store_path() -> str:
+    """Where ``flashwrite tune nfs://... --save`` keeps its results (beside tunings.json)."""
+    return os.path.join(config_dir(), "nfs-tunings.json")
+
+
+def forget_tunings() -> None:
+    global _tunings
+    _tunings = None
+
+
+def tuned_connections(server: str, nfs_port: int, path: str) -> int | None:
+    """The connections ``flashwrite tune nfs://... --save`` stored for the export holding
+    ``path`` on that server (the longest stored export that is a prefix of it), or None."""
+    global _tunings
+    try:
+        mtime = os.stat(store_path()).st_mtime
+    except OSError:
+        return None
+    if _tunings is None or _tunings[0] != mtime:
+        try:
+            with open(store_path()) as fh:
+                raw = json.load(fh)
+        except (OSError, ValueError):
+            raw = {}
+        _tunings = (mtime, raw if isinstance(raw, dict) else {})
+    prefix = tuning_key(server, nfs_port, "")
+    best, got = -1, None
+    for key, rec in _tunings[1].items():
+        if not key.startswith(prefix) or not isinstance(rec, dict):
+            continue
+        export = key[len(prefix):]
+        c = rec.get("connections")
+        if (path == export or path.startswith(export.rstrip("/") + "/")) and len(export) > best \
+                and isinstance(c, int) and c >= 1:
+            best, got = len(export), c
+    return got
+
+
+def target_for(url: str, what: str) -> tuple[NfsTarget, str]:
+    """(the target serving ``url``, the path inside its export). Without ``connections=``
+    in the URL, a saved tuning for the export (``flashwrite tune URL --save``) gives it,
+    else DEFAULT_CONNECTIONS."""
+    _require_libnfs(url, what)
+    u = parse_url(url)
+    if "connections" not in u.explicit:
+        tuned = tuned_connections(u.server, u.nfs_port, u.path)
+        if tuned is not None:
+            u = dataclasses.replace(u, connections=tuned)
+    key = (u.server, u.nfs_port, u.mount_port, u.connections, u.depth, u.timeout_s)
+    with _targets_lock:
+        cached = [(e, t) for (k, e), t in _targets.items() if k == key]
+    if u.mount_port:
+        # The export list needs the portmapper; an explicit mount port means it is not asked.
+        hits = [(e, t) for e, t in cached if u.path == e or u.path.startswith(e.rstrip("/") + "/")]
+        export, t = max(hits, key=lambda h: len(h[0])) if hits else _mount_longest(u)
+    else:
+        export = find_export(u.server, u.path, u.timeout_s)  # asked each time: exports come and go
+        t = dict(cached).get(export) or NfsTarget(u, export)
+    with _targets_lock:
+        t = _targets.setdefault((key, export), t)
+    return t, u.path[len(export):] or "/"
+
+
+def forget(t: NfsTarget) -> None:
+    """Drop a cached target (after its server failed), so the next call connects afresh."""
+    with _targets_lock:
+        for k, v in list(_targets.items()):
+            if v is t:
+                del _targets[k]
