@@ -16,7 +16,7 @@ import time
 import torch
 
 from flashwrite import _core
-from flashwrite.saving.flatten import flatten
+from flashwrite.state.flatten import flatten
 from flashwrite.format import read_manifest
 from flashwrite.saving.plan import plan_files
 

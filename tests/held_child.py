@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_cuda_child import file_bytes, state, to_device  # noqa: E402  (loads the stand-in runtime)
 
 from flashwrite import _core  # noqa: E402
-from flashwrite.saving.flatten import flatten  # noqa: E402
+from flashwrite.state.flatten import flatten  # noqa: E402
 from flashwrite.format import piece_ranges  # noqa: E402
 from flashwrite.saving.plan import plan_files  # noqa: E402
 

@@ -22,7 +22,7 @@ from fault_util import flip_byte
 import flashwrite as fw
 from flashwrite import _core
 from flashwrite.format import dtypes
-from flashwrite.saving.flatten import flatten
+from flashwrite.state.flatten import flatten
 from flashwrite.saving.plan import plan_files
 from flashwrite.format import decode_manifest_json
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import flashwrite as fw
 from flashwrite import format as fmt
 from flashwrite.errors import CorruptCheckpointError, UnsafeCheckpointError
-from flashwrite.saving.flatten import unflatten
+from flashwrite.state.flatten import unflatten
 from flashwrite.format import decode_manifest_json
 
 xxhash = pytest.importorskip("xxhash")

@@ -17,7 +17,7 @@ import flashwrite as fw
 from flashwrite.saving import commit
 from flashwrite.incremental import link as incremental
 from flashwrite.errors import CorruptCheckpointError
-from flashwrite.saving.flatten import flatten_columns
+from flashwrite.state.flatten import flatten_columns
 from flashwrite.format import read_manifest
 
 from fault_util import flip_byte, kill_at_random, need_root, tmpfs

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import flashwrite as fw
 from flashwrite import _core
-from flashwrite.saving.flatten import MAX_DEPTH, flatten, flatten_columns
+from flashwrite.state.flatten import MAX_DEPTH, flatten, flatten_columns
 from flashwrite.saving.plan import plan_files
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from .. import _core
 from ..format import dtypes
 from . import write_watch
-from ..saving.flatten import Columns
+from ..state.flatten import Columns
 from ..format import Manifest, piece_ranges
 
 

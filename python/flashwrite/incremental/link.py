@@ -71,7 +71,7 @@ from typing import Any, Callable
 from . import compare, held
 from ..saving.commit import parse_temp_name
 from ..errors import FlashwriteError
-from ..saving.flatten import Columns
+from ..state.flatten import Columns
 from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, read_manifest
 from ..saving.plan import PlannedFile, plan_files, stripe_name
 from ..targets.target import LOCAL, Target

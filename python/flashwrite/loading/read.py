@@ -35,7 +35,7 @@ from ..system import gcpause
 from ..targets import nfs
 from ..system import cuda as _cuda
 from ..errors import CorruptCheckpointError
-from ..saving.flatten import FlatTensor, flatten, unflatten
+from ..state.flatten import FlatTensor, flatten, unflatten
 from ..format import Manifest, TensorEntry, read_manifest, select_rank
 from .read_plan import stored_dtype
 from ..targets.target import local_path

@@ -23,7 +23,7 @@ import torch
 from .. import _core, defaults
 from ..saving import commit
 from ..format import dtypes
-from ..saving.flatten import FlatTensor, unflatten
+from ..state.flatten import FlatTensor, unflatten
 from ..format import build_index, build_manifest, piece_ranges
 from ..saving.plan import PlannedFile, plan_files
 from ..targets.locate import resolve

@@ -24,7 +24,7 @@ import torch
 from .. import _core
 from ..format import dtypes
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
-from ..saving.flatten import flatten, referenced_keys
+from ..state.flatten import flatten, referenced_keys
 from ..format import MANIFEST_NAME, check_member_name, piece_ranges, read_manifest, safetensors_header
 from ..targets.locate import local_view, resolve
 from ..targets.target import shown

@@ -1,5 +1,5 @@
 """A save, from a state dict to a committed checkpoint: ``save.py`` (``Writer``, ``save``, ``save_async``),
-``session.py`` (one save's life cycle), ``flatten.py`` and ``plan.py`` (the state to stripes; ``hf.py`` the Hugging Face model group), ``write.py``
+``session.py`` (one save's life cycle), ``plan.py`` (the flattened state to stripes; ``hf.py`` the Hugging Face model group), ``write.py``
 (staging and writing the stripes through the native engine), ``commit.py`` (visible only when whole and
-durable), ``distributed.py`` and ``coord.py`` (multi-rank saves). May import: ``targets``, ``incremental``,
+durable), ``distributed.py`` (multi-rank saves). May import: ``targets``, ``incremental``,
 ``tier``, ``format``, ``system``, the face (``errors``, ``future``, ``defaults``) and ``_core``."""

@@ -56,7 +56,7 @@ from . import commit
 from .. import defaults
 from ..tier import neighbour
 from ..incremental import link as _incremental
-from .coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
+from ..system.coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
 from ..errors import DistributedSaveError, FlashwriteError
 from ..format import build_index, merge_manifests, parse_manifest
 from ..future import SaveFuture, SaveStats

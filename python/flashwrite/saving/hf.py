@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from ..format.tree import tensor_nodes
-from .flatten import FlatTensor
+from ..state.flatten import FlatTensor
 
 MODEL_PREFIX = "model"   # stripe names of the group the index lists (what from_pretrained reads)
 STATE_PREFIX = "state"   # stripe names of the rest of the state

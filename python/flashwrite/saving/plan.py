@@ -17,7 +17,7 @@ import torch
 from .. import _core
 from ..format import dtypes
 from ..format.safetensors_header import MAX_HEADER_BYTES
-from .flatten import Columns, FlatTensor, columns_of
+from ..state.flatten import Columns, FlatTensor, columns_of
 
 
 

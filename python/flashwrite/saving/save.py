@@ -24,7 +24,7 @@ from . import hf
 from ..targets import tuning
 from ..incremental import link as _incremental
 from . import write as _write
-from .flatten import flatten_columns
+from ..state.flatten import flatten_columns
 from ..future import SaveFuture, SaveStats
 from ..targets.locate import resolve
 from .plan import plan_files

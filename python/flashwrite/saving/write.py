@@ -23,7 +23,7 @@ from . import hf
 from ..targets import nfs
 from ..system import cuda as _cuda
 from .. import defaults as _defaults
-from .flatten import diagnose, flatten_columns
+from ..state.flatten import diagnose, flatten_columns
 from ..format import build_manifest
 from ..future import SaveStats
 from ..incremental.link import annotate

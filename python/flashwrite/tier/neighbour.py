@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import snapshot as local
-from ..saving.coord import Coordinator, PeerLost
+from ..system.coord import Coordinator, PeerLost
 
 log = logging.getLogger("flashwrite")
 

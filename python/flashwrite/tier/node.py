@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from . import snapshot as local, neighbour
-from ..saving.coord import Coordinator
+from ..system.coord import Coordinator
 from ..format import Manifest
 from ..system.owner import this_owner
 

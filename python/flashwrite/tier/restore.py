@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from . import snapshot as local, neighbour
-from ..saving.coord import Coordinator, collective, coordinator
+from ..system.coord import Coordinator, collective, coordinator
 from ..errors import CorruptCheckpointError
-from ..saving.flatten import flatten, unflatten
+from ..state.flatten import flatten, unflatten
 from ..loading.load import load
 from ..loading.read import LoadResult, fill_into, tensor_placer
 from .node import LocalTier

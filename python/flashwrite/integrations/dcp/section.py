@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ...format import dtypes
 from ... import format as fmt
 from ...errors import CorruptCheckpointError, FlashwriteError
-from ...saving.flatten import flatten, unflatten
+from ...state.flatten import flatten, unflatten
 from ...incremental.link import merge_sections
 from ...format import MANIFEST_NAME, Manifest
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ...saving import commit
-from ...saving.coord import coordinator
+from ...system.coord import coordinator
 from ...errors import FlashwriteError
 from ...format import build_index, parse_manifest
 from ...future import SaveStats

@@ -30,7 +30,7 @@ import torch
 
 from .. import _core
 from ..format.tree import MAX_DEPTH, referenced_keys, tensor_nodes
-from ..loading.rebuild import NUMPY_KINDS, unflatten
+from .rebuild import NUMPY_KINDS, unflatten
 
 __all__ = ["MAX_DEPTH", "Columns", "FlatTensor", "columns_of", "diagnose", "flatten", "flatten_columns",
            "referenced_keys", "stored_form", "tensor_nodes", "unflatten"]
