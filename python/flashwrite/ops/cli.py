@@ -2,7 +2,8 @@
 
 ``register`` adds them to the main parser; each ``cmd_*`` calls its module and
 renders the result as a table, or as JSON with ``--json``. Exit codes: 0 ok,
-1 a problem (damaged input, missing path, differences for ``diff``), 2 usage.
+1 a problem (damaged input, differences for ``diff``), 2 usage (a bad option, a path
+that is not there or not what the command takes: ``common.BAD_PATH``).
 """
 
 from __future__ import annotations

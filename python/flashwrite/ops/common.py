@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from typing import Any, Callable, Sequence
@@ -13,6 +14,22 @@ OK, PROBLEM, USAGE = 0, 1, 2
 
 class UsageError(Exception):
     """Bad arguments the parser could not catch (exit code 2)."""
+
+
+# A path that is not what the command takes (nothing there, a file for a directory, a
+# directory for a file) is the operator's mistake, like a bad option: exit code 2.
+BAD_PATH = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+
+
+def bad_path_message(e: OSError) -> str:
+    """The error naming its path, with what to do where it does not say already."""
+    what, path = e.strerror or str(e), e.filename
+    msg = what if path is None or str(path) in what else f"{path}: {what}"
+    if e.errno == errno.ENOENT and not any(c in what for c in ":;`"):
+        msg += " (check the path; `flashwrite ls DIR` lists the checkpoints in a directory)"
+    elif e.errno == errno.ENOTDIR and not any(c in what for c in ":;`"):
+        msg += " (pass a directory)"
+    return msg
 
 
 class Problem(Exception):
@@ -29,8 +46,16 @@ def guarded(fn: Callable[[Any], int]) -> Callable[[Any], int]:
     def run(a: Any) -> int:
         try:
             return fn(a)
+        except BrokenPipeError:
+            raise  # the reader went away (`| head`): main() ends quietly
         except UsageError as e:
             print(f"flashwrite {a.command}: error: {e}", file=sys.stderr)
+            return USAGE
+        except OSError as e:
+            if e.errno not in BAD_PATH:
+                print(f"flashwrite {a.command}: {e}", file=sys.stderr)
+                return PROBLEM
+            print(f"flashwrite {a.command}: error: {bad_path_message(e)}", file=sys.stderr)
             return USAGE
         except (Problem, FlashwriteError, OSError, ValueError, KeyError, TypeError, RuntimeError,
                 RecursionError, UnicodeError) as e:

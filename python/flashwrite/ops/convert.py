@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from .. import _core, commit, defaults, dtypes
-from ..flatten import FlatTensor, unflatten
+from ..errors import CorruptCheckpointError
+from ..flatten import FlatTensor, referenced_keys, unflatten
 from ..format import build_index, build_manifest, piece_ranges
 from ..plan import PlannedFile, plan_files
 from ..locate import resolve
@@ -308,6 +309,18 @@ def _check_remote(src: str, kind: str, dst: str, out_kind: str) -> None:
                          f"{out_kind}; write {out_kind} to a local (or mounted) path")
 
 
+def _check_complete(src: Source) -> None:
+    """Refuse, before writing, a source whose tree names tensors it cannot give: the
+    output would be a checkpoint that load refuses."""
+    if src.tree is None:
+        return
+    lost = referenced_keys(src.tree) - {i.key for i in src.items}
+    if lost:
+        raise CorruptCheckpointError(f"{shown(src.path)}: its flashwrite record names {len(lost)} tensor(s) this "
+                                     f"{src.kind} input does not hold, e.g. {sorted(lost)[0]!r}; converting would "
+                                     "lose them, so nothing was written")
+
+
 def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_format: str | None = None,
             allow_pickle: bool = False, stripes: int | None = None, shards: int | None = None,
             overwrite: bool = False, progress: Any) -> dict:
@@ -321,6 +334,7 @@ def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_forma
         raise UsageError("source and destination are the same path")
     src = open_source(src_path, kind, allow_pickle)
     try:
+        _check_complete(src)
         for n in src.notes:
             progress.note(f"note: {n}")
         progress.start(src.nbytes, f"convert {kind} -> {out_kind}")

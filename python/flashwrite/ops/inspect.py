@@ -12,13 +12,18 @@ from ..locate import local_view
 from ..target import url_scheme
 from ..incremental import SECTION, byte_counts
 from . import tree as _tree
+from .common import UsageError
 
 
 def key_matcher(pattern: str | None):
     if not pattern:
         return lambda _k: True
     if pattern.startswith("re:"):
-        rx = re.compile(pattern[3:])
+        try:
+            rx = re.compile(pattern[3:])
+        except re.error as e:
+            raise UsageError(f"--tensors {pattern!r} is not a regular expression ({e}); write re:REGEX with a "
+                             "valid one, or a glob such as '*.weight'") from None
         return lambda k: rx.search(k) is not None
     if not any(c in pattern for c in "*?["):
         return lambda k: k == pattern or k.startswith(pattern + ".") or pattern in k
