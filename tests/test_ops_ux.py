@@ -214,3 +214,62 @@ def test_convert_refuses_an_input_that_lost_tensors_its_record_names(capsys, tmp
     rc, _, err = run(capsys, "convert", tmp_path / "hf", tmp_path / "back", "-q")
     assert rc == 1 and "np.lost" in err and "nothing was written" in err, err
     assert not os.path.exists(tmp_path / "back")
+
+
+# ------------------------------------------------------------------ item 8
+
+def _demo_result() -> dict:
+    row = lambda name, stall: {"name": name, "label": name, "status": "ok", "stall_s": stall, "durable_s": 2.01,  # noqa: E731
+                               "gbps": 0.27, "vs_device": 0.26, "cpu_s_per_gib": 3.1, "rss_growth": 1 << 28,
+                               "load_s": 1.1, "load_vs_device": 0.28}
+    return {"bytes": 512 << 20, "device": {"tool": "fio, O_DIRECT", "write_s": 0.52, "write_gbps": 1.03, "read_s": 0.31},
+            "meta": {"rounds": 1, "filesystem": "ext4 on /dev/vda1", "cpus": 2, "cold_cache": "cold cache"},
+            "memcpy": {"name": "memcpy, 2 threads", "label": "memcpy", "stall_s": 0.061},
+            "rows": [row("torch.save + fsync", 2.013), row("flashwrite", 0.113)]}
+
+
+def test_demo_table_fits_80_columns_without_cutting_words(monkeypatch):
+    pytest.importorskip("rich")
+    import io
+    from flashwrite.bench import report
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("COLUMNS", "80")
+    out = Terminal()
+    report.print_table(_demo_result(), file=out, targets=False)
+    text = __import__("re").sub(r"\x1b\[[0-9;]*m", "", out.getvalue())
+    table = text.split("stall: seconds")[0]
+    assert max(len(ln.rstrip()) for ln in table.splitlines()) <= 80, table
+    for whole in ("contender", "device limit (fio)", "memcpy, 2 threads", "torch.save + fsync", "flashwrite",
+                  "durable", "0.113", "2.013", "0.28"):
+        assert whole in table, (whole, table)  # was "conten"/"der", "flashw"/"rite"
+
+
+def test_inspect_summarises_long_runs_of_ints(capsys, tmp_path):
+    fw.save(recipe_state(), tmp_path / "ck")
+    rc, out, _ = run(capsys, "inspect", tmp_path / "ck")
+    assert rc == 0 and len(out.splitlines()) < 100, len(out.splitlines())
+    assert "rng.python.1.0 .. rng.python.1.624" in out and "625 int values" in out and "--all-leaves" in out
+    assert "rng.numpy.2" in out and "MT19937" in out  # short runs stay one line a leaf
+    rc, full, _ = run(capsys, "inspect", tmp_path / "ck", "--all-leaves")
+    assert rc == 0 and "rng.python.1.624" in full and len(full.splitlines()) > 625
+    rc, js, _ = run(capsys, "inspect", tmp_path / "ck", "--json")
+    assert len([k for k in json.loads(js)["leaves"] if k.startswith("rng.python.1.")]) == 625  # JSON: all
+
+
+def test_info_with_a_cuda_runtime_but_no_driver_says_no_gpu():
+    from flashwrite import _core
+    from flashwrite.info import _no_driver
+    seen = {**_core.cuda_info(initialize=False), "initialized": False, "library": "libcudart.so.13",
+            "available": None, "device_count": None, "driver_version": 0}
+    got = _no_driver(seen)
+    assert got["available"] is False and got["device_count"] == 0
+    assert "no CUDA driver" in got["reason"] and "libcudart.so.13" in got["reason"]
+    with_driver = {**seen, "driver_version": 12040}
+    assert _no_driver(with_driver) == with_driver  # a driver: unknown until initialised, as before
+    info = fw.backend_info()["cuda"]
+    if info.get("library") and info.get("driver_version") == 0:  # this machine is such a one
+        assert info["available"] is False and "no CUDA driver" in info["reason"]
