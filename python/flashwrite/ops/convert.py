@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 import warnings
 from typing import Any
 
@@ -39,7 +40,9 @@ def target_format(src_kind: str, dst: str, to: str | None) -> str:
         if to not in FORMATS:
             raise UsageError(f"unknown --to {to!r}; choose from {', '.join(FORMATS)}")
         return to
-    ext = os.path.splitext(dst)[1].lower()
+    # A URL's extension is its path's: nfs://h/x.safetensors?mountport=P names a .safetensors
+    name = urllib.parse.urlsplit(dst).path if url_scheme(dst) else dst
+    ext = os.path.splitext(name)[1].lower()
     if ext in _EXT:
         return _EXT[ext]
     if src_kind != "flashwrite":
