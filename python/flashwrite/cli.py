@@ -18,7 +18,7 @@ from .ops.ls import record_verified
 from .ops.progress import Progress, step_logger
 from .load import verify
 from .sizes import fmt_bytes, parse_size
-from .target import url_scheme
+from .target import UnsupportedTargetError, url_scheme
 
 
 def _size(text: str) -> int:
@@ -122,6 +122,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
             return _verify_failed(a.path, e)
         print(f"flashwrite verify: error: {bad_path_message(e)}", file=sys.stderr)
         return 2
+    except UnsupportedTargetError as e:
+        print(f"flashwrite verify: error: {e}", file=sys.stderr)
+        return 2
     except (FlashwriteError, ValueError) as e:
         return _verify_failed(a.path, e)
     record_verified(a.path)  # for `flashwrite ls`; best effort (read-only checkpoints stay unmarked)
@@ -141,8 +144,9 @@ def _verify_failed(path: str, e: Exception) -> int:
 
 def cmd_info(a: argparse.Namespace) -> int:
     if url_scheme(a.dir):
-        print(f"flashwrite info: error: {a.dir}: info probes a local directory (O_DIRECT, io_uring, CUDA); for an "
-              f"nfs:// target, `flashwrite tune {a.dir}` measures it and `flashwrite ls {a.dir}` lists it",
+        other = (f"for an nfs:// target, `flashwrite tune {a.dir}` measures it and `flashwrite ls {a.dir}` lists it"
+                 if url_scheme(a.dir) == "nfs" else "flashwrite reads local (or mounted) paths and nfs:// URLs")
+        print(f"flashwrite info: error: {a.dir}: info probes a local directory (O_DIRECT, io_uring, CUDA); {other}",
               file=sys.stderr)
         return 2
     if not os.path.exists(a.dir):
@@ -244,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:  # the commands that write under --dir make it first (tune, info, ls take an existing one)
             os.makedirs(a.dir, exist_ok=True)
         except OSError as e:
-            print(f"error: cannot create --dir {a.dir}: {e.strerror}", file=sys.stderr)
+            what = "it is a file; pass a directory (made if missing)" if os.path.isfile(a.dir) else e.strerror
+            print(f"flashwrite {a.command}: error: cannot create --dir {a.dir}: {what}", file=sys.stderr)
             return 2
     try:
         rc = a.func(a)

@@ -75,7 +75,8 @@ def read_manifest(path: str | os.PathLike, *, shown: str | None = None) -> Manif
         if root is not None:
             raise root from None
         raise CorruptCheckpointError(f"{mpath} is missing: the checkpoint is incomplete or not a flashwrite "
-                                     "checkpoint", file=MANIFEST_NAME) from None
+                                     "checkpoint (`flashwrite ls DIR` lists the checkpoints in a directory)",
+                                     file=MANIFEST_NAME) from None
     with open(fd, "rb") as fh:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -8,6 +8,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from ..errors import FlashwriteError
+from ..target import UnsupportedTargetError, shown
 
 OK, PROBLEM, USAGE = 0, 1, 2
 
@@ -36,6 +37,15 @@ class Problem(Exception):
     """The command ran but found something wrong (exit code 1)."""
 
 
+def _with_subject(a: Any, msg: str) -> str:
+    """A message about a command's one input names it (a damaged stripe is named by its
+    file alone; which checkpoint it is in, the command line says)."""
+    inputs = [str(v) for v in (getattr(a, k, None) for k in ("ckpt", "src", "root", "dir")) if v is not None]
+    if len(inputs) == 1 and not any(s in msg for s in (inputs[0], shown(inputs[0]))):
+        return f"{inputs[0]}: {msg}"
+    return msg
+
+
 def guarded(fn: Callable[[Any], int]) -> Callable[[Any], int]:
     """Run a command: expected failures become one line on stderr and an exit code.
 
@@ -48,7 +58,7 @@ def guarded(fn: Callable[[Any], int]) -> Callable[[Any], int]:
             return fn(a)
         except BrokenPipeError:
             raise  # the reader went away (`| head`): main() ends quietly
-        except UsageError as e:
+        except (UsageError, UnsupportedTargetError) as e:  # a URL scheme or form flashwrite does not take
             print(f"flashwrite {a.command}: error: {e}", file=sys.stderr)
             return USAGE
         except OSError as e:
@@ -62,6 +72,7 @@ def guarded(fn: Callable[[Any], int]) -> Callable[[Any], int]:
             msg = str(e) or type(e).__name__
             if isinstance(e, KeyError) and e.args:
                 msg = str(e.args[0])
+            msg = _with_subject(a, msg)
             print(f"flashwrite {a.command}: {msg}", file=sys.stderr)
             return PROBLEM
 

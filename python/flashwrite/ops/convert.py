@@ -334,7 +334,7 @@ def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_forma
     out_kind = target_format(kind, dst, dst_format)
     _check_remote(src_path, kind, dst, out_kind)
     if shown(src_path) == shown(dst):
-        raise UsageError("source and destination are the same path")
+        raise UsageError(f"{shown(dst)}: source and destination are the same path; name another destination")
     src = open_source(src_path, kind, allow_pickle)
     try:
         _check_complete(src)

@@ -27,6 +27,7 @@ from ..flatten import flatten, referenced_keys
 from ..format import MANIFEST_NAME, check_member_name, piece_ranges, read_manifest, safetensors_header
 from ..locate import local_view, resolve
 from ..target import shown
+from .common import UsageError
 from .ls import read_json_small
 from .pickled import dcp_arrays, load_weights_only, refused_global
 from .tree import walk
@@ -389,8 +390,8 @@ def detect(path: str) -> str:
         if os.path.exists(os.path.join(path, "model.safetensors.index.json")) or \
                 any(n.endswith(".safetensors") for n in os.listdir(path)):
             return "hf"
-        raise CorruptCheckpointError(f"{path}: cannot tell the format of this directory (no {MANIFEST_NAME}, "
-                                     "no DCP .metadata, no safetensors shards); pass --from")
+        raise UsageError(f"{path}: cannot tell the format of this directory (no {MANIFEST_NAME}, no DCP .metadata, "
+                         "no safetensors shards): pass a checkpoint directory, or name its format with --from")
     fd = _open_regular(path)
     try:
         head = os.pread(fd, 9, 0)
@@ -400,7 +401,7 @@ def detect(path: str) -> str:
         return "torch"
     if len(head) == 9 and head[8:9] == b"{":
         return "safetensors"
-    raise CorruptCheckpointError(f"{path}: not a torch.save or safetensors file; pass --from")
+    raise UsageError(f"{path}: not a torch.save or safetensors file: pass one, or name its format with --from")
 
 
 def open_source(path: str, kind: str, allow_pickle: bool = False) -> Source:
