@@ -356,7 +356,9 @@ class DCPSource(Source):
 
     def chunks(self, item: Item) -> Iterator[memoryview]:
         if item.key in self._arrays:
-            yield tensor_bytes(self._arrays[item.key])
+            data = tensor_bytes(self._arrays[item.key])
+            for pos in range(0, len(data), PIECE):
+                yield data[pos:pos + PIECE]
             return
         if item.key not in self._cache:
             self._cache.clear()
