@@ -18,6 +18,11 @@ other, with the same seeded training: on a VM whose fresh memory past ~6 GiB cos
 per GiB (``fresh_memory.py``), four contenders' buffers in one process measured the
 VM instead of the savers. "flashwrite incremental, hashing" is the incremental save
 with ``FLASHWRITE_WRITE_WATCH=off``: every compared byte hashed, as before the watch.
+"flashwrite incremental, re-hash every N" (``--recheck-every``, default 4, so that the
+run holds re-hash saves; the library's default is 16) has the write watch's defence in
+depth come round N times as often: every piece the watch vouched for is hashed again at
+every Nth save. Its mean time per save against the plain incremental save's, over the same
+saves, is the amortised cost; scaled by N/16, the cost at the default.
 
     python benchmarks/incremental.py --base-gib 2 --dir /work/incr-bench --json out.json
 """
@@ -83,7 +88,8 @@ class FlashwriteRun:
         s = fut.result()
         durable = time.perf_counter() - t0
         return {"stall_s": stall, "durable_s": durable, "written": s.bytes_written, "linked": s.bytes_linked,
-                "compared": s.compared_bytes, "watched": s.watched_bytes, "note": s.incremental}
+                "compared": s.compared_bytes, "watched": s.watched_bytes, "rechecked": s.rechecked_bytes,
+                "misses": s.watch_misses, "note": s.incremental}
 
 
 class TorchSaveRun:
@@ -117,8 +123,17 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
-CONTENDERS = ("flashwrite full", "flashwrite incremental", "flashwrite incremental, hashing", "torch.save",
-              "DCP save")
+CONTENDERS = ["flashwrite full", "flashwrite incremental", "flashwrite incremental, hashing", "torch.save",
+              "DCP save"]
+RECHECK = "flashwrite incremental, re-hash every "  # + N
+
+
+def contender_env(key: str) -> dict:
+    if key.endswith("hashing"):
+        return {"FLASHWRITE_WRITE_WATCH": "off"}
+    if key.startswith(RECHECK):
+        return {"FLASHWRITE_WATCH_RECHECK_EVERY": key[len(RECHECK):]}
+    return {}
 
 
 def make_run(key: str):
@@ -176,13 +191,12 @@ def lora_run(base_gib: float, saves: int, steps: int, root: str, log) -> dict:
     last: dict[str, str] = {}
     total = 0
     for key in CONTENDERS:
-        env = {"FLASHWRITE_WRITE_WATCH": "off"} if key.endswith("hashing") else {}
         res = _child(["--child-lora", key, "--base-gib", str(base_gib), "--saves", str(saves), "--steps", str(steps),
-                      "--dir", root], env)
+                      "--dir", root], contender_env(key))
         rows[key], last[key], total = res["rows"], res["last"], res["state_bytes"]
     changed = ADAPTER_BYTES * 3  # adapters + exp_avg + exp_avg_sq
     # Cold loads of the last full and incremental checkpoints, alternated, each in a fresh process.
-    loads: dict[str, list[float]] = {"flashwrite full": [], "flashwrite incremental": []}
+    loads: dict[str, list[float]] = {k: [] for k in ("flashwrite full", "flashwrite incremental") if k in last}
     for _ in range(LOAD_ROUNDS):
         for key in loads:
             dropped = drop_caches()
@@ -236,6 +250,37 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def recheck_lines(saves: dict[str, list[dict]]) -> list[str]:
+    """The write watch's periodic re-hash (saves 4 to the last): what a re-hash save costs
+    more than the other saves of the same run, and that spread over the default interval
+    (``write_watch.RECHECK_EVERY``, 16); the mean against the default contender's."""
+    keys = [k for k in saves if k.startswith(RECHECK) or k == "flashwrite incremental"]
+    if not any(k.startswith(RECHECK) for k in keys):
+        return []
+    out = ["", "The write watch's periodic re-hash (saves 4 to the last; \"re-hash\" saves are those with "
+           "SaveStats.rechecked_bytes > 0; the extra cost of one, spread over 16 saves, is the amortised cost at the "
+           "default FLASHWRITE_WATCH_RECHECK_EVERY=16):", "",
+           "| contender | re-hash saves | re-hashed MiB per re-hash save | stall s: other saves / re-hash saves | "
+           "durable s: other / re-hash | amortised at every 16: stall s | durable s | durable s (mean, all) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for k in keys:
+        rs = saves[k][3:]
+        re_, other = [r for r in rs if r.get("rechecked")], [r for r in rs if not r.get("rechecked")]
+        so, sr = mean([r["stall_s"] for r in other]), mean([r["stall_s"] for r in re_])
+        do, dr = mean([r["durable_s"] for r in other]), mean([r["durable_s"] for r in re_])
+        if re_ and other:
+            mib = f"{mean([r['rechecked'] for r in re_]) / 2**20:.0f}"
+            cells = f"{so:.3f} / {sr:.3f} | {do:.3f} / {dr:.3f} | {(sr - so) / 16:+.4f} | {(dr - do) / 16:+.4f}"
+        else:
+            mib, cells = "-", f"{so:.3f} / - | {do:.3f} / - | - | -"
+        out.append(f"| {k} | {len(re_)} | {mib} | {cells} | {mean([r['durable_s'] for r in rs]):.3f} |")
+    return out
+
+
 def markdown(res: dict) -> str:
     lora = res["lora"]
     gib = lora["base_gib"]
@@ -246,7 +291,7 @@ def markdown(res: dict) -> str:
              "first mixed; the third is the first whose compare the write watch can spare):", "",
              "| contender | durable s (median) | × full | stall s (median) | written MiB per save (median) | "
              "linked MiB (median) | hashed MiB (median) |", "|---|---:|---:|---:|---:|---:|---:|"]
-    full = med([r['durable_s'] for r in lora["saves"]["flashwrite full"][3:]])
+    full = med([r['durable_s'] for r in lora["saves"].get("flashwrite full", next(iter(lora["saves"].values())))[3:]])
     for key, rows in lora["saves"].items():
         rs = rows[3:]
         d = med([r['durable_s'] for r in rs])
@@ -261,10 +306,12 @@ def markdown(res: dict) -> str:
         cells = [f"{r[i]['durable_s']:.2f} / {r[i]['stall_s']:.3f} / {r[i]['written'] / 2**20:.0f}"
                  for r in lora["saves"].values()]
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    lines += recheck_lines(lora["saves"])
     cl = lora["cold_load_s"]
-    lines += ["", "Cold load (page cache dropped) of the last checkpoint, median of "
-              f"{len(cl['flashwrite full'])}: full {med(cl['flashwrite full']):.3f} s, incremental "
-              f"{med(cl['flashwrite incremental']):.3f} s."]
+    if len(cl) == 2:
+        lines += ["", "Cold load (page cache dropped) of the last checkpoint, median of "
+                  f"{len(cl['flashwrite full'])}: full {med(cl['flashwrite full']):.3f} s, incremental "
+                  f"{med(cl['flashwrite incremental']):.3f} s."]
     ab = res.get("full_training")
     if ab:
         lines += ["", f"Full-training state ({res['full_training_gib']:g} GiB fp32, every tensor changes), "
@@ -287,6 +334,9 @@ def main() -> None:
     ap.add_argument("--load-rounds", type=int, default=3)
     ap.add_argument("--ab-rounds", type=int, default=4)
     ap.add_argument("--full-gib", type=float, default=None, help="size of the full-training A/B (default: base-gib)")
+    ap.add_argument("--recheck-every", type=int, default=4,
+                    help="the re-hash contender's FLASHWRITE_WATCH_RECHECK_EVERY (0: leave that contender out)")
+    ap.add_argument("--only", help="the LoRA run's contenders, separated by \";\" (default: all)")
     ap.add_argument("--dir", default="/work/incr-bench")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
@@ -295,6 +345,10 @@ def main() -> None:
     ap.add_argument("--child-ab", help=argparse.SUPPRESS)
     a = ap.parse_args()
     LOAD_ROUNDS = a.load_rounds
+    if a.recheck_every:
+        CONTENDERS.insert(2, f"{RECHECK}{a.recheck_every}")
+    if a.only:
+        CONTENDERS[:] = [k for k in CONTENDERS if k in a.only.split(";")]
     if a.child_lora or a.child_load or a.child_ab:
         if a.child_lora:
             res = lora_contender(a.child_lora, a.base_gib, a.saves, a.steps, a.dir, print)

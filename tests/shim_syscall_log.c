@@ -1,6 +1,8 @@
 /* LD_PRELOAD recorder for test_durability_order.py: appends one line per open, fsync,
- * fdatasync, rename (rename, renameat, renameat2, syscall(SYS_renameat2)) and linkat to the
- * file named by FW_SYSCALL_LOG, with each fd resolved to its path when it is synced.
+ * fdatasync, rename (rename, renameat, renameat2, syscall(SYS_renameat2)), linkat and
+ * removal (unlink, rmdir, unlinkat: "unlink" or "rmdir", the path resolved against the
+ * directory fd) to the file named by FW_SYSCALL_LOG, with each fd resolved to its path
+ * when it is synced.
  * No root and no ptrace needed; appended to LD_PRELOAD, so it stacks on libasan.
  * FW_SYSCALL_SLOW_SUFFIX/FW_SYSCALL_SLOW_MS: fsyncs of paths ending so take that much
  * longer, which makes "the manifest was created before the stripes were durable"
@@ -132,6 +134,38 @@ int linkat(int da, const char* a, int db, const char* b, int flags) {
   REAL(linkat, linkat_t);
   int rc = real_linkat(da, a, db, b, flags);
   if (rc == 0) record("link", a, b, flags);
+  return rc;
+}
+/* The path `p` names relative to directory fd `d` (as the call sees it: before it runs). */
+static void at_path(int d, const char* p, char* out) {
+  if (p[0] == '/' || d == AT_FDCWD) {
+    snprintf(out, PATH_MAX, "%s", p);
+    return;
+  }
+  char dir[PATH_MAX];
+  fd_path(d, dir);
+  snprintf(out, PATH_MAX, "%s/%s", dir, p);
+}
+typedef int (*unlinkat_t)(int, const char*, int);
+typedef int (*path_t)(const char*);
+int unlink(const char* p) {
+  REAL(unlink, path_t);
+  int rc = real_unlink(p);
+  if (rc == 0) record("unlink", p, NULL, 0);
+  return rc;
+}
+int rmdir(const char* p) {
+  REAL(rmdir, path_t);
+  int rc = real_rmdir(p);
+  if (rc == 0) record("rmdir", p, NULL, 0);
+  return rc;
+}
+int unlinkat(int d, const char* p, int flags) {
+  REAL(unlinkat, unlinkat_t);
+  char path[PATH_MAX];
+  at_path(d, p, path);
+  int rc = real_unlinkat(d, p, flags);
+  if (rc == 0) record(flags & AT_REMOVEDIR ? "rmdir" : "unlink", path, NULL, flags);
   return rc;
 }
 long syscall(long nr, ...) {

@@ -44,6 +44,13 @@ _CHILD = textwrap.dedent("""
         elif how == "overwrite":
             w.save(sd, os.path.join(root, "ck")); returned(0)
             w.save(sd, os.path.join(root, "ck"), overwrite=True); returned(1)
+        elif how == "overwrite_rename":  # no RENAME_EXCHANGE: the old one is moved aside, then replaced
+            from flashwrite.target import LocalTarget
+            exchange = LocalTarget.exchange
+            LocalTarget.exchange = lambda self, a, b: False
+            w.save(sd, os.path.join(root, "ck")); returned(0)
+            w.save(sd, os.path.join(root, "ck"), overwrite=True); returned(1)
+            LocalTarget.exchange = exchange
         elif how == "save_async":
             w.save_async(sd, os.path.join(root, "ck")).result(); returned(0)
         elif how == "fw.save":
@@ -62,7 +69,7 @@ _CHILD = textwrap.dedent("""
     w.close()
 """)
 
-SCENARIOS = ["save", "overwrite", "save_async", "fw.save", "manager", "extra_files", "incremental"]
+SCENARIOS = ["save", "overwrite", "overwrite_rename", "save_async", "fw.save", "manager", "extra_files", "incremental"]
 
 
 @pytest.fixture(scope="module", params=["threads", "auto"])
@@ -104,9 +111,40 @@ def _check_commit_order(events, expected_commits):
         assert ret == returns[k]
 
 
-@pytest.mark.parametrize("how", ["save", "overwrite", "save_async", "fw.save", "extra_files"])
+@pytest.mark.parametrize("how", ["save", "overwrite", "overwrite_rename", "save_async", "fw.save", "extra_files"])
 def test_commit_is_durable_in_order(traces, how):
-    _check_commit_order(traces[how], 2 if how == "overwrite" else 1)
+    _check_commit_order(traces[how], 2 if how.startswith("overwrite") else 1)
+
+
+RENAME_EXCHANGE = 2
+
+
+@pytest.mark.parametrize("how", ["overwrite", "overwrite_rename"])
+def test_replaced_checkpoint_is_removed_only_after_the_swap_is_durable(traces, how):
+    """overwrite=True: the checkpoint replaced (swapped to the temporary name by
+    RENAME_EXCHANGE, or moved aside first where the file system cannot exchange) loses
+    its files only after the parent directory's fsync has made the swap durable: a crash
+    before it may bring the old name back, which must then still hold the old checkpoint."""
+    events = traces[how]
+    r = [i for i, (what, _, a, _) in enumerate(events) if what == "rename" and commit.TMP_MARK in a][1]
+    _, flags, tmp, final = events[r]
+    parent = os.path.dirname(final)
+    if flags & RENAME_EXCHANGE:
+        old, since = tmp, r  # the old checkpoint is at the temporary name from the exchange on
+    else:
+        assert how == "overwrite_rename" or flags == 0, events[r]
+        since, old = next((i, b) for i, (what, _, a, b) in enumerate(events[:r]) if what == "rename" and a == final)
+        assert commit.OLD_MARK in old
+    if how == "overwrite_rename":
+        assert not flags & RENAME_EXCHANGE, "the exchange was not turned off"
+    gone = [i for i, (what, _, a, _) in enumerate(events)
+            if i > since and what in ("unlink", "rmdir") and (a == old or a.startswith(old + "/"))]
+    removed = {events[i][2] for i in gone}
+    assert os.path.join(old, MANIFEST_NAME) in removed and old in removed, f"the old checkpoint was not removed: {events}"
+    assert any(a.endswith(".safetensors") for a in removed), removed
+    synced = [i for i, (what, _, a, _) in enumerate(events) if what == "fsync" and a == parent and i > r]
+    assert synced and synced[0] < gone[0], (
+        f"{events[gone[0]][2]} removed before the parent's fsync made the swap durable")
 
 
 def test_manager_commit_is_durable_in_order(traces):

@@ -153,6 +153,35 @@ def test_checksums_after_staging_give_every_slot_back(tmp_path):
         assert eng.trim() == 48 << 20, how
 
 
+def test_a_slot_is_reused_only_after_its_deferred_checksum(shmdir, monkeypatch):
+    """With a slot for every chunk the checksums come after staging, and a slot is free
+    only once both its write and its checksum are done. The test hook holds save A's
+    checksums back (FLASHWRITE_TEST_DEFER_HASH_DELAY_MS) while save B, on the same pool
+    bounded to A's four slots, waits for slots: a slot given back at its write's end would
+    be restaged with B's bytes before A's checksum read it, every time, and A's
+    checksums would be of B's bytes. On tmpfs, so A's writes are over well before its
+    checksums start. (Before the hook only a race in this file showed it.)"""
+    mib = 1 << 20
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(0, 256, (4 * mib,), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (4 * mib,), dtype=torch.uint8, generator=g)
+    want = [[_core.checksum(t[i * mib:(i + 1) * mib].numpy()) for i in range(4)] for t in (a, b)]
+    eng = _core.Engine(mib, 4 * mib)
+    jobs = []
+    for name, t in (("a", a), ("b", b)):
+        monkeypatch.setenv("FLASHWRITE_TEST_DEFER_HASH_DELAY_MS", "600" if name == "a" else "0")
+        jobs.append(eng.start_save([(os.path.join(shmdir, name), b"", t.nbytes)], [(t.data_ptr(), t.nbytes, 0, 0, -1)], [t],
+                                   copy_threads=2))
+        assert jobs[-1].wait_staged(60)
+    for job in jobs:
+        assert job.wait(60)
+        job.rethrow()
+    for name, t, job, w in zip("ab", (a, b), jobs, want):
+        assert job.checksums() == [w], f"save {name}: checksums of other bytes than it wrote"
+        with open(os.path.join(shmdir, name), "rb") as f:
+            assert f.read() == t.numpy().tobytes()
+
+
 def test_flipped_byte_named_precisely(writer, tmp_path):
     sd = {"a": torch.randn(50_000), "b": torch.randn(70_000), "c": torch.arange(1000)}
     writer.save(sd, tmp_path / "ck")

@@ -250,3 +250,25 @@ def test_exit_while_the_pool_is_prepared_in_the_background():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (r.returncode, r.stdout.strip()) == (0, "returned"), r.stderr[-2000:]
     assert "terminate" not in r.stderr
+
+
+@pytest.mark.parametrize("stored,into", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
+                                         (torch.int32, torch.float32), (torch.float32, torch.int32)])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_into_a_same_size_dtype_converts_the_values(tmp_path, small_chunks, stored, into, device):
+    """Same element size, other dtype (issue 33, item 8): the values are converted, as for
+    any other dtype, never the stored bits copied as they are."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(4)
+    ints = torch.randint(-2000, 2000, (3, 100_000), generator=g)  # exact in all four dtypes
+    sd = {"x": ints.to(stored), "y": (ints[:, :777] * 2).to(stored)}
+    fw.save(sd, tmp_path / "ck", chunk_bytes=1 << 20)
+    dst = {"x": torch.zeros(3, 100_000, dtype=into, device=device), "y": torch.zeros(3, 777, dtype=into, device=device)}
+    out = fw.load(tmp_path / "ck", into=dst)
+    assert out is dst
+    for k, v in sd.items():
+        got = dst[k].cpu()
+        assert got.dtype == into
+        assert torch.equal(got, v.to(into)), k
+        assert not torch.equal(got.view(stored), v), k  # not the raw bits

@@ -67,11 +67,18 @@ def test_damaged_stripe_is_caught_through_nfs(nfs_server):
         fw.verify(nfs_server.url("ck"))
 
 
-def test_export_is_the_longest_listed_prefix(tmp_path):
+@pytest.mark.parametrize("inner_first", [False, True], ids=["outer-listed-first", "inner-listed-first"])
+def test_export_is_the_longest_listed_prefix(tmp_path, inner_first):
+    """Both orders the server may list them in (ganesha lists its exports in the
+    reverse of its config, checked here): the inner export is found either way."""
     outer = tmp_path / "outer"
     inner = outer / "inner"
     inner.mkdir(parents=True)
-    with serving(str(tmp_path / "nfs"), [Export(str(outer)), Export(str(inner))]) as server:
+    exports = [Export(str(outer)), Export(str(inner))]
+    with serving(str(tmp_path / "nfs"), exports if inner_first else exports[::-1]) as server:
+        listed = [os.path.normpath(e) for e in _core.nfs_exports("127.0.0.1", 5000)]
+        listed = [e for e in listed if e in (str(outer), str(inner))]
+        assert listed == ([str(inner), str(outer)] if inner_first else [str(outer), str(inner)])
         t, rel = nfs.target_for(server.url("a/ck", export=str(inner)), "save")
         assert (t.export, rel) == (str(inner), "/a/ck")
         t, rel = nfs.target_for(server.url("x/ck", export=str(outer)), "save")
@@ -191,6 +198,51 @@ def test_restart_between_write_and_commit_never_commits_wrong_bytes(nfs_server, 
         local = os.path.join(nfs_server.export, f"ck{i}")
         fw.verify(local)
         assert_same(fw.load(local), state)
+
+
+SPOIL_ENV = "FLASHWRITE_NFS_TEST_SPOIL_COMMIT_VERIFIER"
+
+
+def test_save_rewrites_the_chunks_a_changed_verifier_covers(nfs_server, monkeypatch):
+    """The save job's path. A restart cannot show whether the verifier is compared: ganesha
+    keeps unstable bytes in the page cache across it, so the bytes are right either way.
+    The test hook makes the first two COMMIT replies come back under another verifier
+    (as after a restart); the chunks they cover must be written again, and the save's
+    stats count them. A staging pool of 4 slots for 8 chunks recycles its slots: a chunk
+    reported before its rewrite would be rewritten from a reused slot (wrong bytes)."""
+    state = _big_state(8, seed=3)
+    opts = dict(stripes=1, chunk_bytes=1 << 20, max_staging_bytes=4 << 20)
+    stats = fw.save(state, nfs_server.url("plain"), **opts)
+    assert stats.extra["nfs_rewrites"] == 0
+    monkeypatch.setenv(SPOIL_ENV, "2")
+    stats = fw.save(state, nfs_server.url("ck"), **opts)
+    assert stats.extra["nfs_rewrites"] >= 2, stats.extra
+    local = os.path.join(nfs_server.export, "ck")
+    fw.verify(local)
+    assert_same(fw.load(local), state)
+
+
+def test_save_rewrites_a_chunk_written_under_mixed_verifiers(nfs_server, monkeypatch):
+    """A chunk whose WRITEs came back under different verifiers (a restart between two of
+    them) is written again even though its last WRITE's verifier matches the COMMIT's.
+    One RPC in flight, so the spoiled first piece of a 4-piece chunk replies before the
+    rest (test hook: FLASHWRITE_NFS_TEST_SPOIL_WRITE_VERIFIER)."""
+    monkeypatch.setenv("FLASHWRITE_NFS_TEST_SPOIL_WRITE_VERIFIER", "1")
+    state = _big_state(8, seed=4)
+    stats = fw.save(state, nfs_server.url("ck") + "?connections=1&depth=1", stripes=1, chunk_bytes=4 << 20)
+    assert stats.extra["nfs_rewrites"] == 1, stats.extra
+    assert_same(fw.load(os.path.join(nfs_server.export, "ck")), state)
+
+
+def test_save_fails_when_the_verifier_never_settles(nfs_server, monkeypatch):
+    """Every COMMIT under another verifier than its WRITEs: the save gives up after its
+    rounds of rewrites with a named error, and commits nothing."""
+    monkeypatch.setenv(SPOIL_ENV, "1000000")
+    with pytest.raises(OSError, match="verifier kept changing") as ei:
+        fw.save(make_state(4), nfs_server.url("ck") + "?timeout=20", stripes=1)
+    assert ei.value.errno == errno.EIO and "127.0.0.1" in str(ei.value)
+    assert not os.path.exists(os.path.join(nfs_server.export, "ck"))
+    assert temp_entries(nfs_server.export) == []
 
 
 def test_load_while_the_server_restarts(nfs_server):

@@ -235,12 +235,14 @@ OVERRIDDEN = {
     "Trainer._load_scaler": "c0695f79116426e2",
     "Trainer._load_rng_state": "d5ebdfc0a0884c4b",
     "Trainer._load_best_model": "0e183d55a9db7414",
+    "Trainer._finalize_training": "6d6d83d6a2715f2a",
     "Trainer.train": "9a3c2bcd066d8f99",
     "Trainer._inner_training_loop": "20ec4276e99fe7ae",
     "Trainer._prepare_for_training": "28182cbf71da73dd",
     "Trainer._run_epoch": "31aff00f34c302a2",
     "trainer_utils.rotate_checkpoints": "4aac03e039844595",
     "trainer_utils.get_last_checkpoint": "8b16bf27680b5364",
+    "trainer_utils.sort_checkpoints": "dad8bd44da25f919",
 }
 
 
@@ -265,7 +267,7 @@ def test_the_trainer_methods_it_relies_on_are_unchanged(qualname):
 
 def test_the_overrides_keep_the_trainers_signatures():
     for name in ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler",
-                 "_load_rng_state", "_load_best_model"):
+                 "_load_rng_state", "_load_best_model", "_finalize_training"):
         ours = inspect.signature(getattr(fwt.FlashwriteTrainerMixin, name))
         theirs = inspect.signature(getattr(transformers.Trainer, name))
         assert list(ours.parameters) == list(theirs.parameters), name

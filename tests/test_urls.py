@@ -157,3 +157,19 @@ def test_paths_with_colons_are_still_local(in_empty_dir):
     fw.verify("step:1")
     import shutil
     shutil.rmtree("step:1")  # in_empty_dir checks the directory is empty afterwards
+
+
+@pytest.mark.parametrize("listed", [["/srv/outer", "/srv/outer/inner"], ["/srv/outer/inner", "/srv/outer"]],
+                         ids=["outer-first", "inner-first"])
+def test_export_resolution_takes_the_longest_prefix_in_any_listed_order(monkeypatch, listed):
+    """Nested exports: the export of a path is the longest listed prefix of it, whatever
+    order the server lists them in (ganesha lists them in the reverse of its config); a
+    name that only starts like an export ("/srv/outer/innerx") is not inside it."""
+    from flashwrite import _core, nfs
+    monkeypatch.setattr(_core, "nfs_exports", lambda server, timeout_ms: list(listed), raising=False)
+    assert nfs.find_export("h", "/srv/outer/inner/a/ck", 1) == "/srv/outer/inner"
+    assert nfs.find_export("h", "/srv/outer/inner", 1) == "/srv/outer/inner"
+    assert nfs.find_export("h", "/srv/outer/innerx/ck", 1) == "/srv/outer"
+    assert nfs.find_export("h", "/srv/outer/x/ck", 1) == "/srv/outer"
+    with pytest.raises(FileNotFoundError, match="no export of h contains /srv/other/ck"):
+        nfs.find_export("h", "/srv/other/ck", 1)

@@ -367,3 +367,148 @@ def test_a_forked_child_watches_on_its_own(tmp_path):
     assert "error" not in child, child
     assert child["same"] is True and child["watched"] == 0
     assert child["linked"] >= 3 * 2 * MiB  # the other three frozen tensors are still linked
+
+
+# ------------------------------------------------------------------ many written runs (issue 33, item 3)
+
+BATCH = 512  # page regions per PAGEMAP_SCAN call (csrc/core/write_watch.cpp, kRegions)
+
+
+def test_a_write_after_the_512th_written_run_of_one_span_is_seen(watch):
+    """One scan call returns at most 512 runs of written pages; the scan goes on where the
+    kernel stopped. Pieces sharing a page form one span, so a write to a piece that comes
+    after 600 separately written runs of its neighbours must still be reported."""
+    pages = 2000
+    m = private(pages * 4096)
+    m.write(os.urandom(pages * 4096))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    # 40 pieces of 49.5 pages end to end: each shares its first and last page with a neighbour
+    step = 49 * 4096 + 2048
+    ranges = [(base + 100 + i * step, step) for i in range(40)]
+    assert all(watch.arm(ranges))
+    watch.scan(ranges)
+    assert not any(f & write_watch.INSIDE for f in watch.scan(ranges))
+    runs = BATCH + 100
+    for k in range(runs):  # every other page from page 1: that many separate runs
+        flip(base + (1 + 2 * k) * 4096 + 9)
+    last = (1 + 2 * runs) * 4096  # the pages after them are clean...
+    victim = next(i for i, (a, n) in enumerate(ranges) if a - base >= last + 8192)
+    flip(ranges[victim][0] + ranges[victim][1] // 2)  # ... but this one's middle
+    flags = watch.scan(ranges)
+    assert flags[victim] & write_watch.INSIDE, (victim, flags)
+    for i, (a, n) in enumerate(ranges):
+        if a - base > last + 4096 and i != victim and i != victim - 1 and i != victim + 1:
+            assert not flags[i] & write_watch.INSIDE, i  # and the others after them were not reported
+    assert not any(f & write_watch.INSIDE for f in watch.scan(ranges))  # all protected again
+    m.close()
+
+
+def test_an_incremental_save_after_600_written_runs_writes_the_tensor_written_after_them(tmp_path):
+    """The save's view of item 3: two tensors side by side in one mapping, their pieces
+    sharing pages (one span); the first written in 600+ separate pages, the second in one
+    place only. The second's stripe is written, not linked, and loads as it is now."""
+    _watch_or_skip()
+    if write_watch.why_off():
+        pytest.skip(write_watch.why_off())
+    na, n = 8 * MiB, 4 * MiB
+    m = private(na + n + 3 * 4096)
+    # two storages (views of one would be saved as one), neither page aligned: their pieces share pages
+    a = torch.frombuffer(m, dtype=torch.uint8, offset=128, count=na)
+    b = torch.frombuffer(m, dtype=torch.uint8, offset=128 + na, count=n)
+    g = torch.Generator().manual_seed(5)
+    a.copy_(torch.randint(0, 256, (na,), dtype=torch.uint8, generator=g))
+    b.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+    root = str(tmp_path)
+    with fw.Writer(stripes=2, chunk_bytes=MiB, incremental=True) as w:
+        for s in range(1, 4):
+            st = w.save({"a": a, "b": b}, os.path.join(root, f"step-{s}"))
+        assert st.watched_bytes == na + n  # both recorded: nothing hashed at step 3
+        for k in range(BATCH + 100):  # 612 separate written runs in a (pages 1 to 1223 of its 2048)
+            flip(a.data_ptr() + (1 + 2 * k) * 4096)
+        flip(b.data_ptr() + n - 3 * MiB // 2)  # b: one byte, in a later piece
+        st = w.save({"a": a, "b": b}, os.path.join(root, "step-4"))
+        out = fw.load(os.path.join(root, "step-4"))
+    assert torch.equal(out["b"], b) and torch.equal(out["a"], a)
+    assert st.bytes_written >= na + n
+    m.close()
+
+
+# ------------------------------------------------------------------ the periodic re-hash (issue 33)
+
+
+def fresh_frozen(n: int, seed: int) -> dict:
+    """Frozen tensors with bytes no other test has: the watch is process-wide, and a record
+    of an earlier test's piece at the same address with the same bytes stays valid (with
+    the count of passes that trusted it)."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"base.{i}": torch.randn(2 * MiB // 4, generator=g) for i in range(n)}
+
+
+def frozen_saves(root, frozen, steps, **kw):
+    """Saves of a frozen state only: every piece is hashed (and recorded) by the second."""
+    with fw.Writer(stripes=2, chunk_bytes=MiB, incremental=True, **kw) as w:
+        for s in range(1, steps + 1):
+            yield w, w.save({"model": frozen, "step": s}, os.path.join(root, f"step-{s}"))
+
+
+def test_the_periodic_rehash_catches_a_write_the_watch_missed(tmp_path, monkeypatch):
+    """A watch made to miss a write on purpose (``BLIND``) links a changed tensor, until the
+    re-hash due every FLASHWRITE_WATCH_RECHECK_EVERY passes finds it: then its stripe is
+    written, SaveStats counts the miss, and a warning names it."""
+    _watch_or_skip()
+    if write_watch.why_off():
+        pytest.skip(write_watch.why_off())
+    monkeypatch.setenv(write_watch.RECHECK_ENV, "3")  # hashed, then vouched for twice, then hashed again
+    frozen = fresh_frozen(4, 3301)
+    fbytes = sum(t.nbytes for t in frozen.values())
+    t = frozen["base.1"]
+    root = str(tmp_path)
+    saves = frozen_saves(root, frozen, 6)
+    stats = [next(saves)[1] for _ in range(3)]
+    assert stats[2].watched_bytes == fbytes and stats[2].rechecked_bytes == 0  # step 2 hashed, 3 trusted
+    monkeypatch.setattr(write_watch, "BLIND", lambda r: t.data_ptr() <= r[0] < t.data_ptr() + t.nbytes)
+    flip(t.data_ptr() + MiB + 4096 * 3 + 1)
+    want = t.clone()
+    _, st4 = next(saves)
+    # the blind watch vouched for it (trusted a second time): linked, the earlier bytes
+    assert st4.watched_bytes == fbytes and st4.watch_misses == 0 and st4.bytes_written == 0
+    assert not torch.equal(fw.load(os.path.join(root, "step-4"))["model"]["base.1"], want)
+    with pytest.warns(RuntimeWarning, match=r"missed a write to 1 tensors \(model\.base\.1\)"):
+        _, st5 = next(saves)
+    assert st5.watch_misses == 1 and st5.rechecked_bytes == fbytes and st5.watched_bytes == 0
+    assert st5.bytes_written >= t.nbytes and st5.bytes_linked >= fbytes // 2  # the other stripe
+    out = fw.load(os.path.join(root, "step-5"))["model"]
+    assert torch.equal(out["base.1"].view(torch.uint8), want.view(torch.uint8))
+    for k, x in frozen.items():
+        assert torch.equal(out[k].view(torch.uint8), x.view(torch.uint8)), k
+    monkeypatch.setattr(write_watch, "BLIND", None)
+    _, st6 = next(saves)  # re-recorded: trusted again (base.1, changed at step 5, is a hot stripe now)
+    saves.close()
+    assert st6.watched_bytes == fbytes - t.nbytes and st6.watch_misses == 0 and st6.compared_bytes == 0
+
+
+def test_the_rehash_interval_setting(monkeypatch):
+    monkeypatch.delenv(write_watch.RECHECK_ENV, raising=False)
+    assert 1 <= write_watch.recheck_every() == write_watch.RECHECK_EVERY <= 16
+    monkeypatch.setenv(write_watch.RECHECK_ENV, "1")
+    assert write_watch.recheck_every() == 1
+    for bad in ("0", "-3", "often"):
+        monkeypatch.setenv(write_watch.RECHECK_ENV, bad)
+        with pytest.raises(ValueError, match=write_watch.RECHECK_ENV):
+            write_watch.recheck_every()
+
+
+def test_every_piece_is_hashed_again_at_least_every_n_saves(tmp_path, monkeypatch):
+    """With no miss: each record vouches for at most N-1 saves in a row; the Nth hashes
+    the frozen base again and still links it."""
+    _watch_or_skip()
+    if write_watch.why_off():
+        pytest.skip(write_watch.why_off())
+    monkeypatch.setenv(write_watch.RECHECK_ENV, "4")
+    frozen = fresh_frozen(2, 3302)
+    fbytes = sum(t.nbytes for t in frozen.values())
+    stats = [st for _, st in frozen_saves(str(tmp_path), frozen, 10)]
+    # step 1 writes, 2 hashes; then 3 vouched, 1 re-hashed, and again
+    assert [s.rechecked_bytes for s in stats] == [0, 0, 0, 0, 0, fbytes, 0, 0, 0, fbytes]
+    assert [s.watched_bytes for s in stats] == [0, 0, fbytes, fbytes, fbytes, 0, fbytes, fbytes, fbytes, 0]
+    assert all(s.watch_misses == 0 and s.bytes_linked >= fbytes for s in stats[1:])

@@ -22,6 +22,20 @@ def tiny_model():
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
+class Plain(torch.nn.Module):
+    """A model that is not a PreTrainedModel (no config, no _keys_to_ignore_on_save)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 16)
+        self.out = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.out(self.emb(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(logits.view(-1, 64), labels.view(-1)), "logits": logits}
+
+
 def tiny_data(n=16):
     g = torch.Generator().manual_seed(1)
     return [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (n, 12), generator=g)]

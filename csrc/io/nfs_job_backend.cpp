@@ -25,6 +25,8 @@ WriteBackend::WriteBackend(NfsFiles* files, std::shared_ptr<Client> client, IoCa
     : files_(files), client_(std::move(client)), cb_(std::move(cb)), o_(client_->options()),
       wmax_(client_->write_max()), rmax_(client_->read_max()) {
   if (const char* pause = std::getenv("FLASHWRITE_NFS_TEST_PAUSE_BEFORE_COMMIT_MS")) pause_ms_ = std::atoi(pause);
+  if (const char* spoil = std::getenv("FLASHWRITE_NFS_TEST_SPOIL_COMMIT_VERIFIER")) spoil_commits_ = std::atoi(spoil);
+  if (const char* spoil = std::getenv("FLASHWRITE_NFS_TEST_SPOIL_WRITE_VERIFIER")) spoil_writes_ = std::atoi(spoil);
   try {
     for (unsigned i = 0; i < std::max(1u, o_.connections); ++i) {
       auto lp = std::make_unique<WLoop>();

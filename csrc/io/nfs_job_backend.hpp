@@ -14,8 +14,10 @@
 // else is left to send: a bounded staging pool waits for these slots). A COMMIT whose
 // verifier differs from a request's WRITE verifier sends the request again (the
 // server restarted and may have lost it); a request is reported to the job only once
-// committed under its own verifier, so its slot stays untouched until then.
+// committed under its own verifier, so its slot stays untouched until then; each
+// request sent again counts in NfsFiles::rewrites() (the save's stats).
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -149,6 +151,14 @@ class WriteBackend : public IoBackend {
   const Options& o_;
   uint64_t wmax_, rmax_;
   int pause_ms_ = 0;
+  // Test only (FLASHWRITE_NFS_TEST_SPOIL_COMMIT_VERIFIER=N, read per job): the first N
+  // COMMIT replies are taken as if the server had restarted (their verifier altered),
+  // so the rewrite of what they cover is exercised deterministically. 0: off.
+  int spoil_commits_ = 0;
+  // Test only (FLASHWRITE_NFS_TEST_SPOIL_WRITE_VERIFIER=N): the first N WRITE replies
+  // for a piece before the last of its request come back under another verifier, so
+  // that request's pieces are mixed while its last one matches the COMMIT. 0: off.
+  int spoil_writes_ = 0;
   std::mutex mu_;
   std::condition_variable drained_;
   std::deque<SubOp> queue_;
@@ -217,6 +227,8 @@ class NfsFiles : public RemoteFiles {
     std::lock_guard<std::mutex> g(mu_);
     f.durable += n;
   }
+  void note_rewrite() { rewrites_.fetch_add(1); }
+  uint64_t rewrites() const override { return rewrites_.load(); }
 
  private:
   std::shared_ptr<Client> client_;
@@ -224,6 +236,7 @@ class NfsFiles : public RemoteFiles {
   std::mutex mu_;
   std::vector<std::unique_ptr<WFile>> files_;
   std::unordered_map<const IoRequest*, ErrInfo> errors_;
+  std::atomic<uint64_t> rewrites_{0};
 };
 
 }  // namespace fw::nfs::detail

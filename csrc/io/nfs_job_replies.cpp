@@ -212,8 +212,14 @@ void WriteBackend::on_write(WOp& op, int status, void* data) {
   on_reply<WRITE3res>(op, status, data, "WRITE", [this](const WRITE3res& res, const SubOp& s) -> std::optional<SubOp> {
     WReq* q = s.q;
     const WRITE3resok& ok = res.WRITE3res_u.resok;
-    if (q->have_verf && std::memcmp(q->verf, ok.verf, NFS3_WRITEVERFSIZE) != 0) q->mixed = true;
-    std::memcpy(q->verf, ok.verf, NFS3_WRITEVERFSIZE);
+    unsigned char verf[NFS3_WRITEVERFSIZE];
+    std::memcpy(verf, ok.verf, NFS3_WRITEVERFSIZE);
+    if (spoil_writes_ > 0 && s.off + s.len < q->off + q->len) {  // test only: a piece before the last
+      --spoil_writes_;
+      verf[0] ^= 0xFF;
+    }
+    if (q->have_verf && std::memcmp(q->verf, verf, NFS3_WRITEVERFSIZE) != 0) q->mixed = true;
+    std::memcpy(q->verf, verf, NFS3_WRITEVERFSIZE);
     q->have_verf = true;
     if (ok.count == 0) {
       fail_req(q, EIO, "NFS WRITE wrote nothing", static_cast<int64_t>(s.off), static_cast<int64_t>(s.len));
@@ -264,6 +270,10 @@ void WriteBackend::on_commit(WOp& op, int status, void* data) {
     } else {
       lp.progress = Clock::now();
       std::memcpy(verf, res->COMMIT3res_u.resok.verf, NFS3_WRITEVERFSIZE);
+      if (spoil_commits_ > 0) {  // test only: as if the server had restarted since the WRITEs
+        --spoil_commits_;
+        verf[0] ^= 0xFF;
+      }
     }
   }
   bool requeued = false;
@@ -281,6 +291,7 @@ void WriteBackend::on_commit(WOp& op, int status, void* data) {
     } else {
       // Written under another verifier: the server restarted and may have lost it.
       q->have_verf = q->mixed = false;
+      files_->note_rewrite();
       f.open++;
       open_++;
       std::vector<SubOp> subs;

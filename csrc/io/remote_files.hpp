@@ -33,6 +33,9 @@ class RemoteFiles {
   // the operation).
   virtual std::exception_ptr error(const IoRequest* r, int64_t res) = 0;
   virtual const char* name() const = 0;
+  // Requests (chunks) written again because the server's COMMIT came back under
+  // another write verifier than their WRITEs (it restarted and may have lost them).
+  virtual uint64_t rewrites() const { return 0; }
 };
 
 }  // namespace fw

@@ -38,8 +38,14 @@ std::shared_ptr<RemoteFiles> remote_files_of(const py::object& remote);
 // The time left is kept in double seconds and never converted to a clock
 // duration: a timeout of inf, 1e300 or 1e10 s just never runs out (converting
 // it to nanoseconds overflows). NaN is refused; negative means poll once.
-template <typename F>
-bool wait_interruptible(F&& wait_for, std::optional<double> timeout) {
+//
+// When a signal handler raises (Ctrl-C: KeyboardInterrupt), `stop` runs first,
+// without the GIL: it cancels the job and joins it. Only then does the
+// exception leave, and the caller's frames unwind and free what the job reads
+// from or writes into (a load's destinations, a save's sources). Stopping is
+// bounded by the I/O in flight, and a second Ctrl-C meanwhile waits its turn.
+template <typename F, typename S>
+bool wait_interruptible(F&& wait_for, std::optional<double> timeout, S&& stop) {
   if (timeout && std::isnan(*timeout)) throw py::value_error("timeout must be a number of seconds or None, not NaN");
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
@@ -53,7 +59,14 @@ bool wait_interruptible(F&& wait_for, std::optional<double> timeout) {
       ok = wait_for(slice);
     }
     if (ok) return true;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (PyErr_CheckSignals() != 0) {
+      py::error_already_set raised;  // takes the pending exception, so the GIL can go
+      {
+        py::gil_scoped_release nogil;
+        stop();
+      }
+      throw raised;
+    }
     if (timeout && left() <= 0) return false;
   }
 }

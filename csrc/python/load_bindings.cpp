@@ -18,10 +18,14 @@ namespace fw {
 namespace {
 
 struct PyLoadJob {
+  py::object keepalive;  // owners of the placements' destinations: dropped only after the job is joined
   std::unique_ptr<LoadJob> job;
   ~PyLoadJob() {
-    py::gil_scoped_release nogil;
-    job.reset();
+    {
+      py::gil_scoped_release nogil;
+      job.reset();  // cancels and joins a job still running
+    }
+    keepalive = py::none();
   }
 };
 
@@ -35,7 +39,7 @@ std::unique_ptr<PyLoadJob> start_load_py(const std::vector<std::pair<std::string
                                          unsigned verify_threads, bool direct,
                                          const std::vector<PyPlacement>& placements,
                                          const std::vector<std::pair<int, uintptr_t>>& streams,
-                                         const py::object& remote) {
+                                         const py::object& remote, py::object keepalive) {
   std::vector<ReadFileSpec> fs;
   for (auto& [p, n] : files) fs.push_back(ReadFileSpec{p, n});
   std::vector<VerifyPiece> ps;
@@ -55,6 +59,7 @@ std::unique_ptr<PyLoadJob> start_load_py(const std::vector<std::pair<std::string
     pl.push_back(Placement{f, off, len, dev, reinterpret_cast<char*>(ptr)});
   }
   auto out = std::make_unique<PyLoadJob>();
+  out->keepalive = std::move(keepalive);
   py::gil_scoped_release nogil;
   out->job = fw::start_load(std::move(fs), std::move(ps), std::move(opt), std::move(pl), streams);
   return out;
@@ -74,7 +79,12 @@ void register_load_job(py::module_& m) {
   py::class_<PyLoadJob>(m, "LoadJob")
       .def("wait",
            [](PyLoadJob& l, std::optional<double> timeout) {
-             return wait_interruptible([&](double t) { return l.job->wait(t); }, timeout);
+             // Interrupted: cancel and join, then raise, so no placement lands in freed memory.
+             auto stop = [&l] {
+               l.job->cancel();
+               l.job->wait(-1);
+             };
+             return wait_interruptible([&](double t) { return l.job->wait(t); }, timeout, stop);
            },
            py::arg("timeout") = py::none())
       .def("cancel", [](PyLoadJob& l) { l.job->cancel(); })
@@ -101,13 +111,15 @@ void register_load(py::module_& m) {
         py::arg("verify_threads") = defaults::verify_threads(), py::arg("direct") = true,
         py::arg("placements") = std::vector<PyPlacement>{},
         py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{}, py::arg("remote") = py::none(),
+        py::arg("keepalive") = py::none(),
         "Read files [(path, size)], verifying [(file, offset, len, xxh3)] pieces. placements: [(file, offset, "
         "nbytes, device, address)] byte ranges copied to GPU memory (device >= 0) or host memory (device -1) "
         "instead, through bounce buffers, each chunk verified before it is copied; the destinations must stay "
         "valid until the job is done. A file wholly covered by placements gets no buffer (None in buffers()), "
         "the others are read whole into aligned buffers. streams: [(device, cudaStream_t)] the GPU copies are "
         "ordered after. remote: (NfsClient, directory on the server): the files are read from there, by "
-        "their names (the paths given are local placeholders of the same names, nfs://).");
+        "their names (the paths given are local placeholders of the same names, nfs://). keepalive: owners of the "
+        "placements' destinations, released only once the job is joined.");
   m.def(
       "bounce_pool_bytes",
       [] {

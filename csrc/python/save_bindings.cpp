@@ -83,6 +83,53 @@ void append_host_segments(const py::sequence& host_files, std::vector<Segment>& 
   }
 }
 
+// Engine::start_save on a thread of its own while the caller waits for it in
+// slices without the GIL: a first save may fault in (and pin) its slab of the
+// pool for seconds, and Ctrl-C must land meanwhile. Interrupted, the start is
+// aborted (the pool gives the slab up) and joined, and a job it made anyway is
+// cancelled and joined, before KeyboardInterrupt leaves.
+std::unique_ptr<SaveJob> start_interruptible(Engine& eng, std::vector<FileSpec> fs, std::vector<Segment> segs,
+                                             SaveOptions opt, const std::vector<int>& devices,
+                                             const GivenStreams& streams) {
+  auto abort = std::make_shared<std::atomic<bool>>(false);
+  opt.abort = abort;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool over = false;
+  std::unique_ptr<SaveJob> job;
+  std::exception_ptr error;
+  std::thread starter;
+  {
+    py::gil_scoped_release nogil;
+    starter = std::thread([&] {
+      try {
+        job = eng.start_save(std::move(fs), std::move(segs), std::move(opt), devices, streams);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lk(mu);
+      over = true;
+      cv.notify_all();
+    });
+  }
+  auto started = [&](double t) {
+    std::unique_lock<std::mutex> lk(mu);
+    return cv.wait_for(lk, std::chrono::duration<double>(t), [&] { return over; });
+  };
+  auto stop = [&] {
+    abort->store(true);
+    starter.join();
+    job.reset();  // cancels and joins a job that started all the same
+  };
+  wait_interruptible(started, std::nullopt, stop);  // raises (after stop) when interrupted
+  {
+    py::gil_scoped_release nogil;
+    starter.join();
+  }
+  if (error) std::rethrow_exception(error);
+  return job;
+}
+
 // A held file: (index into files, the base stripe to link from, [(offset, len, checksum)]).
 using HeldSpec = std::tuple<size_t, std::string, std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>>;
 
@@ -112,8 +159,7 @@ std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<
   opt.remote = remote_files_of(remote);
   auto out = std::make_unique<PySaveJob>();
   out->keepalive = std::move(keepalive);
-  py::gil_scoped_release nogil;
-  out->job = eng.start_save(std::move(fs), std::move(segs), std::move(opt), devices, streams);
+  out->job = start_interruptible(eng, std::move(fs), std::move(segs), std::move(opt), devices, streams);
   return out;
 }
 
@@ -129,6 +175,7 @@ py::dict save_stats(const SaveJob& j) {
   d["files_buffered"] = s.files_buffered;
   d["device_bytes"] = s.device_bytes;
   d["pin_s"] = s.pin_s;
+  d["rewrites"] = s.rewrites;
   return d;
 }
 
@@ -160,18 +207,27 @@ auto none_if_empty(std::string (Engine::*get)() const) {
   };
 }
 
+// What an interrupted wait does before it raises: the save is abandoned, and its
+// threads have stopped reading the sources and writing the files.
+auto stop(PySaveJob& s) {
+  return [&s] {
+    s.job->cancel();
+    s.job->wait_done(-1);
+  };
+}
+
 }  // namespace
 
 void register_save(py::module_& m) {
   py::class_<PySaveJob>(m, "SaveJob")
       .def("wait_staged",
            [](PySaveJob& s, std::optional<double> timeout) {
-             return wait_interruptible([&](double t) { return s.job->wait_staged(t); }, timeout);
+             return wait_interruptible([&](double t) { return s.job->wait_staged(t); }, timeout, stop(s));
            },
            py::arg("timeout") = py::none(), "Wait (GIL released, interruptible) until every byte is staged.")
       .def("wait",
            [](PySaveJob& s, std::optional<double> timeout) {
-             return wait_interruptible([&](double t) { return s.job->wait_done(t); }, timeout);
+             return wait_interruptible([&](double t) { return s.job->wait_done(t); }, timeout, stop(s));
            },
            py::arg("timeout") = py::none(), "Wait until written and fsync'd (or failed).")
       .def("release_sources", [](PySaveJob& s) { s.keepalive = py::none(); },
@@ -188,7 +244,7 @@ void register_save(py::module_& m) {
       .def("checksums", [](const PySaveJob& s) { return s.job->checksums(); })
       .def("wait_checksummed",
            [](PySaveJob& s, std::optional<double> timeout) {
-             return wait_interruptible([&](double t) { return s.job->wait_checksummed(t); }, timeout);
+             return wait_interruptible([&](double t) { return s.job->wait_checksummed(t); }, timeout, stop(s));
            },
            py::arg("timeout") = py::none(),
            "Wait until every chunk is staged and checksummed, or the job ended; see `checksummed`.")

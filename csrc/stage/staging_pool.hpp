@@ -62,7 +62,11 @@ class StagingPool {
   // (or what the reservations held need, if more) and keep no reservation.
   // A job that reserves meanwhile waits for the growth and then finds its
   // slots there, instead of being counted on top of the preparation's.
-  bool reserve(size_t slots, bool hold = true);
+  // abort (optional): once it is true, a reserve() still waiting for a growth,
+  // or faulting in its own slab of private memory, stops and throws ("save
+  // cancelled"), the reservation undone; a slab it had begun joins the pool
+  // unpinned, faulted in as far as it got (the rest faults in when used).
+  bool reserve(size_t slots, bool hold = true, const std::atomic<bool>* abort = nullptr);
   void unreserve(size_t slots);
   // Blocks until a slot is free (returns it), *cancel becomes true or
   // interrupt() returns true (returns nullptr). interrupt is checked under the
@@ -113,7 +117,8 @@ class StagingPool {
   // Faults in (on numa_node_ when set) and pins a new slab; called with mu_
   // released while busy_ is set. Returns the seconds spent pinning.
   // pages: what its HugePageWatch chose for a private slab.
-  double fill_slab(Slab& s, const PinHooks& hooks, int node, std::string& numa_err, std::string& pages);
+  double fill_slab(Slab& s, const PinHooks& hooks, int node, std::string& numa_err, std::string& pages,
+                   const std::atomic<bool>* abort);
   AlignedBuffer new_slab_memory(size_t bytes, int64_t& file_offset);
 
   const size_t slot_bytes_;

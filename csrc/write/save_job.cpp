@@ -1,6 +1,7 @@
 #include "write/save_job.hpp"
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -14,6 +15,7 @@ SaveJob::SaveJob(std::shared_ptr<StagingPool> pool, std::vector<FileSpec> files,
                  SaveOptions opt)
     : pool_(std::move(pool)), specs_(std::move(files)), segments_(std::move(segments)), opt_(opt) {
   user_segments_ = segments_.size();
+  if (const char* d = std::getenv("FLASHWRITE_TEST_DEFER_HASH_DELAY_MS")) test_hash_delay_ms_ = std::atoi(d);
   std::vector<uint64_t> sizes;
   for (uint32_t f = 0; f < specs_.size(); ++f) {
     const FileSpec& s = specs_[f];
@@ -100,7 +102,7 @@ void SaveJob::start() {
     // checksums can wait until staging is over (each chunk keeps its slot until
     // then). Else each chunk is checksummed as it is copied, and slots recycle.
     const auto wait0 = std::chrono::steady_clock::now();
-    defer_hash_ = pool_->reserve(plan_.chunks.size());
+    defer_hash_ = pool_->reserve(plan_.chunks.size(), /*hold=*/true, opt_.abort.get());
     reserved_ = true;
     pool_wait_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
     // A held file keeps its slots until all of its chunks are staged: only safe
@@ -347,6 +349,7 @@ SaveStats SaveJob::stats() const {
   }
   s.pin_s = pin_s_;
   s.backend = backend_name_;
+  if (opt_.remote) s.rewrites = opt_.remote->rewrites();
   for (auto& f : files_)
     if (f->fd.load() >= 0) (f->direct.load() ? s.files_direct : s.files_buffered)++;  // not linked ones
   return s;

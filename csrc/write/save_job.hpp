@@ -87,6 +87,9 @@ struct SaveOptions {
   // Stripes on a server (nfs://): created there and written by its backend, each
   // request reported once durable there; no local files, truncate or fsync.
   std::shared_ptr<RemoteFiles> remote;
+  // Set by the caller to stop a start() that still waits for the staging pool
+  // (a first save faulting in its slab): start() then throws, nothing started.
+  std::shared_ptr<std::atomic<bool>> abort;
 };
 
 // Where one chunk of a held save lies: stripe, offset in it, bytes, and the
@@ -104,6 +107,7 @@ struct SaveStats {
   double pin_s = 0;  // page-locking the pool while this save started (Engine::start_save)
   std::string backend;
   unsigned files_direct = 0, files_buffered = 0;
+  uint64_t rewrites = 0;  // nfs://: chunks written again (RemoteFiles::rewrites)
 };
 
 class SaveJob {
@@ -236,6 +240,10 @@ class SaveJob {
   // chunk's slot is free again only once both its write and its checksum are
   // done; slot_refs_[ci] counts them down from 2 (0: not deferred).
   bool defer_hash_ = false;
+  // Test only (FLASHWRITE_TEST_DEFER_HASH_DELAY_MS, read per job): each copy thread
+  // waits this long before its deferred checksums, so a slot given back before its
+  // checksum read it is reused by another save first, every time. 0: off.
+  int test_hash_delay_ms_ = 0;
   std::unique_ptr<std::atomic<uint8_t>[]> slot_refs_;
   std::mutex held_mu_;
   std::vector<char*> held_;  // written slots kept for the snapshot

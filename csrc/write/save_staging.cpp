@@ -2,10 +2,12 @@
 // copy threads copy host chunks into pool slots and checksum them, a D2H thread
 // issues the GPU chunks' copies, and every chunk's write is queued once its
 // bytes are in its slot.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "core/checksum.hpp"
@@ -143,6 +145,8 @@ void SaveJob::stage_host_chunk(size_t& claimed, const std::function<bool()>& int
 
 // This thread's deferred checksums, newest first; false when cancelled meanwhile.
 bool SaveJob::hash_own_chunks(std::vector<size_t>& unhashed) {
+  if (test_hash_delay_ms_ > 0 && !unhashed.empty())
+    std::this_thread::sleep_for(std::chrono::milliseconds(test_hash_delay_ms_));
   while (!unhashed.empty()) {
     if (ctl_.cancelled()) return false;
     const size_t ci = unhashed.back();

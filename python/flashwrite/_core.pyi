@@ -113,7 +113,8 @@ HeldFile = tuple[int, str, Sequence[tuple[int, int, int]]]
 class SaveJob:
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Wait until every byte is staged (or the job ended). None, inf or any huge
-        timeout waits for good; NaN raises ValueError; negative polls."""
+        timeout waits for good; NaN raises ValueError; negative polls. Interrupted
+        (Ctrl-C), this and the other waits cancel the job and join it, then raise."""
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until written and fsync'd (or failed); same timeouts as wait_staged."""
     def release_sources(self) -> None:
@@ -215,11 +216,14 @@ class LoadJob:
 def start_load(files: Sequence[LoadFile], pieces: Sequence[Piece], backend: str = "auto",
                queue_depth: int = ..., chunk_bytes: int = ..., verify_threads: int = ...,
                direct: bool = True, placements: Sequence[Placement] = ...,
-               streams: Sequence[Stream] = ...) -> LoadJob:
+               streams: Sequence[Stream] = ..., remote: object = None,
+               keepalive: object = None) -> LoadJob:
     """Read files, verifying pieces as chunks arrive. Placed bytes go through bounce
     buffers (pinned when some go to a GPU): each chunk is verified, then copied out on
     the job's threads; the rest of a file is read whole into an aligned buffer.
-    Destinations must stay valid until the job is done. Defaults:
+    Destinations must stay valid until the job is done: `keepalive` (their owners) is
+    released only once the job is joined. A wait that Ctrl-C interrupts cancels and
+    joins the job before KeyboardInterrupt leaves it. Defaults:
     DEFAULTS["read_queue_depth"], ["read_chunk_bytes"], ["verify_threads"]."""
 
 def checksum(b: _BufferLike, /) -> int:

@@ -9,11 +9,13 @@ directory is recognisable by its name and never mistaken for a checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +33,27 @@ OLD_MARK = ".flashwrite-old-"
 
 
 # Temporary names are made and read here only. Three kinds, all ".<name><mark>...":
-#   .<name>.flashwrite-tmp-<pid>-<random>    a save by one process (the pid tells whether it may be alive)
+#   .<name>.flashwrite-tmp-<pid>-<random>[-h<host>]    a save by one process (the pid, on the host
+#                                            <host> tags, tells whether it may be alive; older names have no tag)
 #   .<name>.flashwrite-tmp-<nonce>-s<seq>    a multi-rank save (the name every rank derives alike)
 #   .<name>.flashwrite-old-<random>          a checkpoint moved aside to be replaced or deleted
 _SHARED_RE = re.compile(r"[0-9a-f]{12}-s\d+")
 _PID_RE = re.compile(r"(\d+)-")
+_HOST_RE = re.compile(r".*-h([0-9a-f]{8})")
+
+
+def _host_tag() -> str:
+    """This machine, since its last boot, in 8 hex digits: the kernel's boot id (two hosts,
+    or one host before and after a reboot, never share one), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            key = fh.read().strip()
+    except OSError:
+        key = socket.gethostname()
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+HOST_TAG = _host_tag()
 
 
 def _sibling(final: str, mark: str, tail: str) -> str:
@@ -45,7 +63,7 @@ def _sibling(final: str, mark: str, tail: str) -> str:
 
 def temp_dir_for(final: str) -> str:
     """A fresh temporary sibling of ``final`` for a save by this process."""
-    return _sibling(final, TMP_MARK, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    return _sibling(final, TMP_MARK, f"{os.getpid()}-{uuid.uuid4().hex[:12]}-h{HOST_TAG}")
 
 
 def shared_temp_dir_for(final: str, nonce: str, seq: int) -> str:
@@ -64,6 +82,7 @@ class TempName:
     kind: str          # "tmp" (a save's directory) or "old" (a checkpoint moved aside)
     original: str      # the name of the checkpoint it belongs to
     pid: int | None    # the process that made a "tmp" directory, where the name says
+    host: str | None = None  # the host tag of that process (HOST_TAG), where the name says
 
 
 def parse_temp_name(name: str) -> TempName | None:
@@ -74,11 +93,13 @@ def parse_temp_name(name: str) -> TempName | None:
         at = name.find(mark)
         if at >= 0:
             rest = name[at + len(mark):]
-            pid = None
+            pid = host = None
             if kind == "tmp" and not _SHARED_RE.fullmatch(rest):
                 m = _PID_RE.match(rest)
                 pid = int(m.group(1)) if m else None
-            return TempName(kind, name[1:at], pid)
+                h = _HOST_RE.fullmatch(rest)
+                host = h.group(1) if h else None
+            return TempName(kind, name[1:at], pid, host)
     return None
 
 
@@ -113,6 +134,8 @@ def prepare(final: str, overwrite: bool, target: Target = LOCAL) -> str:
     parent = os.path.dirname(final)
     if target.exists(parent) and not target.is_dir(parent):
         raise NotADirectoryError(20, "parent of the checkpoint path is not a directory", parent)
+    if target.sweeps_dead_saves:
+        clean_dead_saves(parent)
     tmp = temp_dir_for(final)
     try:
         target.make_dirs(parent)
@@ -218,11 +241,41 @@ def temp_owner_alive(name: str, path: str) -> bool:
     parsed = parse_temp_name(name)
     if parsed is None or parsed.pid is None:
         return False
+    if parsed.host is not None and parsed.host != HOST_TAG:
+        return True  # another host's (or an earlier boot's) save: not ours to judge here
     try:
         mtime = os.lstat(path).st_mtime
     except OSError:
         return False
     return owner_alive({"pid": parsed.pid}, started_by=mtime + 2.0)  # the boot time has 1 s resolution
+
+
+def clean_dead_saves(root: str) -> list[str]:
+    """Remove the temporary directories in ``root`` of saves whose process died (kill -9,
+    a crash): only those whose name says they were made on this host, since its last
+    boot, by a process that no longer runs. Every save calls this for its parent, so a
+    plain ``save_async`` cleans up after a killed one as the manager does. Multi-rank
+    temporaries, checkpoints moved aside and older names are left to ``clean_stale``.
+    Returns the names removed; a failure to remove one is logged, never raised."""
+    removed = []
+    try:
+        entries = [e for e in os.scandir(root) if TMP_MARK in e.name]
+    except OSError:
+        return removed  # a parent that does not exist yet holds nothing to clean
+    for e in entries:
+        temp = parse_temp_name(e.name)
+        if temp is None or temp.kind != "tmp" or temp.pid is None or temp.host != HOST_TAG:
+            continue
+        if temp.pid == os.getpid() or temp_owner_alive(e.name, e.path):
+            continue
+        try:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+                removed.append(e.name)
+                log.warning("removed %s: the save that made it (pid %d) died before it committed", e.path, temp.pid)
+        except OSError as err:
+            log.warning("cannot remove the dead save's temporary %s: %s", e.path, err)
+    return removed
 
 
 def clean_stale(root: str) -> list[str]:

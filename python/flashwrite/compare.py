@@ -7,11 +7,14 @@ manifest's checksums. Pass 1 hashes each tensor's smallest piece, so a stripe wi
 changed tensor costs little to reject; pass 2 hashes the rest of the stripes that passed.
 A piece that the kernel saw no write to since a save hashed it is not hashed again
 (``write_watch``): a frozen base model then costs a page-table scan, not a pass over its
-bytes.
+bytes. Every ``write_watch.recheck_every()``-th pass over a piece hashes it again anyway; a
+piece the watch vouched for whose bytes had changed counts as changed, and the save warns.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import _core, dtypes, write_watch
@@ -43,12 +46,23 @@ def candidates(columns: Columns, m: Manifest, by_file: list[list[Any]], where: d
     return host, device
 
 
+@dataclass
+class Outcome:
+    """What a compare pass found."""
+    changed: set[str]          # keys whose content differs from the base
+    compared: int              # bytes hashed
+    unchanged: list[int]       # candidate stripes with no changed tensor
+    watched: int               # bytes the write watch vouched for (not hashed)
+    rechecked: int = 0         # bytes the watch would have vouched for, hashed again (write_watch.recheck_every)
+    misses: list[str] = field(default_factory=list)  # tensors whose re-hash found a write the watch missed
+
+
 def changed(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict[str, int], cands: list[int],
-             threads: int) -> tuple[set[str], int, list[int], int]:
-    """(keys that changed, bytes hashed, candidate stripes with no changed tensor, bytes
-    the write watch vouched for). A piece no write reached since a save hashed it has
-    that save's checksum (``write_watch``); the others are hashed: pass 1 each tensor's
-    smallest such piece, pass 2 the rest of the stripes that passed it."""
+            threads: int) -> Outcome:
+    """Which tensors of the candidate stripes ``cands`` changed. A piece no write reached
+    since a save hashed it has that save's checksum (``write_watch``); the others are
+    hashed: pass 1 each tensor's smallest such piece, pass 2 the rest of the stripes that
+    passed it."""
     sources = columns.sources
     pieces_of: list[tuple[int, str, list[tuple[int, int, int]]]] = []  # (stripe, key, [(address, n, expected)])
     for fi in cands:
@@ -59,6 +73,7 @@ def changed(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict
     watched = [(a, n) for fi, key, ps in pieces_of if ps and write_watch.eligible(
         ps[0][0], sum(p[1] for p in ps), sources[where[key]] if sources is not None else None) for a, n, _ in ps]
     changed: set[str] = set()
+    missed: list[str] = []
     first: list[tuple[tuple[int, int, int], str]] = []
     rest: dict[int, list[tuple[tuple[int, int, int], str]]] = {}
     with write_watch.compare_pass(watched) as watch:
@@ -82,9 +97,16 @@ def changed(columns: Columns, m: Manifest, by_file: list[list[Any]], where: dict
                          for pk in rest.get(fi, [])]
             bad = dict(_core.copy_verify([(0, a, n, e) for (a, n, e), _ in group], True, threads))
             for i, ((a, n, e), key) in enumerate(group):
-                watch.record((a, n), bad.get(i, e))  # hashed after the watch protected it
+                if watch.record((a, n), bad.get(i, e)):  # hashed after the watch protected it
+                    missed.append(key)  # a re-hash of a piece the watch vouched for: it had changed
                 if i in bad:
                     changed.add(key)
             compared += sum(p[1] for p, _ in group)
     unchanged = [fi for fi in cands if not any(te.key in changed for te in by_file[fi])]
-    return changed, compared, unchanged, watch.watched_bytes
+    missed = list(dict.fromkeys(missed))
+    if missed:
+        warnings.warn(f"flashwrite: the write watch missed a write to {len(missed)} tensors ({', '.join(missed[:5])}"
+                      f"{', ...' if len(missed) > 5 else ''}), found by the periodic re-hash "
+                      f"({write_watch.RECHECK_ENV}): their stripes are written, not linked", RuntimeWarning,
+                      stacklevel=2)
+    return Outcome(changed, compared, unchanged, watch.watched_bytes, watch.rechecked_bytes, missed)

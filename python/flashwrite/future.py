@@ -16,8 +16,13 @@ loses for good, so ``cancel()`` means the same thing for every kind of save.
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # registers its executors' join at exit before ours: ours runs first
+import os
+import signal
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -143,14 +148,19 @@ class SaveStats:
     # link_fallbacks counts stripes written because the file system refused a link;
     # compared_bytes what was hashed from the source to compare; watched_bytes what was
     # compared without hashing, because the kernel saw no write to it since a save hashed
-    # it (write_watch.py). incremental: "" when not asked, else "on", "on: no earlier
-    # checkpoint to link from", or "off: <why>".
+    # it (write_watch.py); rechecked_bytes what the watch vouched for but was hashed again
+    # all the same (each piece at least every FLASHWRITE_WATCH_RECHECK_EVERY saves, default
+    # 16), watch_misses how many tensors that re-hash found changed, a write the watch missed
+    # (written, not linked, with a warning naming them). incremental: "" when not asked,
+    # else "on", "on: no earlier checkpoint to link from", or "off: <why>".
     bytes_written: int = 0
     bytes_linked: int = 0
     stripes_linked: int = 0
     link_fallbacks: int = 0
     compared_bytes: int = 0
     watched_bytes: int = 0
+    rechecked_bytes: int = 0
+    watch_misses: int = 0
     incremental: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -178,6 +188,7 @@ class SaveFuture(CheckpointFuture):
         self._state_lock = threading.Lock()
         self._cancelled = False
         self._committing = False
+        _IN_FLIGHT.add(self)
 
     def _launch(self, finish: Finish, submit: Callable[[Callable[[], None]], Any], *, block: bool,
                 cleanup: Callable[[], None], abandon: Callable[[BaseException], None] | None = None) -> SaveFuture:
@@ -269,3 +280,48 @@ class SaveFuture(CheckpointFuture):
         state = "committed" if self.done() and not self.exception() else \
             "failed" if self.done() else "staged" if self.staged else "staging"
         return f"<SaveFuture {self.path!r} {state} {self.progress():.0%}>"
+
+
+# ------------------------------------------------------------ saves in flight at exit
+
+# Every SaveFuture made in this process; the thread that commits one holds it until it
+# is done, so the set holds at least every save still in flight.
+_IN_FLIGHT: weakref.WeakSet[SaveFuture] = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    """At interpreter exit, before the commit threads are joined: say what the exit waits
+    for, once, on stderr, and wait. A second Ctrl-C abandons those saves cleanly (each
+    cancelled at its commit gate, its temporary directory removed, nothing committed
+    that had not begun to commit) and exits with status 130, without the aborts an
+    interrupted join of native threads would give."""
+    live = [f for f in list(_IN_FLIGHT) if not f.done()]
+    if not live:
+        return
+    names = ", ".join(f.path for f in live[:3]) + (f" and {len(live) - 3} more" if len(live) > 3 else "")
+    what = "a checkpoint save" if len(live) == 1 else f"{len(live)} checkpoint saves"
+    try:
+        print(f"flashwrite: exit waits for {what} in flight to commit: {names} (Ctrl-C again abandons it)",
+              file=sys.stderr, flush=True)
+        for f in live:
+            f.wait()
+    except KeyboardInterrupt:
+        _abandon(live)
+
+
+def _abandon(live: list[SaveFuture]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the clean-up below is bounded: let it finish
+    kept = [f.path for f in live if not f.cancel() and not f.done()]
+    for f in live:
+        f.wait()  # a cancelled save stops at its commit gate and removes its temporary directory
+    gone = [f.path for f in live if f.cancelled() or (f.done() and f.exception() is not None)]
+    print(f"flashwrite: abandoned {len(gone)} save(s) in flight: nothing of them was committed"
+          + (f"; {', '.join(kept)} had begun to commit and did" if kept else ""), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+try:
+    threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]  # runs before threads are joined
+except RuntimeError:  # imported while the interpreter shuts down: no save can start now either
+    pass

@@ -107,6 +107,8 @@ class Plan:
     fallback_reason: str = ""
     compared_bytes: int = 0                        # bytes hashed from the source to compare
     watched_bytes: int = 0                         # bytes not hashed: no write reached them (write_watch)
+    rechecked_bytes: int = 0                       # bytes the watch vouched for, hashed again all the same
+    watch_misses: int = 0                          # tensors whose re-hash found a write the watch missed
     held: dict[int, held.HeldFile] = field(default_factory=dict)  # held files (held.py)
     settled: set[int] = field(default_factory=set)  # held files the job linked (held.settle)
     held_settled: bool = False
@@ -382,11 +384,13 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
         holds = []  # held files are local stripes: on nfs:// GPU stripes are written
     if (held.HOLD_HOST or hold_all) and target is LOCAL:
         cands, holds = [], holds + cands
-    changed, compared, unchanged_files, watched = compare.changed(columns, m, by_file, where, cands, threads)
+    found = compare.changed(columns, m, by_file, where, cands, threads)
+    changed, unchanged_files = found.changed, found.unchanged
     # "Unchanged at the last save": tensors of candidate stripes that passed.
     # (and of held candidates: those that cannot be mirrored, carrying a save's metadata, go stable)
     looked = {te.key for fi in cands + holds for te in by_file[fi]}
-    out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=compared, watched_bytes=watched)
+    out = Plan([], base=os.path.basename(base.path), seq=seq, compared_bytes=found.compared,
+               watched_bytes=found.watched, rechecked_bytes=found.rechecked, watch_misses=len(found.misses))
     claimed = _link(out, columns, base, by_file, where, unchanged_files, tmp, prefix, target)
     claimed |= _hold(out, columns, base, by_file, where, holds, prefix, target)
     left = [j for j in range(len(columns.keys)) if j not in claimed]

@@ -274,6 +274,13 @@ class CheckpointManager:
         finally:
             p.done.set()
 
+    def in_flight(self) -> tuple[int, str, SaveFuture] | None:
+        """The save started and not yet finished, as ``(step, path, future)``: not yet
+        committed (or failed), or its retention and ``on_commit`` still running (inside
+        ``on_commit`` it is the save being reported). None when there is none."""
+        p = self._inflight
+        return None if p is None or p.done.is_set() else (p.step, p.path, p.future)
+
     def wait(self) -> SaveStats | None:
         """Block until the save in flight is durable and committed (and retention
         has run). Returns its stats; if it failed, raises its error (the first

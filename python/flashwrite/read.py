@@ -156,11 +156,12 @@ class CheckpointDir:
             else:
                 read_plan.place_owned(m, wanted, file_ids, slot, targets, hosted, placements, owned, headers)
             t0 = time.perf_counter()
-            # `targets`, `hosted`, `owned`, `headers` and `stripes` keep the destinations alive until the job
-            # is done.
+            # The job holds `targets`, `hosted`, `owned`, `headers` and `stripes` (the destinations) until it
+            # is joined, whatever order an interrupted frame frees its locals in.
             job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
                                    defaults.VERIFY_THREADS, direct, placements=placements,
-                                   streams=streams, remote=nfs.reader_for(self.path))  # nfs://: from the server
+                                   streams=streams, remote=nfs.reader_for(self.path),  # nfs://: from the server
+                                   keepalive=(targets, hosted, owned, headers, stripes))
         job.wait()
         with gcpause.paused():
             job.rethrow()

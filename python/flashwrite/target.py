@@ -101,6 +101,9 @@ class Target:
     that carry errno and the path."""
 
     name = "abstract"
+    # Whether this process may judge a save's temporary directory here dead by its
+    # name (pid and host) and remove it: see ``commit.clean_dead_saves``.
+    sweeps_dead_saves = False
 
     def exists(self, path: str) -> bool:
         raise NotImplementedError
@@ -204,6 +207,7 @@ class LocalTarget(Target):
     """A directory on a local (or kernel-mounted) file system."""
 
     name = "local"
+    sweeps_dead_saves = True
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)

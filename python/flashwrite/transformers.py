@@ -9,9 +9,12 @@ or, for a subclass of Trainer (TRL's ``SFTTrainer``, your own)::
     SFTTrainer = flashwrite.transformers.with_flashwrite(SFTTrainer)
 
 Every ``save_steps`` checkpoint then is one flashwrite checkpoint, ``output_dir/checkpoint-N``:
-the model in the ``hf_model=`` layout (``from_pretrained("checkpoint-N")`` loads it, with
-``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them), the optimizer, LR scheduler, gradient scaler
-and RNG states (python, numpy, torch, CUDA) in the same stripes, and ``trainer_state.json``,
+the model (any ``nn.Module``) in the ``hf_model=`` layout, under its own names in the shards
+that ``model.safetensors.index.json`` lists, with a PreTrainedModel's ``config.json`` and
+``generation_config.json`` as ``save_pretrained`` writes them (``from_pretrained("checkpoint-N")``, transformers'
+``load_sharded_checkpoint`` and the Trainer's own loaders read it; there is no single
+``model.safetensors``: docs/transformers.md says why), the optimizer, LR scheduler, gradient scaler
+and RNG states (python, numpy, torch, CUDA) in ``state-*`` stripes beside them, and ``trainer_state.json``,
 ``training_args.bin`` and the tokenizer's files, written the Trainer's way, inside the same
 atomic commit (``extra_files=``). The training loop waits only for the state to be staged in
 host memory; writing goes on while it trains. At most one save is in flight; the next one,
@@ -21,6 +24,10 @@ for it (a failure is logged when it happens and raised by the next wait).
 has committed, so a checkpoint in flight is never a candidate and never counted; a checkpoint
 is never visible before it is whole, so ``resume_from_checkpoint=True`` finds the newest
 committed one. Resuming loads the model, optimizer, scheduler, scaler and RNG states from it.
+The best model is the Trainer's: ``best_model_checkpoint`` counts the checkpoint being saved
+(still in flight) as the Trainer's does, rotation protects it, and ``load_best_model_at_end``
+loads its weights through flashwrite, after the saves in flight have committed (so does the
+``save_total_limit=1`` clean-up at the end of training).
 The staging pool (one per trainer, reused by every save) is reserved in the background after
 the first step that does not save, so the first checkpoint does not allocate it in the loop.
 
@@ -106,7 +113,7 @@ class FlashwriteTrainerMixin:
         self._fw_writer: Writer | None = None
         self._fw_managers: dict[str, CheckpointManager] = {}
         self._fw_resume: tuple[str, dict] | None = None
-        self._fw_warned = False
+        self._fw_warned = self._fw_warned_layout = False
         self.flashwrite_stats: list = []
         self.add_callback(_ReservePool(self))
         _LIVE.add(self)
@@ -144,8 +151,9 @@ class FlashwriteTrainerMixin:
     def _fw_committed(self, run_dir: str, path: str) -> None:
         """After each commit, on the commit thread: the Trainer's own rotation."""
         mgr = self._fw_managers.get(run_dir)
-        if mgr is not None and mgr._inflight is not None and mgr._inflight.path == path:
-            self.flashwrite_stats.append(mgr._inflight.future.result())
+        pending = mgr.in_flight() if mgr is not None else None
+        if pending is not None and pending[1] == path:
+            self.flashwrite_stats.append(pending[2].result())
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
@@ -211,11 +219,7 @@ class FlashwriteTrainerMixin:
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         mgr = self._fw_manager(run_dir)
-        if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]
-                and self.state.best_global_step):
-            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.exists(best_dir) or (mgr._inflight is not None and mgr._inflight.path == best_dir):
-                self.state.best_model_checkpoint = best_dir
+        self._fw_record_best(run_dir)
         if self.args.should_save:
             for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
                        if isinstance(cb, ExportableState)]:
@@ -226,15 +230,33 @@ class FlashwriteTrainerMixin:
                     self.state.stateful_callbacks[name] = cb.state()
         if not self.args.should_save:
             return
-        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        pretrained = isinstance(unwrapped, PreTrainedModel)
-        files = self._fw_small_files(unwrapped)
+        files = self._fw_small_files(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+        state = self._fw_state()
+        fits = _hf_layout_fits(state)
+        if not fits and not self._fw_warned_layout:
+            self._fw_warned_layout = True
+            log.warning("flashwrite.transformers: the model's tensors cannot be stored under their own names (none, "
+                        "or names that clash with the rest of the state): model.safetensors.index.json names the "
+                        "whole training state, and the Trainer's own loaders cannot read the model from it")
         # Waits for the save in flight (if any) to commit, then returns once this one is staged.
-        mgr.save(step, self._fw_state(), overwrite=True, hf_model=MODEL_KEY if pretrained else None,
+        mgr.save(step, state, overwrite=True, hf_model=MODEL_KEY if fits else None,
                  extra_files=files)
         if self.args.push_to_hub:
             mgr.wait()
             self._push_from_checkpoint(output_dir)
+
+    def _fw_record_best(self, run_dir: str) -> None:
+        """``best_model_checkpoint``, as the Trainer sets it right after ``save_model``: the
+        best step's directory if it exists by then, which the checkpoint of this very step
+        does for the Trainer. Here that one is not on disk yet (it is being staged), and it
+        counts too; if its save fails, the next wait raises that. A best checkpoint is so
+        recorded by its own save, in flight or not when the next one starts."""
+        if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]
+                and self.state.best_global_step):
+            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if (self.state.best_global_step == self.state.global_step and self.args.should_save) \
+                    or os.path.exists(best_dir):
+                self.state.best_model_checkpoint = best_dir
 
     def wait_for_checkpoints(self) -> None:
         """Block until every checkpoint save in flight has committed (and rotation has
@@ -256,9 +278,23 @@ class FlashwriteTrainerMixin:
         self.wait_for_checkpoints()
         return out
 
+    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any) -> Any:
+        # Before the best model is loaded and the save_total_limit=1 clean-up lists the
+        # checkpoints: a save still in flight would commit after that clean-up.
+        self.wait_for_checkpoints()
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
     def _load_best_model(self) -> None:
         self.wait_for_checkpoints()
-        return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        if not is_flashwrite_checkpoint(best):
+            return super()._load_best_model()
+        # As resume does, not the Trainer's way: every byte verified, a strict load, and
+        # the model found also where the index names the whole state (_hf_layout_fits).
+        log.info("loading the best model from flashwrite checkpoint %s (score: %s)", best, self.state.best_metric)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        state = load(best, map_location="cpu", allow_pickle=self._fw_allow_pickle)
+        model.load_state_dict(state[MODEL_KEY])
 
     # ---------------------------------------------------------------- resuming
 
@@ -330,6 +366,17 @@ class _ReservePool(transformers.TrainerCallback):
         writer = trainer._fw_writer_for_saves()
         if writer.pool_bytes == 0:
             writer.reserve(trainer._fw_state())
+
+
+def _hf_layout_fits(state: dict) -> bool:
+    """Whether the model's tensors can go under their own names into the stripes that
+    model.safetensors.index.json lists (``hf_model=``), as the Trainer's model.safetensors
+    holds them, for any model: not when it has no tensors, or a name that could be the
+    name of a tensor elsewhere in the state (then the index names the whole state)."""
+    model = state[MODEL_KEY]
+    heads = {k.split(".", 1)[0] for k in model if isinstance(k, str)}
+    return (any(isinstance(v, torch.Tensor) for v in model.values()) and all(isinstance(k, str) for k in model)
+            and not heads & (set(state) - {MODEL_KEY}))
 
 
 def _rng_states() -> dict:

@@ -92,6 +92,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
         sw.incremental = iplan
         _incremental_stats(stats, iplan)
         stats.compared_bytes, stats.watched_bytes = iplan.compared_bytes, iplan.watched_bytes
+        stats.rechecked_bytes, stats.watch_misses = iplan.rechecked_bytes, iplan.watch_misses
     return sw
 
 
@@ -190,6 +191,8 @@ class StripeWrite:
         stats.pool_bytes = self.engine.pool_bytes
         stats.pinned = self.engine.pool_pinned
         stats.pin_s = native["pin_s"]
+        if native["backend"] == "nfs":  # chunks sent again: a COMMIT came back under another write verifier
+            stats.extra["nfs_rewrites"] = native["rewrites"]
         return self.manifest()
 
     def manifest(self) -> dict:

@@ -33,6 +33,14 @@ pages present, anonymous and unwritten. The lock keeps scans from interleaving w
 pass's hashing. As with any save, the state must not change while ``save_async`` has not
 returned (the compare pass runs inside that call).
 
+Defence in depth: the watch decides what is never hashed again, so a defect in it (or in
+the kernel) would be silent. A record vouches for its piece at most ``recheck_every() - 1``
+passes in a row (``FLASHWRITE_WATCH_RECHECK_EVERY``, default ``RECHECK_EVERY`` = 16; 1
+hashes every piece at every pass); at the next one the piece is hashed again
+(``SaveStats.rechecked_bytes``). A hash that differs from the record means the watch missed
+a write: the piece counts as changed (its stripe is written), and the save warns, naming
+the tensor (``SaveStats.watch_misses``).
+
 ``FLASHWRITE_WRITE_WATCH=off`` hashes everything, as before; where the kernel cannot watch
 (older than 6.7, userfaultfd forbidden by seccomp) everything is hashed, and ``why_off()``
 says why.
@@ -43,13 +51,19 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from . import _core
 
 MIN_BYTES = 1 << 20  # smaller tensors are hashed: cheap, and each watched range may split a mapping
 ENV = "FLASHWRITE_WRITE_WATCH"
+RECHECK_ENV = "FLASHWRITE_WATCH_RECHECK_EVERY"
+RECHECK_EVERY = 16  # a record vouches for its piece at most this many passes minus one in a row
+
+# Tests only: called with each scanned piece, True makes the scan report it unwritten (a
+# watch that misses a write on purpose, which the periodic re-hash must catch).
+BLIND: Callable[[Range], bool] | None = None
 
 Range = tuple[int, int]  # (address, nbytes) of one checksummed piece
 PAGE = 4096
@@ -71,7 +85,8 @@ class _Watch:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pid = os.getpid()
-        self.records: dict[Range, tuple[int, Edges]] = {}  # piece -> (its XXH3, its edges when hashed)
+        # piece -> (its XXH3, its edges when hashed, passes that trusted it since)
+        self.records: dict[Range, tuple[int, Edges, int]] = {}
         self.core: _core.WriteWatch | None = None
         self.why = ""
         setting = os.environ.get(ENV, "auto").strip().lower()
@@ -104,32 +119,60 @@ def why_off() -> str:
     return _get().why
 
 
+def recheck_every() -> int:
+    """How many passes in a row may use a record: ``FLASHWRITE_WATCH_RECHECK_EVERY`` (an
+    integer >= 1), else ``RECHECK_EVERY``."""
+    v = os.environ.get(RECHECK_ENV, "").strip()
+    if not v:
+        return RECHECK_EVERY
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{RECHECK_ENV}={v!r}: expected an integer >= 1 (1: hash every piece at every save)")
+    return n
+
+
 class Pass:
     """What one compare pass may skip and what it records (see the module's steps)."""
 
-    def __init__(self, watch: _Watch | None, protected: set[Range]):
-        self._watch, self._protected = watch, protected
+    def __init__(self, watch: _Watch | None, protected: set[Range], every: int = RECHECK_EVERY):
+        self._watch, self._protected, self._every = watch, protected, every
         self._edges: dict[Range, Edges] = {}
+        self._due: dict[Range, int] = {}  # pieces hashed again: the checksum their record vouched for
         self.watched_bytes = 0
+        self.rechecked_bytes = 0
 
     def known(self, rng: Range) -> int | None:
-        """The checksum of the piece at ``rng`` if no write reached it since it was hashed,
-        else None: hash it (after every call to ``known``: its edges are kept now)."""
+        """The checksum of the piece at ``rng`` if no write reached it since it was hashed
+        (and its record is not due for a re-hash), else None: hash it (after every call to
+        ``known``: its edges are kept now)."""
         if self._watch is None or rng not in self._protected:
             return None
         rec = self._watch.records.get(rng)
-        if rec is None:
+        if rec is None or rec[2] + 1 >= self._every:
+            if rec is not None:
+                self._due[rng] = rec[0]
             self._edges[rng] = _edges(rng)
             return None
+        self._watch.records[rng] = (rec[0], rec[1], rec[2] + 1)
         self.watched_bytes += rng[1]
         return rec[0]
 
-    def record(self, rng: Range, checksum: int) -> None:
+    def record(self, rng: Range, checksum: int) -> bool:
         """The piece at ``rng`` was hashed in this pass, after its pages were protected and
-        its edges kept (``known``)."""
+        its edges kept (``known``). True if it was a re-hash of a piece whose record
+        vouched for another checksum: a write the watch missed."""
         edges = self._edges.get(rng)
-        if self._watch is not None and edges is not None:
-            self._watch.records[rng] = (checksum, edges)
+        if self._watch is None or edges is None:
+            return False
+        self._watch.records[rng] = (checksum, edges, 0)
+        vouched = self._due.pop(rng, None)
+        if vouched is None:
+            return False
+        self.rechecked_bytes += rng[1]
+        return vouched != checksum
 
 
 def eligible(address: int, nbytes: int, tensor: object) -> bool:
@@ -149,6 +192,7 @@ def compare_pass(ranges: Sequence[Range]) -> Iterator[Pass]:
     module's docstring); the caller hashes what ``Pass.known`` does not answer and records
     what it hashed, inside the ``with``."""
     w = _get()
+    every = recheck_every()
     if w.core is None or not ranges:
         yield Pass(None, set())
         return
@@ -159,9 +203,11 @@ def compare_pass(ranges: Sequence[Range]) -> Iterator[Pass]:
         fresh_set = set(fresh)
         scanned = [r for r in w.records if r not in fresh_set] + fresh
         for r, f in zip(scanned, w.core.scan(scanned)):
+            if BLIND is not None and BLIND(r):
+                f = 0
             rec = w.records.get(r)
             # A write to a page of its own forgets it; to a first or last page shared with
             # other memory, only if the piece's own bytes there changed.
             if rec is not None and (f & INSIDE or (f & (HEAD | TAIL) and _edges(r) != rec[1])):
                 del w.records[r]
-        yield Pass(w, fresh_set)
+        yield Pass(w, fresh_set, every)
