@@ -1,6 +1,6 @@
 """The manifest's tree of the saved structure, walked as hostile input: every node that
 names a stored tensor, within a bounded depth. Building the structure back is
-``loading/rebuild.py``'s; flattening a state into a tree is ``saving/flatten.py``'s."""
+``state/rebuild.py``'s; flattening a state into a tree is ``state/flatten.py``'s."""
 
 from __future__ import annotations
 

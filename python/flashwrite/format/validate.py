@@ -14,8 +14,9 @@ from typing import Any
 from ..system import gcpause
 from .._core import CHECKSUM_ALGORITHM
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from .safetensors_header import MAX_HEADER_BYTES
 from .encoding import content_digest, unpack_table
+from .hints import no_manifest, not_a_checkpoint
+from .safetensors_header import MAX_HEADER_BYTES
 from .manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -74,13 +75,17 @@ def read_manifest(path: str | os.PathLike, *, shown: str | None = None) -> Manif
     fpath = os.path.join(os.fspath(path), MANIFEST_NAME)  # a local directory: a target reads its own
     mpath = os.path.join(shown, MANIFEST_NAME) if shown is not None else fpath
     if not os.path.isdir(path):
-        raise FileNotFoundError(2, "checkpoint directory not found", os.fspath(shown or path))
+        raise not_a_checkpoint(os.fspath(path), shown)
     try:
         # O_NONBLOCK: a FIFO planted as the manifest must not hang the open.
         fd = os.open(fpath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
+        root = no_manifest(os.fspath(path), os.fspath(shown if shown is not None else path))
+        if root is not None:
+            raise root from None
         raise CorruptCheckpointError(f"{mpath} is missing: the checkpoint is incomplete or not a flashwrite "
-                                     "checkpoint", file=MANIFEST_NAME) from None
+                                     "checkpoint (`flashwrite ls DIR` lists the checkpoints in a directory)",
+                                     file=MANIFEST_NAME) from None
     with open(fd, "rb") as fh:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
