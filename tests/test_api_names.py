@@ -100,6 +100,4 @@ def test_local_snapshots_is_a_flag_and_find_local_snapshots_lists_them(tmp_path,
         m.save_async(5, {"a": torch.ones(4)}).result(60)
         found = m.find_local_snapshots()
         assert list(found) == [5] and found[5][0].path == m.path_for(5)
-        with pytest.warns(DeprecationWarning, match="find_local_snapshots"):
-            old = m.local_snapshots()
-        assert {s: [x.header for x in v] for s, v in old.items()} == {5: [found[5][0].header]}
+        assert not hasattr(m, "local_snapshots")  # the 0.1.0 name, removed before any release

@@ -16,7 +16,7 @@ from flashwrite import format as fmt
 from flashwrite.errors import CorruptCheckpointError
 from flashwrite.format import safetensors_header
 from flashwrite.ops.sources import SafetensorsSource
-from flashwrite.saving.plan import MAX_HEADER_BYTES
+from flashwrite.format.safetensors_header import MAX_HEADER_BYTES
 
 
 def _file(path, header, data=b"", length=None):

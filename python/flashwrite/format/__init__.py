@@ -8,7 +8,8 @@ index, and the checks that make a checkpoint safe to open. One module a job:
 - ``safetensors_header``: the one parser of safetensors headers, with their bounds;
 - ``stripe_header``: a stripe's own header checked against the manifest on load;
 - ``tree``: the manifest's tree of the saved structure, walked as hostile input;
-- ``dtypes``: torch dtype <-> name <-> safetensors code.
+- ``dtypes``: torch dtype <-> name <-> safetensors code;
+- ``hints``: what a path that is not a checkpoint is, and what to do with it.
 
 The ground floor: it owns its constants and imports only ``errors``, ``system`` and
 ``_core``, never the planner, the targets or the I/O above it.

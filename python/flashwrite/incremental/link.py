@@ -495,4 +495,4 @@ def planner_for(final: str, target: Target, cache: BaseCache, threads: int, rank
                 view: Callable[[Manifest], Manifest | str] | None = None) -> Callable[[str], Planner]:
     """What a save session calls with its temporary directory, once made: the save's Planner
     (of rank ``rank`` = (rank, world size) in a multi-rank save; ``view``: see ``Planner``)."""
-    return lambda tmp: Planner(final, target.temp_dir_of(tmp), cache, threads, target, rank, view)
+    return lambda tmp: Planner(final, tmp, cache, threads, target, rank, view)

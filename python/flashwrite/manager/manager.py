@@ -24,7 +24,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -327,13 +326,6 @@ class CheckpointManager:
                 touched += self._clean_local(lambda s: s < latest)
             self._tier.remove_orphan_pools()
         return touched
-
-    def local_snapshots(self, replicas: bool = False) -> dict[int, list[local.Snapshot]]:
-        """Deprecated name of ``find_local_snapshots`` (``local_snapshots`` is the
-        constructor's flag, and ``Writer.local_snapshots`` says whether it is on)."""
-        warnings.warn("CheckpointManager.local_snapshots() is renamed find_local_snapshots()", DeprecationWarning,
-                      stacklevel=2)
-        return self.find_local_snapshots(replicas)
 
     def find_local_snapshots(self, replicas: bool = False) -> dict[int, list[local.Snapshot]]:
         """Local snapshots of this root's steps (any owner), newest first per step.

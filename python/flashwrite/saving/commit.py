@@ -144,11 +144,7 @@ def prepare(final: str, overwrite: bool, target: Target = LOCAL) -> str:
         # Name what the user asked for, not our temporary sibling.
         raise PermissionError(e.errno, f"cannot create checkpoint {target.show(final)}: {e.strerror}",
                               e.filename) from None
-    try:
-        return target.staging_dir(tmp)
-    except BaseException:
-        target.remove_tree(tmp)
-        raise
+    return tmp
 
 
 # Names a checkpoint's own files take: the manifest, the index and the stripes
@@ -196,7 +192,6 @@ def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite
     encoded: ``encode_files(manifest, index)`` made earlier (manifest and index then unused)."""
     final = os.path.abspath(final)
     parent = os.path.dirname(final)
-    tmp = target.upload(tmp)  # the stripes, durable where the checkpoint lives
     for name, data in (extra or {}).items():
         target.write_durable(os.path.join(tmp, name), data)
     for name, data in (encoded or encode_files(manifest, index)).items():  # the manifest last
@@ -226,7 +221,7 @@ def finalize(tmp: str, final: str, manifest: dict, index: dict | None, overwrite
 
 def discard(tmp: str, target: Target = LOCAL) -> None:
     """Remove a save's temporary directory (``tmp`` as ``prepare`` returned it)."""
-    target.discard_staging(tmp)
+    target.remove_tree(tmp)
 
 
 # ------------------------------------------------------------ leftovers of crashes

@@ -102,18 +102,12 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     seq = coord.next_seq()
     t0 = time.perf_counter()
     target, final = resolve(path, "save")
-    make_planner, note = None, ""
-    if incremental is not None:
-        note = _incremental.refusal(hf_model=False) or ""
-        if not note:
-            make_planner = incremental(final, target, (coord.rank, coord.size))
+    make_planner = incremental(final, target, (coord.rank, coord.size)) if incremental is not None else None
     strategy = AgreedCommit(coord, final, commit.shared_temp_dir_for(final, coord.nonce, seq), overwrite, target,
                             tier, t0, on_committed)
     session = SaveSession(writer, strategy, tier, t0)
-    sw = session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
-                       allow_pickle=allow_pickle, metadata=metadata, incremental=make_planner)
-    if make_planner is None:
-        sw.stats.incremental = note
+    session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
+                  allow_pickle=allow_pickle, metadata=metadata, incremental=make_planner)
     return session.launch(block)
 
 
@@ -126,18 +120,15 @@ class AgreedCommit(Commit):
         super().__init__(final, target)
         self.coord, self.tmp, self.overwrite, self.tier, self.t0 = coord, tmp, overwrite, tier, t0
         self.on_committed = on_committed
-        self.staging = tmp  # where this rank's engine writes its stripes (a local copy for nfs://)
         self.lost: PeerLost | None = None  # the neighbour exchange lost a peer: the rounds fail on it
 
     def prepare(self) -> str:
         commit.check_target(self.final, self.overwrite, self.target)
         self.target.make_dirs(self.tmp)  # every rank: the name is agreed, so whoever comes first creates it
-        self.staging = self.target.staging_dir(self.tmp)
-        return self.staging
+        return self.tmp
 
     def abandon(self, error: BaseException) -> None:
         # Tell the peers now instead of letting them wait for the timeout.
-        self.target.drop_staging(self.staging)
         self.coord.run(self._report_failure, error)
 
     def discard(self) -> None:
@@ -152,9 +143,6 @@ class AgreedCommit(Commit):
                 self.tier.exchange(self.coord, snapshot)
             except PeerLost as e:
                 self.lost = e
-
-    def end(self) -> None:
-        self.target.drop_staging(self.staging)
 
     def _report_failure(self, error: BaseException) -> None:
         """This rank failed before its save was launched: take part in the save's rounds as
@@ -186,7 +174,6 @@ class AgreedCommit(Commit):
                     if done:
                         try:
                             manifest = sw.wait_durable()
-                            self.target.upload(self.staging)  # nfs://: this rank's stripes, committed on the server
                             if gate is not None:
                                 gate()  # a cancel that won makes this rank fail the round
                         except BaseException as e:  # noqa: BLE001 - reported to every rank below

@@ -16,7 +16,6 @@ import torch
 
 from .. import _core
 from ..format import dtypes
-from ..format.safetensors_header import MAX_HEADER_BYTES
 from ..state.flatten import Columns, FlatTensor, columns_of
 
 

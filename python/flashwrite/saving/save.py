@@ -213,15 +213,15 @@ class Writer:
     def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
                       allow_pickle: bool = False, metadata: dict[str, str] | None = None,
                       hf_model: str | None = None, hold_slots: bool = False,
-                      incremental: Callable[..., Any] | None = None) -> StripeWrite:
+                      incremental: Callable[..., Any] | None = None, remote: object | None = None) -> StripeWrite:
         """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
-        must exist; nothing is committed). The building block of ``save_async`` and of
+        must exist; nothing is committed); ``remote``: its target's ``native_files()``. The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
         settings = self._settings_for(directory)
         sw = _write.start(self._engine, state_dict, directory, t0, stripes=settings["stripes"], backend=self.backend,
                           queue_depth=settings["queue_depth"], copy_threads=self.copy_threads, direct=self.direct,
                           prefix=prefix, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model,
-                          hold_slots=hold_slots, incremental=incremental)
+                          hold_slots=hold_slots, incremental=incremental, remote=remote)
         sw.stats.settings = settings
         return sw
 

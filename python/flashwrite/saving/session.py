@@ -125,7 +125,8 @@ class SaveSession:
             if self.tier is not None:
                 self.tier.before_save()  # the slots of finished saves are reused: their headers go first
                 write_options["hold_slots"] = True
-            sw = self.writer.write_stripes(state_dict, directory, self.t0, **write_options)
+            sw = self.writer.write_stripes(state_dict, directory, self.t0, remote=self.strategy.target.native_files(),
+                                           **write_options)
         except BaseException as e:
             self.strategy.abandon(e)
             raise

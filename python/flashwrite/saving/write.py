@@ -20,7 +20,6 @@ from .. import _core
 from ..system import gcpause
 from ..incremental import held
 from . import hf
-from ..targets import nfs
 from ..system import cuda as _cuda
 from .. import defaults as _defaults
 from ..state.flatten import diagnose, flatten_columns
@@ -37,13 +36,15 @@ class StripeWriter(Protocol):
 
     def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
                       allow_pickle: bool = False, metadata: dict[str, str] | None = None,
-                      hf_model: str | None = None, hold_slots: bool = False) -> StripeWrite: ...
+                      hf_model: str | None = None, hold_slots: bool = False,
+                      remote: object | None = None) -> StripeWrite: ...
 
 
 def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: int, backend: str, queue_depth: int,
           copy_threads: int, direct: bool, prefix: str = "model", allow_pickle: bool = False,
           metadata: dict[str, str] | None = None, hf_model: str | None = None,
-          hold_slots: bool = False, incremental: Callable[..., Any] | None = None) -> StripeWrite:
+          hold_slots: bool = False, incremental: Callable[..., Any] | None = None,
+          remote: object | None = None) -> StripeWrite:
     """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
     must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses).
     hf_model: the key of a model state dict whose tensors get stripes of their own,
@@ -83,7 +84,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in written], segments,
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
                             hold_slots=hold_slots, host_files=host_files,
-                            remote=nfs.remote_for(directory),  # nfs://: straight to the server
+                            remote=remote,  # the target's native_files(): nfs://, straight to the server
                             held=held.specs(iplan) if iplan is not None else [])
     if streams and engine.pin_error:
         _warn_unpinned(engine.pin_error)

@@ -11,13 +11,13 @@ import base64
 import collections
 import math
 import pickle
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from ..format import dtypes
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..format.tree import MAX_DEPTH, referenced_keys, tensor_nodes  # noqa: F401  (re-exported for flatten)
+from ..format.tree import MAX_DEPTH
 
 # numpy dtypes stored as tensor data (numeric, fixed size); everything else needs pickle.
 NUMPY_KINDS = frozenset("biufc")

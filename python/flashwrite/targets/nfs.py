@@ -247,35 +247,14 @@ class NfsTarget(Target):
             raise ValueError(f"{self.show(path)} is larger than {limit} bytes")
         return self.read_at(path, 0, size)
 
-    def temp_dir_of(self, staging: str) -> str:
-        with self._lock:
-            return self._staging.get(staging, staging)
+    def native_files(self) -> object:
+        """The NFS client: the save job sends each chunk from its staging slot straight to the
+        server over its connections, committed before the slot is reused."""
+        return self.client
 
     def open_stripe(self, path: str, write: bool) -> int:
         raise UnsupportedTargetError(f"{self.show(path)}: stripes on nfs:// are sent by the NFS client, not opened",
                                      url=self.show(path), scheme="nfs")
-
-    # ---- the engine sends the stripes straight to the server (Engine.start_save's remote=)
-
-    def staging_dir(self, tmp: str) -> str:
-        """``tmp`` itself: the save's stripes go from the staging pool to the server over
-        the connections (``remote_for``), each chunk committed before its slot is reused."""
-        with _direct_lock:
-            _direct[tmp] = self
-        return tmp
-
-    def upload(self, staging: str) -> str:
-        self.drop_staging(staging)  # every stripe was committed by the save job itself
-        return staging
-
-    def discard_staging(self, staging: str) -> None:
-        self.drop_staging(staging)
-        self.remove_tree(staging)
-
-    def drop_staging(self, staging: str) -> None:
-        with _direct_lock:
-            if _direct.get(staging) is self:
-                del _direct[staging]
 
     def download(self, path: str) -> str:
         """A fresh local directory standing for the checkpoint directory ``path``: its small
@@ -310,7 +289,7 @@ class NfsTarget(Target):
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)
             raise
-        with _direct_lock:
+        with _reads_lock:
             _reads[local] = (self, path)
         return local
 
@@ -329,7 +308,7 @@ class NfsTarget(Target):
 
 def forget_download(local: str) -> None:
     """Remove a directory ``download`` made."""
-    with _direct_lock:
+    with _reads_lock:
         _reads.pop(local, None)
     shutil.rmtree(local, ignore_errors=True)
 
@@ -337,24 +316,14 @@ def forget_download(local: str) -> None:
 def reader_for(directory: str) -> tuple | None:
     """(NfsClient, directory on the server) a load of the local ``directory`` (made by
     ``NfsTarget.download``) reads its stripes from, else None."""
-    with _direct_lock:
+    with _reads_lock:
         hit = _reads.get(os.path.abspath(directory))
     return (hit[0].client, hit[1]) if hit is not None else None
 
 
-# A save's temporary directory on a server -> its target, while the save writes there.
-_direct: dict[str, NfsTarget] = {}
 # A load's local stand-in directory (NfsTarget.download) -> (target, checkpoint directory there).
 _reads: dict[str, tuple[NfsTarget, str]] = {}
-_direct_lock = threading.Lock()
-
-
-def remote_for(directory: str) -> object | None:
-    """The ``_core.NfsClient`` a save into ``directory`` sends its stripes through (the
-    temporary directory of an nfs:// save, see ``NfsTarget.staging_dir``), else None."""
-    with _direct_lock:
-        t = _direct.get(directory)
-    return t.client if t is not None else None
+_reads_lock = threading.Lock()
 
 
 def _staging_root() -> str:

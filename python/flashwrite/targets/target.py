@@ -179,28 +179,11 @@ class Target:
         """The size of the regular file ``path``; None if there is none."""
         raise NotImplementedError
 
-    def temp_dir_of(self, staging: str) -> str:
-        """The temporary directory on the target that ``staging_dir`` returned ``staging`` for."""
-        return staging
-
-    # The native engine writes stripes into a local directory. Where the target is
-    # itself local, that is the temporary directory; a remote target gives a local
-    # staging directory instead and sends what is there at ``upload``.
-    def staging_dir(self, tmp: str) -> str:
-        """The local directory the engine writes the stripes of temporary directory ``tmp`` into."""
-        return tmp
-
-    def upload(self, staging: str) -> str:
-        """Make what is in ``staging`` durable in its temporary directory; returns that directory."""
-        return staging
-
-    def discard_staging(self, staging: str) -> None:
-        """Remove a save's staging directory (or a temporary directory) and what it stands for."""
-        self.remove_tree(staging)
-
-    def drop_staging(self, staging: str) -> None:
-        """Remove only the local staging copy of a save (a multi-rank save's temporary
-        directory is rank 0's to remove)."""
+    def native_files(self) -> object | None:
+        """What the native save job writes this target's stripes through: None where the
+        engine opens them itself (a local file system), else the object ``start_save``
+        takes as ``remote=`` (nfs://: the NFS client's connections)."""
+        return None
 
 
 class LocalTarget(Target):

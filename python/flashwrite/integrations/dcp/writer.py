@@ -145,25 +145,17 @@ class DcpCommit(Commit):
     def __init__(self, final: str, tmp: str, overwrite: bool, target: Target):
         super().__init__(final, target)
         self.tmp, self.overwrite = tmp, overwrite
-        self.staging = tmp
 
     def prepare(self) -> str:
         self.target.make_dirs(self.tmp)  # every rank: the name is agreed, so whoever comes first creates it
-        self.staging = self.target.staging_dir(self.tmp)  # nfs://: this rank's stripes go to the server
-        return self.staging
+        return self.tmp
 
     def abandon(self, error: BaseException) -> None:
-        # The ranks agree on a failure (stage) or DCP reports it; the next save removes the directory.
-        self.target.drop_staging(self.staging)
+        """Nothing to undo here: the ranks agree on a failure (stage) or DCP reports it, and
+        the next save removes the directory."""
 
     def discard(self) -> None:
         commit.discard(self.tmp, self.target)
-
-    def durable(self, sw: StripeWrite, gate: Any) -> dict:
-        try:
-            return super().durable(sw, gate)
-        finally:
-            self.target.drop_staging(self.staging)  # nfs://: this rank's stripes were committed by its save job
 
     def commit(self, sw: StripeWrite | None, manifest: dict) -> SaveStats | None:
         try:
@@ -344,8 +336,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                 commit.discard(old, target)
         contract.check_target(final, self.overwrite, target)
         if tmp is None:
-            tmp = target.temp_dir_of(commit.prepare(final, True, target))  # DCP's rule checked above
-            target.drop_staging(tmp)  # each rank's write_data sends its own stripes (DcpCommit.prepare)
+            tmp = commit.prepare(final, True, target)  # DCP's rule checked above
         with _unfinished_lock:
             _unfinished[self.path].add(tmp)
         if self._current is not None:
