@@ -101,7 +101,7 @@ def use_site() -> None:
 
 
 def run_tests(timeout: float, all_tests: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/system/test_cuda.py"]
     if not all_tests:  # the stand-in-runtime tests cover the same code without a GPU: not needed here
         cmd += ["-k", "not fake_runtime"]
     log("tests: " + " ".join(cmd))
@@ -620,7 +620,7 @@ def table(res: dict) -> str:
                      f"{last.get('bytes_written', 0) >> 20} MiB written, exact={inc.get('roundtrip_ok')}"))
         rows.append(("storage", res["fs"], f"io={res['backend_info']['backend']}"))
     if "tests_summary" in res:
-        rows.append(("tests/test_cuda.py", res["tests_summary"], f"rc={res['tests_rc']}"))
+        rows.append(("tests/system/test_cuda.py", res["tests_summary"], f"rc={res['tests_rc']}"))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"{'what'.ljust(w0)} | {'value'.ljust(w1)} | note", f"{'-' * w0}-|-{'-' * w1}-|-----"]

@@ -1,4 +1,5 @@
 import os
+import sys
 import tempfile
 
 import pytest
@@ -9,6 +10,13 @@ from fuse_util import fuse_faults_exe, fuse_mount  # noqa: F401  (fixtures of th
 
 from nfs_fixtures import nfs_server, nfs_staging  # noqa: F401  (a real NFS server, for tests marked nfs)
 from cuda_fixtures import fake_cudart  # noqa: F401  (the stand-in CUDA runtime)
+
+# tests/ mirrors the package's folders; the shared helpers (fixtures, child scripts) stay
+# here. A few test modules import another's helpers by name across folders (test_ops_ls
+# the tier's spawn helpers, test_incremental_dcp the DCP states): every folder is on the path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[1:1] = sorted(os.path.join(_HERE, d) for d in os.listdir(_HERE)
+                       if os.path.isdir(os.path.join(_HERE, d)) and d not in ("data", "__pycache__"))
 
 # Bounds what one test may write (see disk_guard.py): a runaway test fails alone.
 pytest_plugins = ["disk_guard", "pytester"]

@@ -1,4 +1,4 @@
-"""Lightning runs for tests/test_lightning.py, in a fresh process (Lightning's DDP launcher
+"""Lightning runs for tests/integrations/test_lightning.py, in a fresh process (Lightning's DDP launcher
 re-runs this script once per rank).
 
 python lightning_child.py IO DIR DEVICES  -> fit 5 steps (ModelCheckpoint every step, top 2 + last),

@@ -1,4 +1,4 @@
-"""Lightning runs in a fresh process for tests/test_lightning_contract.py.
+"""Lightning runs in a fresh process for tests/integrations/test_lightning_contract.py.
 
 python lightning_contract_child.py spawn DIR  -> fit 2 steps under strategy="ddp_spawn" on 2 CPU ranks (gloo)
                                                 with FlashwriteCheckpointIO, a checkpoint every step

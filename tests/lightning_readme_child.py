@@ -1,4 +1,4 @@
-"""The README's Lightning snippet, run as written, for tests/test_lightning_readme.py.
+"""The README's Lightning snippet, run as written, for tests/integrations/test_lightning_readme.py.
 
 python lightning_readme_child.py README DIR EPOCHS -> prints JSON on its last line
 

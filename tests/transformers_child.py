@@ -1,4 +1,4 @@
-"""A tiny causal LM trained by the Trainer, for tests/test_transformers.py (run as a child:
+"""A tiny causal LM trained by the Trainer, for tests/integrations/test_transformers.py (run as a child:
 each run, and each resume, in a fresh process).
 
 argv: mode ("flashwrite" or "trainer"), output_dir, max_steps, save_steps, resume ("0"/"1"), result.json
