@@ -231,7 +231,7 @@ _VICTIM = r"""
 import sys, torch
 sys.path.insert(0, {here!r})
 import flashwrite as fw
-from flashwrite import held
+from flashwrite.incremental import held
 from test_incremental_gpu_held import _state
 
 held.HOLD_HOST = True

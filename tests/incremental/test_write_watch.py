@@ -311,7 +311,7 @@ def test_off_hashes_everything_with_the_same_result(tmp_path):
     code = (
         "import sys, torch, flashwrite as fw; sys.path.insert(0, sys.argv[2]);"
         "from test_write_watch import run_saves, big_frozen;"
-        "from flashwrite import write_watch;"
+        "from flashwrite.incremental import write_watch;"
         "st = run_saves(sys.argv[1], big_frozen(), 4);"
         "print(write_watch.why_off(), st[-1].watched_bytes, st[-1].bytes_linked, st[-1].compared_bytes)")
     here = os.path.dirname(os.path.abspath(_TESTS_FILE))

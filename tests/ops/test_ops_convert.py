@@ -236,7 +236,7 @@ def test_missing_and_unknown_sources(capsys, tmp_path):
 
 _RSS_CHILD = r"""
 import resource, sys
-from flashwrite.cli import main
+from flashwrite.ops.main import main
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rc = main(["convert", sys.argv[1], sys.argv[2], "-q"])
 print(rc, base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

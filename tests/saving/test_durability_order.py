@@ -45,7 +45,7 @@ _CHILD = textwrap.dedent("""
             w.save(sd, os.path.join(root, "ck")); returned(0)
             w.save(sd, os.path.join(root, "ck"), overwrite=True); returned(1)
         elif how == "overwrite_rename":  # no RENAME_EXCHANGE: the old one is moved aside, then replaced
-            from flashwrite.target import LocalTarget
+            from flashwrite.targets.target import LocalTarget
             exchange = LocalTarget.exchange
             LocalTarget.exchange = lambda self, a, b: False
             w.save(sd, os.path.join(root, "ck")); returned(0)

@@ -45,7 +45,7 @@ def _run_python(code: str, env: dict[str, str] | None = None, timeout: float = 1
 
 _CPU_ROUNDTRIP = """
     import json, tempfile, torch, flashwrite as fw
-    from flashwrite import cuda as fw_cuda
+    from flashwrite.system import cuda as fw_cuda
     maps = lambda: "libcudart" in open("/proc/self/maps").read()
     before = maps()
     sd = {"w": torch.randn(1000, 33), "b": torch.arange(7, dtype=torch.int16), "step": 3}

@@ -50,7 +50,8 @@ def _no_driver(cuda: dict[str, Any]) -> dict[str, Any]:
     """Uninitialised, a runtime that reports driver version 0 (cudaDriverGetVersion's "no
     driver installed", asked without initialising CUDA) is known to have no GPU to use:
     say so, rather than "found but not initialised" as if there might be one."""
-    if cuda.get("initialized") or cuda.get("driver_version") != 0 or not cuda.get("library"):
+    if cuda.get("initialized") or cuda.get("driver_version") != 0 or not cuda.get("library") \
+            or cuda.get("available") is False:  # already refused, with its own reason (not a runtime at all)
         return cuda
     return {**cuda, "available": False, "device_count": 0,
             "reason": f"a CUDA runtime ({cuda['library']}) was found but no CUDA driver (driver version 0): "
