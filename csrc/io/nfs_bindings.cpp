@@ -22,7 +22,25 @@ std::shared_ptr<JobFiles> remote_job_files(const py::object& remote) {
   return nfs::make_job_files(remote.cast<std::shared_ptr<nfs::Client>>());
 }
 
+namespace {
+
+// For backend_info(): whether nfs:// works here, and if not why.
+py::dict nfs_support() {
+  py::dict d;
+  const bool usable = nfs::available();
+  d["compiled"] = nfs::compiled();
+  d["usable"] = usable;
+  d["reason"] = usable ? py::none() : py::object(py::str(nfs::unavailable_reason()));
+  d["headers"] = nfs::compiled() ? py::object(py::str(std::string("libnfs ") + nfs::headers_version())) : py::none();
+  d["library"] = usable ? py::object(py::str(nfs::library())) : py::none();
+  return d;
+}
+
+}  // namespace
+
 void register_remote(py::module_& m) {
+  m.def("nfs_support", &nfs_support,
+        "{'compiled', 'usable', 'reason' (why not, or None), 'headers', 'library' (the libnfs loaded)}.");
   m.def("nfs_available", [] { return nfs::available(); }, "Whether libnfs can be loaded (dlopen).");
   m.def("nfs_unavailable_reason", [] { return nfs::available() ? std::string() : nfs::unavailable_reason(); },
         "Why nfs:// cannot work here (what to install), or ''.");
