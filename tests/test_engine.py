@@ -299,6 +299,12 @@ def test_ctrl_c_interrupts_a_wait(tmp_path, sigint):
         # As `cmd &` does: SIGINT ignored across exec. Through a shell, not preexec_fn, which
         # may deadlock the child in a process with other threads (the suite's disk guard).
         cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
+    else:
+        # SIGINT at its default across exec, set here: pytest itself may run with it ignored
+        # (`pytest ... &` in a script), and a shell cannot undo that (`trap - INT` does not
+        # reset a signal ignored on entry).
+        cmd = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+               "os.execv(sys.argv[1], sys.argv[1:])", *cmd]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert f"INHERITED {sigint}" in out.stdout, out.stdout + out.stderr
     assert "INTERRUPTED" in out.stdout, out.stdout + out.stderr

@@ -166,7 +166,7 @@ def test_cli_inspect_and_verify_take_nfs_urls(nfs_server, capsys, tmp_path, monk
     assert cli.main(["verify", nfs_server.url("ck"), "-q"]) == 1
     assert "checksum mismatch" in capsys.readouterr().err
     missing = nfs_server.url("nope")
-    assert cli.main(["inspect", missing]) == 1
+    assert cli.main(["inspect", missing]) == 2  # a path that is not there: a usage error
     err = capsys.readouterr().err
     assert missing in err and "Traceback" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["nfs", "staging"]  # nothing made under the current directory

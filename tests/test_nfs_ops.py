@@ -70,7 +70,7 @@ def test_ls_lists_a_manager_root_on_the_export(capsys, nfs_server):
     rc, out, err = run(capsys, "ls", url)
     assert rc == 1 and "damaged" in out and "step-00000020" in err
     rc, _, err = run(capsys, "ls", nfs_server.url("nope"))
-    assert rc == 1 and nfs_server.url("nope") in err
+    assert rc == 2 and nfs_server.url("nope") in err  # not there: a usage error
 
 
 # ----------------------------------------------------------------------- diff

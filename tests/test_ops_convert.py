@@ -226,12 +226,12 @@ def test_damaged_flashwrite_source_does_not_convert(capsys, tmp_path):
 
 
 def test_missing_and_unknown_sources(capsys, tmp_path):
-    assert run(capsys, "convert", tmp_path / "nope", tmp_path / "o")[0] == 1
+    assert run(capsys, "convert", tmp_path / "nope", tmp_path / "o")[0] == 2
     (tmp_path / "junk").write_bytes(b"hello world, not a checkpoint")
     rc, _, err = run(capsys, "convert", tmp_path / "junk", tmp_path / "o")
-    assert rc == 1 and "--from" in err
+    assert rc == 2 and "--from" in err  # not what convert takes: usage
     (tmp_path / "emptydir").mkdir()
-    assert run(capsys, "convert", tmp_path / "emptydir", tmp_path / "o")[0] == 1
+    assert run(capsys, "convert", tmp_path / "emptydir", tmp_path / "o")[0] == 2
 
 
 _RSS_CHILD = r"""

@@ -91,7 +91,7 @@ def test_deep_notices_a_flip_the_manifest_hides(capsys, tmp_path):
 
 def test_diff_bad_inputs(capsys, tmp_path):
     a = save(str(tmp_path / "a"))
-    assert run(capsys, "diff", a, tmp_path / "missing")[0] == 1
+    assert run(capsys, "diff", a, tmp_path / "missing")[0] == 2
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "flashwrite.json").write_text("{")
     rc, _, err = run(capsys, "diff", a, tmp_path / "bad")

@@ -63,7 +63,7 @@ def test_inspect_hostile_manifests_fail_cleanly(capsys, ck, edit):
 
 
 def test_inspect_missing_and_not_a_checkpoint(capsys, tmp_path):
-    assert run(capsys, "inspect", tmp_path / "nope")[0] == 1
+    assert run(capsys, "inspect", tmp_path / "nope")[0] == 2  # not there: a usage error
     rc, _, err = run(capsys, "inspect", tmp_path)
     assert rc == 1 and "missing" in err
     assert run(capsys, "inspect")[0] == 2

@@ -75,10 +75,10 @@ def test_ls_fifo_manifest_does_not_hang(capsys, root):
 
 
 def test_ls_missing_and_not_a_directory(capsys, tmp_path):
-    assert run(capsys, "ls", tmp_path / "nope")[0] == 1
+    assert run(capsys, "ls", tmp_path / "nope")[0] == 2
     (tmp_path / "f").write_text("x")
     rc, _, err = run(capsys, "ls", tmp_path / "f")
-    assert rc == 1 and "not a directory" in err
+    assert rc == 2 and "not a directory" in err
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads everything")

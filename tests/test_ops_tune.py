@@ -74,8 +74,8 @@ def test_mount_of_picks_the_longest_mount_point(tmp_path):
 
 
 def test_tune_bad_arguments(capsys, tmp_path):
-    assert run(capsys, "tune", tmp_path / "missing", "--budget-s", "1")[0] == 1
-    assert run(capsys, "tune", tmp_path, "--budget-s", "0")[0] == 1
+    assert run(capsys, "tune", tmp_path / "missing", "--budget-s", "1")[0] == 2
+    assert run(capsys, "tune", tmp_path, "--budget-s", "0")[0] == 2  # a bad option: usage
     assert run(capsys, "tune", tmp_path, "--budget-s", "abc")[0] == 2
     assert run(capsys, "tune")[0] == 2
 

@@ -5,7 +5,9 @@
     sudo python3 tools/nfs_server.py --export /data/ck --read-only /data/ro
 
 Prints each export's URL (nfs://127.0.0.1/PATH: NFSv3 names an export by its real
-path) and the URL with the ports spelled out for libnfs's tools, e.g.
+path), the same with its ports for flashwrite (``?nfsport=P&mountport=Q``: needed when
+other NFS servers share the host's portmapper), and the URL with the ports spelled out
+for libnfs's tools, e.g.
 
     nfs-cp big.bin 'nfs://127.0.0.1/tmp/fw-nfs-XXXX/export/big.bin?version=3&nfsport=P&mountport=Q'
 
@@ -46,7 +48,8 @@ def main() -> int:
               f"log {server.log_path}")
         for e in server.exports:
             print(f"{'ro' if e.read_only else 'rw'} {e.path}\n   {server.url(export=e.path)}\n   "
-                  f"{server.libnfs_url(export=e.path)}")
+                  f"{server.url_ports(export=e.path)}   (flashwrite, ports given: when other NFS servers share "
+                  f"this host's portmapper)\n   {server.libnfs_url(export=e.path)}   (libnfs's tools)")
         print("serving; Ctrl-C stops it", flush=True)
         signal.pause()
     except KeyboardInterrupt:

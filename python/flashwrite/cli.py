@@ -13,10 +13,12 @@ from .bench import overhead, peers, report, runner
 from .errors import FlashwriteError
 from .info import backend_info
 from .ops.cli import register
+from .ops.common import BAD_PATH, bad_path_message
 from .ops.ls import record_verified
 from .ops.progress import Progress, step_logger
 from .load import verify
 from .sizes import fmt_bytes, parse_size
+from .target import UnsupportedTargetError, url_scheme
 
 
 def _size(text: str) -> int:
@@ -115,9 +117,16 @@ def cmd_overhead(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     try:
         summary = verify(a.path, Progress(quiet=a.json or a.quiet))
-    except (FlashwriteError, OSError, ValueError) as e:
-        print(f"{a.path}: FAILED: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:
+        if e.errno not in BAD_PATH:
+            return _verify_failed(a.path, e)
+        print(f"flashwrite verify: error: {bad_path_message(e)}", file=sys.stderr)
+        return 2
+    except UnsupportedTargetError as e:
+        print(f"flashwrite verify: error: {e}", file=sys.stderr)
+        return 2
+    except (FlashwriteError, ValueError) as e:
+        return _verify_failed(a.path, e)
     record_verified(a.path)  # for `flashwrite ls`; best effort (read-only checkpoints stay unmarked)
     if a.json:
         print(json.dumps(summary, indent=1))
@@ -127,7 +136,23 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_failed(path: str, e: Exception) -> int:
+    record_verified(path, failed=str(e))  # so `flashwrite ls` no longer says "yes"
+    print(f"{path}: FAILED: {e}", file=sys.stderr)
+    return 1
+
+
 def cmd_info(a: argparse.Namespace) -> int:
+    if url_scheme(a.dir):
+        other = (f"for an nfs:// target, `flashwrite tune {a.dir}` measures it and `flashwrite ls {a.dir}` lists it"
+                 if url_scheme(a.dir) == "nfs" else "flashwrite reads local (or mounted) paths and nfs:// URLs")
+        print(f"flashwrite info: error: {a.dir}: info probes a local directory (O_DIRECT, io_uring, CUDA); {other}",
+              file=sys.stderr)
+        return 2
+    if not os.path.exists(a.dir):
+        print(f"flashwrite info: error: {a.dir}: no such directory; pass an existing directory to probe "
+              "(default: the current one)", file=sys.stderr)
+        return 2
     info = backend_info(a.dir)
     if a.json:
         print(json.dumps(info, indent=1, default=str))
@@ -223,13 +248,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:  # the commands that write under --dir make it first (tune, info, ls take an existing one)
             os.makedirs(a.dir, exist_ok=True)
         except OSError as e:
-            print(f"error: cannot create --dir {a.dir}: {e.strerror}", file=sys.stderr)
+            what = "it is a file; pass a directory (made if missing)" if os.path.isfile(a.dir) else e.strerror
+            print(f"flashwrite {a.command}: error: cannot create --dir {a.dir}: {what}", file=sys.stderr)
             return 2
     try:
-        return a.func(a)
+        rc = a.func(a)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return rc
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `flashwrite diff A B | head`: the reader has what it wanted
+        # What the Python docs advise: no more writes to the dead pipe, not even at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, as a tool killed by the signal reports
 
 
 if __name__ == "__main__":

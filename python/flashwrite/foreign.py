@@ -24,6 +24,7 @@ import stat
 from . import dtypes
 from .defaults import READ_CHUNK_BYTES
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .format.hints import file_hint, file_kind
 from .format import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, check_member_name, safetensors_header
 
 MAX_INDEX_BYTES = 64 << 20
@@ -85,7 +86,9 @@ def locate(path: str) -> tuple[str, list[str] | None]:
         if not path.endswith(".safetensors"):
             with open(path, "rb") as fh:
                 head = fh.read(9)
-            if head[:1] in (b"{", b"[") or (len(head) == 9 and head[8:9] != b"{"):
+            if head[:1] in (b"{", b"[") or len(head) < 9 or head[8:9] != b"{":
+                if file_kind(path) == "torch":
+                    raise ValueError(file_hint(path, path))
                 raise ValueError(f"{path} is not a safetensors file (no safetensors header): pass a .safetensors "
                                  "file, a Hugging Face directory or a flashwrite checkpoint directory")
         return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]

@@ -38,7 +38,8 @@ def backend_info(path: str | os.PathLike | None = None, *, initialize_cuda: bool
         "directory": os.path.abspath(directory),
         "direct_io": _core.probe_direct(directory),
         "checksum": _core.CHECKSUM_ALGORITHM,
-        "cuda": _core.cuda_info(initialize=_cuda_initialized() if initialize_cuda is None else initialize_cuda),
+        "cuda": _no_driver(_core.cuda_info(initialize=_cuda_initialized() if initialize_cuda is None
+                                           else initialize_cuda)),
         # What Writer() would use here: a tuning saved for this file system, else the defaults.
         "settings": _tuning.resolve(directory, {}),
     }
@@ -48,3 +49,14 @@ def _cuda_initialized() -> bool:
     """Whether PyTorch has initialised CUDA in this process (then asking costs nothing)."""
     import torch
     return bool(torch.cuda.is_initialized())
+
+
+def _no_driver(cuda: dict[str, Any]) -> dict[str, Any]:
+    """Uninitialised, a runtime that reports driver version 0 (cudaDriverGetVersion's "no
+    driver installed", asked without initialising CUDA) is known to have no GPU to use:
+    say so, rather than "found but not initialised" as if there might be one."""
+    if cuda.get("initialized") or cuda.get("driver_version") != 0 or not cuda.get("library"):
+        return cuda
+    return {**cuda, "available": False, "device_count": 0,
+            "reason": f"a CUDA runtime ({cuda['library']}) was found but no CUDA driver (driver version 0): "
+                      "no GPU can be used here"}

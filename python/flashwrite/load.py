@@ -14,6 +14,8 @@ import time
 from typing import Any
 
 from . import defaults, distributed, foreign, gcpause
+from .errors import CorruptCheckpointError
+from .flatten import referenced_keys
 from .format import MANIFEST_NAME
 from .future import LoadFuture, LoadStats, launch_load
 from .read import CheckpointDir, LoadResult, load_foreign, load_state, read_tensors
@@ -113,6 +115,11 @@ def verify(path: str | os.PathLike, progress: Any = None) -> dict:
     t0 = time.perf_counter()
     with _fetched(check_path(path, "verify"), "verify") as local, CheckpointDir(local) as ck:
         m = ck.manifest
+        unknown = referenced_keys(m.tree) - set(m.tensors)  # what load would refuse, checksums or not
+        if unknown:
+            raise CorruptCheckpointError(f"manifest tree refers to {len(unknown)} unknown tensor(s), e.g. "
+                                         f"{sorted(unknown)[0]!r}: load would refuse this checkpoint",
+                                         file=MANIFEST_NAME)
         by_file: dict[int, set[str]] = {}
         for k, e in m.tensors.items():
             by_file.setdefault(e.file, set()).add(k)

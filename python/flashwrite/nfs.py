@@ -122,7 +122,9 @@ def find_export(server: str, path: str, timeout_s: float) -> str:
         if (path == e or path.startswith(e.rstrip("/") + "/")) and len(e) > len(best):
             best = e
     if not best:
-        raise FileNotFoundError(2, f"no export of {server} contains {path} (exports: {', '.join(exports) or 'none'})",
+        raise FileNotFoundError(2, f"no export of {server} contains {path} (exports: {', '.join(exports) or 'none'}; "
+                                "asked through its portmapper, which names one NFS server per host: if several "
+                                "share it, give this one's ports, nfs://HOST:NFSPORT/PATH?mountport=MOUNTPORT)",
                                 f"nfs://{server}{path}")
     return best
 
@@ -132,7 +134,10 @@ def _mount_longest(u: NfsUrl) -> tuple[str, NfsTarget]:
     longest prefix of the path the server lets us mount is the export."""
     parts = u.path.rstrip("/").split("/")
     refused: OSError | None = None
-    for i in range(len(parts), 1, -1):
+    # Parents first, the path itself last: a server that mounts any directory inside an
+    # export would otherwise make an existing checkpoint its own export, whose root
+    # cannot be renamed (an overwrite failed with NFS3ERR_INVAL).
+    for i in [*range(len(parts) - 1, 1, -1), len(parts)]:
         export = "/".join(parts[:i])
         try:
             return export, NfsTarget(u, export)
@@ -159,8 +164,10 @@ class NfsTarget(Target):
         self._lock = threading.Lock()
 
     def show(self, path: str) -> str:
-        """The URL of ``path`` (for messages and stats)."""
-        return self.client.url(path)
+        """The URL of ``path`` (for messages, stats and ``ls``), with the mount port when
+        the URL gave one: what it shows must reach the same server again."""
+        url = self.client.url(path)
+        return f"{url}?mountport={self.url.mount_port}" if self.url.mount_port else url
 
     def exists(self, path: str) -> bool:
         return self.client.stat(path)[0]

@@ -33,6 +33,7 @@ from . import cuda as _cuda
 from .errors import CorruptCheckpointError
 from .flatten import FlatTensor, flatten, unflatten
 from .format import Manifest, TensorEntry, read_manifest, select_rank
+from .format.hints import not_a_checkpoint
 from .read_plan import stored_dtype
 from .target import local_path
 
@@ -74,7 +75,7 @@ class CheckpointDir:
         name ``shown``); by default its flashwrite.json, or e.g. ``foreign.describe``."""
         self.path = local_path(path, "read")
         if not os.path.isdir(self.path):
-            raise FileNotFoundError(2, "checkpoint directory not found", self.path)
+            raise not_a_checkpoint(self.path)
         self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.base = f"/proc/self/fd/{self._fd}"
         try:
@@ -347,7 +348,9 @@ def fill_into(res: LoadResult, into: Any, into_flat: tuple, wrap: Callable[[Any]
     src = {ft.key: ft.tensor for ft in src_flat}
     missing = sorted(set(src) - set(dst) - set(dst_alias))
     if strict and missing:
-        raise KeyError(f"load(into=...): the checkpoint has tensors with no destination: {missing[:10]}")
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise KeyError(f"load(into=...): {len(missing)} tensor(s) of the checkpoint have no destination in into: "
+                       f"{missing[:10]}{more}; pass strict=False to load the others and leave these out")
     for k, s in src.items():
         d = dst.get(k)
         if d is None:

@@ -77,18 +77,12 @@ def print_table(res: dict, file: TextIO | None = None, plain: bool = False, targ
     if not plain:
         try:
             from rich.console import Console
-            from rich.table import Table
         except ImportError:
             plain = True
     if not plain:
-        t = Table(title=title(res), title_justify="left")
-        for i, c in enumerate(COLUMNS):
-            t.add_column(c, justify="left" if i == 0 else "right", overflow="fold")
-        for r in rows:
-            t.add_row(*r)
         probe = Console(file=file)
         con = Console(file=file, width=probe.width if probe.is_terminal else 160)
-        con.print(t)
+        con.print(_rich_table(rows, title(res), con.width))
         for n in footnotes(res, targets):
             con.print(n, markup=False, highlight=False)
         return
@@ -96,6 +90,25 @@ def print_table(res: dict, file: TextIO | None = None, plain: bool = False, targ
     print(format_plain(rows), file=file)
     for n in footnotes(res, targets):
         print(n, file=file)
+
+
+def _rich_table(rows: list[list[str]], heading: str, width: int) -> Any:
+    """The table for a terminal. On a narrow one (80 columns) no word is cut: names and
+    figures stay whole, headers wrap between their words, borders go."""
+    from rich import box
+    from rich.table import Table
+    need = [max(len(str(r[i])) for r in rows) if rows else 0 for i in range(len(COLUMNS))]
+    words = [max(len(w) for w in c.split()) for c in COLUMNS]
+    narrow = sum(max(n, len(c)) + 3 for n, c in zip(need, COLUMNS)) > width
+    t = Table(title=heading, title_justify="left", box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD,
+              pad_edge=not narrow, collapse_padding=narrow)
+    for i, c in enumerate(COLUMNS):
+        fit = max(need[i], words[i])
+        t.add_column(c, justify="left" if i == 0 else "right", overflow="fold", min_width=fit,
+                     width=fit if narrow else None)
+    for r in rows:
+        t.add_row(*r)
+    return t
 
 
 def format_plain(rows: list[list[str]], header: list[str] = COLUMNS) -> str:

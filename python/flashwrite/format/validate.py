@@ -17,6 +17,7 @@ from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..plan import MAX_HEADER_BYTES
 from ..target import local_path
 from .encoding import content_digest, unpack_table
+from .hints import no_manifest, not_a_checkpoint
 from .manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD, PACKED_SINCE, READABLE_VERSIONS, SEAL_FIELD,
                        SEALED_SINCE, TABLE_FIELDS, FileEntry, Manifest)
 from .table import check_table, checked_int
@@ -65,13 +66,17 @@ def read_manifest(path: str | os.PathLike, *, shown: str | None = None) -> Manif
     fpath = os.path.join(local_path(path, "read manifest"), MANIFEST_NAME)
     mpath = os.path.join(shown, MANIFEST_NAME) if shown is not None else fpath
     if not os.path.isdir(path):
-        raise FileNotFoundError(2, "checkpoint directory not found", os.fspath(shown or path))
+        raise not_a_checkpoint(os.fspath(path), shown)
     try:
         # O_NONBLOCK: a FIFO planted as the manifest must not hang the open.
         fd = os.open(fpath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
+        root = no_manifest(os.fspath(path), os.fspath(shown if shown is not None else path))
+        if root is not None:
+            raise root from None
         raise CorruptCheckpointError(f"{mpath} is missing: the checkpoint is incomplete or not a flashwrite "
-                                     "checkpoint", file=MANIFEST_NAME) from None
+                                     "checkpoint (`flashwrite ls DIR` lists the checkpoints in a directory)",
+                                     file=MANIFEST_NAME) from None
     with open(fd, "rb") as fh:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

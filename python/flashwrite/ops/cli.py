@@ -2,7 +2,8 @@
 
 ``register`` adds them to the main parser; each ``cmd_*`` calls its module and
 renders the result as a table, or as JSON with ``--json``. Exit codes: 0 ok,
-1 a problem (damaged input, missing path, differences for ``diff``), 2 usage.
+1 a problem (damaged input, differences for ``diff``), 2 usage (a bad option, a path
+that is not there or not what the command takes: ``common.BAD_PATH``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..tuning import save_tuning, store_path
 from .common import OK, PROBLEM, Problem, guarded, print_json, print_table
 from .convert import convert
 from .diff import diff
-from .inspect import inspect
+from .inspect import inspect, summarised_leaves
 from .ls import list_checkpoints, list_local, to_json
 from .progress import Progress
 from .sources import FORMATS
@@ -93,7 +94,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                 [[k, v["tensors"], fmt_bytes(v["bytes"])] for k, v in r["by_dtype"].items()], right=(1, 2))
     if r["leaves"]:
         print()
-        print_table(["leaf", "value"], [[k, repr(v)[:80]] for k, v in r["leaves"].items()])
+        rows = [[k, repr(v)[:80]] for k, v in r["leaves"].items()] if a.all_leaves else \
+            summarised_leaves(r["leaves"])
+        print_table(["leaf", "value"], rows)
     if a.tensors and not r["tensors"] and not r["leaves"]:
         print(f"nothing matches {a.tensors!r}", file=sys.stderr)
         return PROBLEM
@@ -215,6 +218,8 @@ def register(sub: Any, size_type: Any) -> None:
     p.add_argument("ckpt")
     p.add_argument("--tensors", metavar="PATTERN", help="only keys matching: a glob (*.weight), a substring or "
                                                         "prefix (model.layers.0), or re:REGEX")
+    p.add_argument("--all-leaves", action="store_true", help="one line per non-tensor leaf, even in long runs of "
+                   "numbers such as Python's RNG state (by default summarised in one line)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 

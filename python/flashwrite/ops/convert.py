@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 import warnings
 from typing import Any
 
 import torch
 
 from .. import _core, commit, defaults, dtypes
-from ..flatten import FlatTensor, unflatten
+from ..errors import CorruptCheckpointError
+from ..flatten import FlatTensor, referenced_keys, unflatten
 from ..format import build_index, build_manifest, piece_ranges
 from ..plan import PlannedFile, plan_files
 from ..locate import resolve
@@ -38,7 +40,9 @@ def target_format(src_kind: str, dst: str, to: str | None) -> str:
         if to not in FORMATS:
             raise UsageError(f"unknown --to {to!r}; choose from {', '.join(FORMATS)}")
         return to
-    ext = os.path.splitext(dst)[1].lower()
+    # A URL's extension is its path's: nfs://h/x.safetensors?mountport=P names a .safetensors
+    name = urllib.parse.urlsplit(dst).path if url_scheme(dst) else dst
+    ext = os.path.splitext(name)[1].lower()
     if ext in _EXT:
         return _EXT[ext]
     if src_kind != "flashwrite":
@@ -308,6 +312,18 @@ def _check_remote(src: str, kind: str, dst: str, out_kind: str) -> None:
                          f"{out_kind}; write {out_kind} to a local (or mounted) path")
 
 
+def _check_complete(src: Source) -> None:
+    """Refuse, before writing, a source whose tree names tensors it cannot give: the
+    output would be a checkpoint that load refuses."""
+    if src.tree is None:
+        return
+    lost = referenced_keys(src.tree) - {i.key for i in src.items}
+    if lost:
+        raise CorruptCheckpointError(f"{shown(src.path)}: its flashwrite record names {len(lost)} tensor(s) this "
+                                     f"{src.kind} input does not hold, e.g. {sorted(lost)[0]!r}; converting would "
+                                     "lose them, so nothing was written")
+
+
 def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_format: str | None = None,
             allow_pickle: bool = False, stripes: int | None = None, shards: int | None = None,
             overwrite: bool = False, progress: Any) -> dict:
@@ -318,9 +334,10 @@ def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_forma
     out_kind = target_format(kind, dst, dst_format)
     _check_remote(src_path, kind, dst, out_kind)
     if shown(src_path) == shown(dst):
-        raise UsageError("source and destination are the same path")
+        raise UsageError(f"{shown(dst)}: source and destination are the same path; name another destination")
     src = open_source(src_path, kind, allow_pickle)
     try:
+        _check_complete(src)
         for n in src.notes:
             progress.note(f"note: {n}")
         progress.start(src.nbytes, f"convert {kind} -> {out_kind}")

@@ -12,13 +12,18 @@ from ..locate import local_view
 from ..target import url_scheme
 from ..incremental import SECTION, byte_counts
 from . import tree as _tree
+from .common import UsageError
 
 
 def key_matcher(pattern: str | None):
     if not pattern:
         return lambda _k: True
     if pattern.startswith("re:"):
-        rx = re.compile(pattern[3:])
+        try:
+            rx = re.compile(pattern[3:])
+        except re.error as e:
+            raise UsageError(f"--tensors {pattern!r} is not a regular expression ({e}); write re:REGEX with a "
+                             "valid one, or a glob such as '*.weight'") from None
         return lambda k: rx.search(k) is not None
     if not any(c in pattern for c in "*?["):
         return lambda k: k == pattern or k.startswith(pattern + ".") or pattern in k
@@ -72,3 +77,29 @@ def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
         "aliases": aliases,
         "leaves": leaves,
     }
+
+
+def summarised_leaves(leaves: dict[str, Any], limit: int = 8) -> list[list[str]]:
+    """[path, value] rows of the leaves, where a run of more than ``limit`` numbered siblings
+    (``rng.python.1.0`` ... ``rng.python.1.624``: Python's RNG state) is one row saying how
+    many there are, of what type, and the first and last."""
+    rows: list[list[str]] = []
+    items = list(leaves.items())
+    i = 0
+    while i < len(items):
+        parent, _, last = items[i][0].rpartition(".")
+        j = i
+        while (j < len(items) and last.isdigit() and items[j][0] == f"{parent}.{j - i}"
+               and not isinstance(items[j][1], (dict, list))):
+            j += 1
+        if j - i > limit:
+            vals = [v for _, v in items[i:j]]
+            kinds = "/".join(sorted({type(v).__name__ for v in vals}))
+            shown = ", ".join(repr(v) for v in vals[:3])
+            rows.append([f"{parent}.0 .. {parent}.{j - i - 1}",
+                         f"{j - i} {kinds} values: {shown[:60]}, ..., {repr(vals[-1])[:20]} (--all-leaves lists them)"])
+            i = j
+        else:
+            rows.append([items[i][0], repr(items[i][1])[:80]])
+            i += 1
+    return rows

@@ -40,7 +40,7 @@ class Entry:
     bytes: int | None = None
     tensors: int | None = None
     created_unix: float | None = None
-    verified: str = "no"    # yes | no | stale (the manifest changed after the check)
+    verified: str = "no"    # yes | no | stale (the manifest changed after the check) | failed
     verified_unix: float | None = None
     writer_version: str | None = None
     problem: str | None = None
@@ -69,15 +69,18 @@ def manifest_digest(data: bytes) -> str:
     return f"{_core.checksum(data):016x}"
 
 
-def record_verified(ckpt: str) -> bool:
-    """Note in the checkpoint that ``verify`` passed (for ``ls``). Best effort: a
-    read-only checkpoint simply stays "not verified". True when recorded."""
+def record_verified(ckpt: str, failed: str | None = None) -> bool:
+    """Note in the checkpoint what ``verify`` found (for ``ls``): that it passed, or with
+    ``failed`` (the error) that it did not. Best effort: a read-only checkpoint simply
+    keeps what it had. True when recorded."""
     try:
         target, path = resolve(ckpt, "verify")
         _, data = read_json_small(os.path.join(path, MANIFEST_NAME), target=target)
-        body = json.dumps({"verified_unix": time.time(), "manifest_xxh3": manifest_digest(data)}).encode()
+        rec: dict[str, Any] = {"verified_unix": time.time(), "manifest_xxh3": manifest_digest(data)}
+        if failed is not None:
+            rec.update(result="failed", error=failed[:500])
         tmp = os.path.join(path, f"{VERIFIED_NAME}.{os.getpid()}")
-        target.write_durable(tmp, body)
+        target.write_durable(tmp, json.dumps(rec).encode())
         target.rename(tmp, os.path.join(path, VERIFIED_NAME))
         return True
     except (OSError, ValueError):
@@ -85,6 +88,7 @@ def record_verified(ckpt: str) -> bool:
 
 
 def _verified(target: Target, path: str, manifest_bytes: bytes) -> tuple[str, float | None]:
+    """yes | no | stale (the manifest changed after the check) | failed (the last check failed)."""
     try:
         rec, _ = read_json_small(os.path.join(path, VERIFIED_NAME), 1 << 16, target)
     except (OSError, ValueError):
@@ -93,6 +97,8 @@ def _verified(target: Target, path: str, manifest_bytes: bytes) -> tuple[str, fl
         return "no", None
     when = rec.get("verified_unix")
     when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
+    if rec.get("result", "passed") != "passed":
+        return "failed", when  # whatever the manifest is now: a failed check is never "yes"
     return ("yes" if rec.get("manifest_xxh3") == manifest_digest(manifest_bytes) else "stale"), when
 
 

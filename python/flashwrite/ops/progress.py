@@ -79,7 +79,9 @@ class Progress:
             self._bar.stop()
             self._bar = self._task = None
         elif self.what and not self.quiet:
-            print(self._line(time.perf_counter()) + " done", file=self.stream, flush=True)
+            # Finished early (an error, Ctrl-C): say so, not "done", before the caller reports why.
+            end = " done" if self.done >= self.total else " stopped"
+            print(self._line(time.perf_counter()) + end, file=self.stream, flush=True)
         self.what = ""
 
     def __enter__(self) -> Progress:

@@ -27,7 +27,9 @@ from ..flatten import flatten, referenced_keys
 from ..format import MANIFEST_NAME, check_member_name, piece_ranges, read_manifest, safetensors_header
 from ..locate import local_view, resolve
 from ..target import shown
+from .common import UsageError
 from .ls import read_json_small
+from .pickled import dcp_arrays, load_weights_only, refused_global
 from .tree import walk
 
 PIECE = 16 << 20
@@ -229,16 +231,18 @@ class TorchSource(Source):
         fd = _open_regular(path)
         os.close(fd)
         try:
+            # weights_only (numeric numpy values allowed, as convert writes them) unless told
+            load = (lambda **kw: torch.load(path, weights_only=False, **kw)) if allow_pickle else \
+                (lambda **kw: load_weights_only(path, **kw))
             try:  # zip files (torch.save since 1.6) map their storages: nothing is read until converted
-                obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle, mmap=True)
+                obj = load(map_location="cpu", mmap=True)
             except RuntimeError as e:
                 if "mmap" not in str(e) and "zip" not in str(e):
                     raise
-                obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
+                obj = load(map_location="cpu")
         except pickle.UnpicklingError as e:
-            why = next((ln for ln in str(e).splitlines() if "GLOBAL" in ln), str(e).splitlines()[0] if str(e) else "")
-            raise UnsafeCheckpointError(f"{path}: refused to unpickle (pass --allow-pickle only for files you "
-                                        f"trust): {why.strip()[:300]}") from None
+            raise UnsafeCheckpointError(f"{path}: refused to unpickle: {refused_global(e)}; pass --allow-pickle "
+                                        "only for files you trust (it runs the code the file names)") from None
         except (RuntimeError, EOFError, ValueError, OSError, AttributeError, ImportError, KeyError) as e:
             raise CorruptCheckpointError(f"{path}: not a readable torch.save file: {str(e)[:300]}") from None
         tree, flat, aliases = flatten(obj, allow_pickle=allow_pickle)
@@ -308,6 +312,7 @@ class DCPSource(Source):
         super().__init__("dcp", path, items)
         self.allow_pickle = allow_pickle
         self._cache: dict[str, torch.Tensor] = {}
+        self._arrays: dict[str, torch.Tensor] = {}
         self._order = [i.key for i in items]
         self._pos = {k: n for n, k in enumerate(self._order)}
         self._items = {i.key: i for i in items}
@@ -325,6 +330,9 @@ class DCPSource(Source):
                 self.items = [i for i in items if i.key in used]
                 self._order = [i.key for i in self.items]
                 self._pos = {k: n for n, k in enumerate(self._order)}
+                # numpy arrays: DCP pickled them (whole, or in the tuple holding them)
+                self._arrays = dcp_arrays(path, md, tree, used - set(self._order), allow_pickle)
+                self.items += [Item(k, t.dtype, tuple(t.shape)) for k, t in self._arrays.items()]
         if self.tree is None and self._bytes_keys:
             if allow_pickle:
                 leaves, _, _ = flatten(self._load({k: None for k in self._bytes_keys}), allow_pickle=True)
@@ -347,6 +355,11 @@ class DCPSource(Source):
         return sd
 
     def chunks(self, item: Item) -> Iterator[memoryview]:
+        if item.key in self._arrays:
+            data = tensor_bytes(self._arrays[item.key])
+            for pos in range(0, len(data), PIECE):
+                yield data[pos:pos + PIECE]
+            return
         if item.key not in self._cache:
             self._cache.clear()
             batch, size = {}, 0
@@ -379,8 +392,8 @@ def detect(path: str) -> str:
         if os.path.exists(os.path.join(path, "model.safetensors.index.json")) or \
                 any(n.endswith(".safetensors") for n in os.listdir(path)):
             return "hf"
-        raise CorruptCheckpointError(f"{path}: cannot tell the format of this directory (no {MANIFEST_NAME}, "
-                                     "no DCP .metadata, no safetensors shards); pass --from")
+        raise UsageError(f"{path}: cannot tell the format of this directory (no {MANIFEST_NAME}, no DCP .metadata, "
+                         "no safetensors shards): pass a checkpoint directory, or name its format with --from")
     fd = _open_regular(path)
     try:
         head = os.pread(fd, 9, 0)
@@ -390,7 +403,7 @@ def detect(path: str) -> str:
         return "torch"
     if len(head) == 9 and head[8:9] == b"{":
         return "safetensors"
-    raise CorruptCheckpointError(f"{path}: not a torch.save or safetensors file; pass --from")
+    raise UsageError(f"{path}: not a torch.save or safetensors file: pass one, or name its format with --from")
 
 
 def open_source(path: str, kind: str, allow_pickle: bool = False) -> Source:

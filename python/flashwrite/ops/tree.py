@@ -39,6 +39,8 @@ def leaf_value(n: dict) -> Any:
         return f"<{len(v) * 3 // 4} bytes>"
     if t == "pickle":
         return f"<pickled object, {len(v) * 3 // 4 if isinstance(v, str) else '?'} bytes>"
+    if t == "ndarray" and isinstance(v, dict):
+        return f"<numpy array, stored as tensor {str(v.get('k'))[:80]}>"
     if t in ("dtype", "device"):
         return f"{t}:{v}"
     return v

@@ -27,6 +27,7 @@ from ..target import local_path
 from ..bench import devicelimit
 from ..save import Writer
 from ..tuning import mount_of
+from .common import UsageError
 
 STRIPES = (1, 2, 4, 8, 16)
 QUEUE_DEPTHS = (4, 8, 16, 32, 64)
@@ -66,9 +67,12 @@ class Tuner:
     def __init__(self, directory: str, budget_s: float, progress: Any, device_tool: str = "auto",
                  size: int | None = None, log: Callable[[str], None] = lambda _m: None):
         if not os.path.isdir(local_path(directory, "tune")):
+            if os.path.exists(directory):
+                raise NotADirectoryError(20, "not a directory: tune measures the file system a directory is on; "
+                                         "pass the directory checkpoints will go to", directory)
             raise FileNotFoundError(2, "no such directory", directory)
         if budget_s <= 0:
-            raise ValueError("--budget-s must be positive")
+            raise UsageError("--budget-s must be positive")
         self.directory, self.budget_s, self.progress, self.tool = directory, budget_s, progress, device_tool
         self.size, self.log = size, log
         self.rows: list[dict] = []

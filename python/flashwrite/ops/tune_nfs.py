@@ -24,6 +24,7 @@ from .. import nfs
 from ..load import load
 from ..save import Writer
 from ..nfs import store_path
+from .common import UsageError
 
 CONNECTIONS = (1, 2, 4, 8, 16)
 DEFAULT_SIZE = 256 << 20
@@ -45,7 +46,7 @@ def _with_connections(url: str, c: int, sub: str) -> str:
 def tune_nfs(url: str, budget_s: float, progress: Any, size: int | None = None) -> dict:
     """Sweep ``connections`` for the server of ``url`` (an existing directory there)."""
     if budget_s <= 0:
-        raise ValueError("--budget-s must be positive")
+        raise UsageError("--budget-s must be positive")
     target, inner = nfs.target_for(url, "tune")
     if not target.is_dir(inner):
         raise FileNotFoundError(2, "no such directory", url)

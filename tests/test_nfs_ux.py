@@ -1,0 +1,58 @@
+"""nfs:// as a newcomer meets it (issue 34, item 7), against the real nfs-ganesha of
+tests/nfs_server.py: URLs with the ports tools/nfs_server.py prints, a second server
+sharing the host's portmapper, and what ``ls`` and ``convert`` do with such URLs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import flashwrite as fw
+from conftest import assert_same
+from nfs_fixtures import serving
+from ops_helpers import run, save, state
+
+pytestmark = [pytest.mark.nfs, pytest.mark.usefixtures("nfs_staging")]
+
+
+def test_ls_shows_urls_that_keep_the_mount_port(capsys, nfs_server):
+    fw.save(state(), nfs_server.url_ports("ck"), stripes=1)
+    rc, out, _ = run(capsys, "ls", nfs_server.url_ports())
+    assert rc == 0, out
+    shown = out.split()[-1]
+    assert shown.startswith("nfs://") and f"mountport={nfs_server.mount_port}" in shown, out
+    assert_same(fw.load(shown), state())  # what ls shows reaches the same server again
+
+
+def test_overwrite_through_ports_of_a_checkpoint_that_exists(nfs_server):
+    """With mountport= the export was the longest prefix the server mounts: the existing
+    checkpoint itself, whose root an overwrite cannot rename (NFS3ERR_INVAL)."""
+    fw.save({"w": torch.zeros(4)}, os.path.join(nfs_server.export, "ck"))  # there before any URL names it
+    fw.save({"w": torch.ones(4)}, nfs_server.url_ports("ck"), overwrite=True)
+    assert torch.equal(fw.load(os.path.join(nfs_server.export, "ck"))["w"], torch.ones(4))
+
+
+def test_convert_refuses_foreign_formats_to_urls_with_ports(capsys, nfs_server, tmp_path):
+    torch.save(state(), tmp_path / "t.pt")
+    for src in (save(str(tmp_path / "l")), str(tmp_path / "t.pt")):
+        for name in ("x.safetensors", "x.pt"):
+            rc, _, err = run(capsys, "convert", src, nfs_server.url_ports(name), "-q")
+            assert rc == 2 and "nfs://" in err and "local" in err, (src, name, err)
+    assert os.listdir(nfs_server.export) == []  # no flashwrite directory named x.safetensors
+
+
+def test_a_second_server_on_the_portmapper_is_told_apart_by_its_ports(capsys, nfs_server, tmp_path):
+    with serving(str(tmp_path / "second")) as other:  # registered last: the portmapper now names it
+        url = nfs_server.url("ck")
+        with pytest.raises(FileNotFoundError) as ei:
+            fw.save(state(), url)
+        msg = str(ei.value)
+        assert nfs_server.export in msg and other.export in msg and "mountport=" in msg, msg
+        rc, _, err = run(capsys, "ls", nfs_server.url())
+        assert rc == 2 and "mountport=" in err and "Traceback" not in err, err
+        fw.save(state(), nfs_server.url_ports("ck"))  # its ports: this server, whatever the portmapper says
+        fw.save(state(), other.url("ck"))  # the registered one, without ports
+        assert os.listdir(nfs_server.export) == ["ck"] and os.listdir(other.export) == ["ck"]
+        assert_same(fw.load(nfs_server.url_ports("ck")), state())
