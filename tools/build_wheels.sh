@@ -7,7 +7,8 @@
 #   2. the sdist, into another fresh virtualenv from the same local directory, built there
 #      with the compiler: the same smoke script.
 # The wheel must hold the package, _core (without debug info), _core.pyi and py.typed, and
-# in its .dist-info the licenses (flashwrite's, xxHash's, liburing's): nothing else.
+# in its .dist-info the licenses (flashwrite's, xxHash's, liburing's, libnfs's: its headers
+# are compiled in, the library is loaded at run time): nothing else.
 #
 #   tools/build_wheels.sh [OUT]      (OUT defaults to a fresh /tmp/flashwrite-wheels.XXXXXX)
 #
@@ -112,7 +113,8 @@ sos = [n for n in names if n.startswith("flashwrite/_core.") and n.endswith(".so
 if len(sos) != 1:
     sys.exit(f"wheel should hold one _core extension, holds {sos}")
 lic = sorted(n[len(di) + len("/licenses/"):] for n in names if n.startswith(di + "/licenses/"))
-if lic != ["LICENSE", "third_party/liburing/LICENSE", "third_party/xxhash/LICENSE"]:
+if lic != ["LICENSE", "third_party/libnfs/COPYING", "third_party/libnfs/LICENCE-BSD.txt",
+           "third_party/libnfs/LICENCE-LGPL-2.1.txt", "third_party/liburing/LICENSE", "third_party/xxhash/LICENSE"]:
     sys.exit(f"wheel licenses: {lic}")
 meta = z.read(f"{di}/METADATA").decode()
 for field in ("License-Expression: Apache-2.0", "Project-URL: ", "Classifier: ", "Description-Content-Type: text/markdown"):

@@ -53,7 +53,7 @@ MUTATIONS = [
                "    target.rename(tmp, final)\n")],
              ["tests/saving/test_durability_order.py"]),
     Mutation("no fsync of the stripes",
-             [("csrc/write/save_job.cpp", "    fsync_fd(f->fd, f->path);\n", "")],
+             [("csrc/io/local_files.cpp", "    fsync_fd(fd, path);\n", "")],
              ["tests/saving/test_durability_order.py"]),
     Mutation("commit once staged, before the writes are durable",
              [("python/flashwrite/saving/write.py", "        job.wait()\n        job.rethrow()\n        native = job.stats()",

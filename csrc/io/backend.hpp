@@ -58,6 +58,10 @@ std::unique_ptr<IoBackend> make_thread_backend(unsigned queue_depth, IoCallback 
 std::unique_ptr<IoBackend> make_uring_backend(unsigned queue_depth, IoCallback cb);
 
 bool uring_compiled();
+// Which liburing the build links: "system" or "vendored" (third_party/liburing), and
+// its version ("2.15"); both "" when io_uring is not compiled in.
+const char* uring_library_source();
+std::string uring_library_version();
 // Result of one ring setup attempt at run time: 0 or -errno.
 int uring_probe();
 

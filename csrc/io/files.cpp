@@ -88,7 +88,7 @@ void fsync_dir(const std::string& path) {
   while (rc < 0 && errno == EINTR);
   int err = errno;
   ::close(fd);
-  // Some file systems (and NFS for directories) refuse fsync on a directory.
+  // Some file systems (network ones for directories) refuse fsync on a directory.
   if (rc < 0 && err != EINVAL && err != EROFS) throw_errno(err, "fsync directory", path);
 }
 

@@ -19,7 +19,7 @@ int reopen_buffered_for_write(const std::string& path);
 OpenedFile open_for_read(const std::string& path, bool direct);
 
 // Reserve space up front: ENOSPC shows up before any data moves, and extents
-// are allocated contiguously. Silently skipped where unsupported (NFS, some FUSE).
+// are allocated contiguously. Silently skipped where unsupported (network file systems, some FUSE).
 void preallocate(int fd, uint64_t bytes, const std::string& path);
 void truncate_to(int fd, uint64_t bytes, const std::string& path);
 void fsync_fd(int fd, const std::string& path);

@@ -25,9 +25,11 @@ namespace fw::nfs {
 
 bool compiled() { return false; }
 bool available() { return false; }
+const char* headers_version() { return ""; }
+std::string library() { return {}; }
 std::string unavailable_reason() {
-  return "this build of flashwrite has no NFS client (built without libnfs's headers: apt-get install "
-         "libnfs-dev, then rebuild)";
+  return "this build of flashwrite has no NFS client (built with FLASHWRITE_NFS=OFF, or without "
+         "third_party/libnfs: rebuild with FLASHWRITE_NFS=ON)";
 }
 std::vector<std::string> list_exports(const std::string&, int) { throw std::runtime_error(unavailable_reason()); }
 struct Client::Conn {};
@@ -49,7 +51,7 @@ std::unique_ptr<Client::Conn> Client::take_connection() { return nullptr; }
 void Client::give_back(std::unique_ptr<Conn>) {}
 void Client::note_failure(int) {}
 std::string Client::lookup(const std::string&, uint64_t*) { return {}; }
-std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client>, std::string) {
+std::shared_ptr<JobFiles> make_job_files(std::shared_ptr<Client>, std::string) {
   throw std::runtime_error(unavailable_reason());
 }
 

@@ -19,15 +19,18 @@
 #include <string>
 #include <vector>
 
-#include "io/remote_files.hpp"
+#include "io/job_files.hpp"
 
 namespace fw::nfs {
 
 // Whether libnfs could be loaded, and if not why (what to install).
 bool available();
 std::string unavailable_reason();
-// Compiled with libnfs's headers (the client exists in this build).
+// Compiled with libnfs's headers (the client exists in this build), and their version.
 bool compiled();
+const char* headers_version();
+// The name libnfs was loaded by ("" when it cannot be).
+std::string library();
 
 struct Options {
   std::string server;           // host name or address
@@ -89,7 +92,7 @@ class Client {
 
   struct Conn;  // one libnfs context (internal)
 
-  // For the save path (make_remote_files): create `path` and return its file handle's
+  // For the save path (make_job_files): create `path` and return its file handle's
   // bytes; bulk connections taken from (and given back to) a pool of idle ones.
   std::string create(const std::string& path, bool exclusive);
   std::string lookup(const std::string& path, uint64_t* size);  // an existing file's handle and size
@@ -115,11 +118,12 @@ class Client {
   uint64_t wmax_ = 0, rmax_ = 0;
 };
 
-// The stripes of a save sent straight from its staging slots to the server over
-// client->options().connections connections, each request reported once committed
-// with a matching verifier (see remote_files.hpp). Paths are inside the export.
+// A job's files on the server (JobFiles): a save's stripes sent straight from its
+// staging slots over client->options().connections connections, each request
+// reported once committed with a matching verifier; a load's read straight into
+// its slots and destinations. Paths are inside the export.
 // dir: for a load, the directory on the server whose files the job's paths name
 // (by their last component; the job sees local placeholders of the same names).
-std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client> client, std::string dir = "");
+std::shared_ptr<JobFiles> make_job_files(std::shared_ptr<Client> client, std::string dir = "");
 
 }  // namespace fw::nfs

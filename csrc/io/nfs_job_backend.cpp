@@ -208,7 +208,7 @@ void WriteBackend::run(WLoop& lp) {
 
 }  // namespace detail
 
-std::shared_ptr<RemoteFiles> make_remote_files(std::shared_ptr<Client> client, std::string dir) {
+std::shared_ptr<JobFiles> make_job_files(std::shared_ptr<Client> client, std::string dir) {
   return std::make_shared<detail::NfsFiles>(std::move(client), std::move(dir));
 }
 

@@ -1,9 +1,9 @@
-// The save and load jobs' NFS backend behind RemoteFiles (make_remote_files): the
-// files of a job (NfsFiles) and the backend that carries its requests (WriteBackend).
+// The save and load jobs' files on an NFS server (make_job_files): the files of a
+// job (NfsFiles, a JobFiles) and the backend that carries its requests (WriteBackend).
 // Internal to nfs_job_backend.cpp (life cycle, queue, poll loops) and
 // nfs_job_replies.cpp (WRITE/READ/COMMIT sent and answered).
 //
-// NfsFiles (RemoteFiles) creates a save's stripes (or opens a load's); its backend,
+// NfsFiles (JobFiles) creates a save's stripes (or opens a load's); its backend,
 // WriteBackend, carries the save job's chunk writes straight from their staging
 // slots (and a load job's reads straight into its slots and destinations: each
 // request cut into READs of at most rsize bytes, reported once all have replied). Each request (one
@@ -33,7 +33,7 @@
 #include "core/error.hpp"
 #include "io/backend.hpp"
 #include "io/nfs_lib.hpp"
-#include "io/remote_files.hpp"
+#include "io/job_files.hpp"
 
 namespace fw::nfs::detail {
 
@@ -169,38 +169,44 @@ class WriteBackend : public IoBackend {
   std::vector<std::unique_ptr<WLoop>> loops_;
 };
 
-class NfsFiles : public RemoteFiles {
+class NfsFiles : public JobFiles {
  public:
   NfsFiles(std::shared_ptr<Client> c, std::string dir) : client_(std::move(c)), dir_(std::move(dir)) {}
-  int open(const std::string& path, uint64_t* size) override {
+  OpenedFile open(const std::string& path, uint64_t size) override {
     auto f = std::make_unique<WFile>();
     f->path = dir_.empty() ? path : dir_ + "/" + path.substr(path.rfind('/') + 1);
-    f->fh = client_->lookup(f->path, size);
-    f->size = *size;
-    std::lock_guard<std::mutex> g(mu_);
-    files_.push_back(std::move(f));
-    return static_cast<int>(files_.size() - 1);
+    uint64_t actual = 0;
+    f->fh = client_->lookup(f->path, &actual);
+    f->size = actual;
+    const int h = add(std::move(f));
+    if (actual != size)
+      throw FormatError("'" + path + "' is " + std::to_string(actual) + " bytes on the server, the manifest says " +
+                        std::to_string(size) + (actual < size ? " (truncated)" : ""));
+    return OpenedFile{h, false};
   }
-  int create(const std::string& path, uint64_t size) override {
+  // Writes past `size` (a chunk's aligned tail) are cut at it, so finish() truncates nothing.
+  OpenedFile create(const std::string& path, uint64_t size) override {
     auto f = std::make_unique<WFile>();
     f->path = path;
     f->size = size;
     f->fh = client_->create(path, true);
-    std::lock_guard<std::mutex> g(mu_);
-    files_.push_back(std::move(f));
-    return static_cast<int>(files_.size() - 1);
+    return OpenedFile{add(std::move(f)), false};
   }
+  void reserve(int, const std::string&, uint64_t) override {}  // NFSv3 has no ALLOCATE
+  int reopen_buffered(const std::string&, bool) override { return -1; }  // never O_DIRECT
   std::unique_ptr<IoBackend> backend(unsigned, IoCallback cb) override {
     return std::make_unique<WriteBackend>(this, client_, std::move(cb));
   }
-  void finish(int h) override {
+  // Every request was reported once committed: all `size` bytes must be.
+  void finish(int h, const std::string&, uint64_t) override {
     WFile& f = file(h);
     std::lock_guard<std::mutex> g(mu_);
     if (f.durable != f.size)
       throw IoError(EIO, "NFS COMMIT: " + std::to_string(f.durable) + " of " + std::to_string(f.size) +
                     " bytes committed (server " + client_->options().server + ")", client_->url(f.path));
   }
-  std::exception_ptr error(const IoRequest* r, int64_t res) override {
+  void close(int) override {}  // file handles need no closing in NFSv3
+  std::exception_ptr error(const IoRequest* r, int64_t res, const std::string&) override {
     ErrInfo e;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -213,7 +219,9 @@ class NfsFiles : public RemoteFiles {
                                            client_->url(f.path), e.off >= 0 ? e.off : static_cast<int64_t>(r->offset),
                                            e.len >= 0 ? e.len : static_cast<int64_t>(r->len)));
   }
-  const char* name() const override { return "nfs"; }
+  // Held files stay local (as before JobFiles): the server's LINK is not offered to jobs.
+  bool can_link() const override { return false; }
+  int link(const std::string&, const std::string&) override { return ENOTSUP; }
 
   WFile& file(int h) {
     std::lock_guard<std::mutex> g(mu_);
@@ -231,6 +239,11 @@ class NfsFiles : public RemoteFiles {
   uint64_t rewrites() const override { return rewrites_.load(); }
 
  private:
+  int add(std::unique_ptr<WFile> f) {
+    std::lock_guard<std::mutex> g(mu_);
+    files_.push_back(std::move(f));
+    return static_cast<int>(files_.size() - 1);
+  }
   std::shared_ptr<Client> client_;
   std::string dir_;
   std::mutex mu_;

@@ -25,18 +25,27 @@ const Lib& lib() {
     const char* env = std::getenv("FLASHWRITE_LIBNFS");
     if (env && *env) names.emplace_back(env);
     else names = {"libnfs.so.13", "libnfs.so.14", "libnfs.so.16", "libnfs.so"};
+    std::string first_error;  // the loader's words for the first name tried
     for (const auto& name : names) {
       out.handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (out.handle) break;
+      if (out.handle) {
+        out.name = name;
+        break;
+      }
+      if (first_error.empty()) {
+        const char* e = dlerror();
+        first_error = e ? e : name + ": not found";
+      }
     }
     if (!out.handle) {
-      out.error = std::string("libnfs could not be loaded (") + (env && *env ? env : "libnfs.so.13") +
-                  "): install it (apt-get install libnfs13; dnf install libnfs)";
+      out.error = "libnfs could not be loaded (" + first_error + "): install it (apt-get install libnfs13; dnf install "
+                  "libnfs), or name it with FLASHWRITE_LIBNFS";
       return out;
     }
 #define X(f)                                                                         \
   out.f = reinterpret_cast<decltype(&::f)>(dlsym(out.handle, #f));                   \
-  if (!out.f && out.error.empty()) out.error = "libnfs lacks " #f " (libnfs >= 4 is needed)";
+  if (!out.f && out.error.empty())                                                    \
+    out.error = out.name + " lacks " #f " (libnfs 4 or 5 is needed: libnfs 6 renamed its RPC calls)";
     FW_NFS_FUNCS(X)
 #undef X
     return out;
@@ -85,6 +94,11 @@ int errno_of_rpc(int status) { return status == RPC_STATUS_TIMEOUT ? ETIMEDOUT :
 
 bool compiled() { return true; }
 bool available() { return detail::lib().error.empty(); }
+std::string library() { return available() ? detail::lib().name : std::string(); }
+#ifndef FLASHWRITE_LIBNFS_HEADERS_VERSION
+#define FLASHWRITE_LIBNFS_HEADERS_VERSION "unknown"
+#endif
+const char* headers_version() { return FLASHWRITE_LIBNFS_HEADERS_VERSION; }
 std::string unavailable_reason() { return detail::lib().error; }
 
 }  // namespace fw::nfs

@@ -37,6 +37,7 @@ struct FhView {
 
 struct Lib {
   void* handle = nullptr;
+  std::string name;  // the name it was loaded by
   std::string error;
 #define X(f) decltype(&::f) f = nullptr;
   FW_NFS_FUNCS(X)

@@ -217,6 +217,23 @@ class UringBackend final : public IoBackend {
 
 bool uring_compiled() { return true; }
 
+#ifndef FLASHWRITE_URING_SOURCE
+#define FLASHWRITE_URING_SOURCE "system"
+#endif
+const char* uring_library_source() { return FLASHWRITE_URING_SOURCE; }
+
+// The header compiled against says so from liburing 2.4 on; for older ones the
+// build's own finding (pkg-config).
+std::string uring_library_version() {
+#ifdef IO_URING_VERSION_MAJOR
+  return std::to_string(IO_URING_VERSION_MAJOR) + "." + std::to_string(IO_URING_VERSION_MINOR);
+#elif defined(FLASHWRITE_URING_VERSION)
+  return FLASHWRITE_URING_VERSION;
+#else
+  return "unknown";
+#endif
+}
+
 int uring_probe() {
   io_uring ring;
   int rc = io_uring_queue_init(2, &ring, 0);
@@ -236,6 +253,8 @@ std::unique_ptr<IoBackend> make_uring_backend(unsigned queue_depth, IoCallback c
 
 namespace fw {
 bool uring_compiled() { return false; }
+const char* uring_library_source() { return ""; }
+std::string uring_library_version() { return ""; }
 int uring_probe() { return -ENOSYS; }
 std::unique_ptr<IoBackend> make_uring_backend(unsigned, IoCallback) { return nullptr; }
 }  // namespace fw

@@ -53,6 +53,13 @@ void translate_errors(std::exception_ptr p) {
 }
 
 }  // namespace
+
+std::shared_ptr<JobFiles> job_files_of(const py::object& remote, const std::string& backend, bool direct) {
+  const BackendKind kind = parse_backend(backend);  // checked for remote ones too
+  if (remote.is_none()) return make_local_files(kind, direct);
+  return remote_job_files(remote);
+}
+
 }  // namespace fw
 
 PYBIND11_MODULE(_core, m) {
@@ -71,5 +78,5 @@ PYBIND11_MODULE(_core, m) {
   register_walk(m);
   register_plan(m);
   register_system(m);
-  register_nfs(m);
+  register_remote(m);
 }

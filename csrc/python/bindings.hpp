@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "core/defaults.hpp"
+#include "io/job_files.hpp"
 
 namespace fw {
 
@@ -27,12 +28,16 @@ void register_snapshot(py::module_& m);  // snapshot_bindings.cpp: copy_verify, 
 void register_walk(py::module_& m);      // plan_bindings.cpp: walk_state and its WalkResult
 void register_plan(py::module_& m);      // plan_bindings.cpp: plan_chunks, layout_stripes
 void register_system(py::module_& m);    // system_bindings.cpp: checksum, directory ops, io_uring and CUDA probes
-void register_nfs(py::module_& m);       // nfs_bindings.cpp: NfsClient
+// The remote target's client and its support, defined beside that client in io/
+// (which alone names the target).
+void register_remote(py::module_& m);
 
-// start_save's and start_load's remote= (nfs_bindings.cpp): None, or an NfsClient
-// whose connections the job's files are written to or read from (nfs://).
-class RemoteFiles;
-std::shared_ptr<RemoteFiles> remote_files_of(const py::object& remote);
+// The files a save or load job gets (io/job_files.hpp), from start_save's and
+// start_load's remote=: None: local files, opened with O_DIRECT when `direct`, the
+// requests on `backend` ('auto', 'io_uring', 'threads'); else the remote target's
+// files (remote_job_files, beside its client in io/), its own backend.
+std::shared_ptr<JobFiles> job_files_of(const py::object& remote, const std::string& backend, bool direct);
+std::shared_ptr<JobFiles> remote_job_files(const py::object& remote);
 
 // Waits in short slices without the GIL, checking for signals in between.
 // The time left is kept in double seconds and never converted to a clock

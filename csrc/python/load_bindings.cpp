@@ -11,7 +11,6 @@
 #include "core/aligned_buffer.hpp"
 #include "engine/engine.hpp"
 #include "io/backend.hpp"
-#include "io/remote_files.hpp"
 #include "python/bindings.hpp"
 
 namespace fw {
@@ -46,12 +45,10 @@ std::unique_ptr<PyLoadJob> start_load_py(const std::vector<std::pair<std::string
   ps.reserve(pieces.size());
   for (auto& [f, off, len, h] : pieces) ps.push_back(VerifyPiece{f, off, len, h});
   LoadOptions opt;
-  opt.backend = parse_backend(backend);
+  opt.files = job_files_of(remote, backend, direct);
   opt.queue_depth = queue_depth;
   opt.chunk_bytes = chunk_bytes;
   opt.verify_threads = verify_threads;
-  opt.direct = direct;
-  opt.remote = remote_files_of(remote);
   std::vector<Placement> pl;
   for (auto& [f, off, len, dev, ptr] : placements) {
     if (f >= fs.size() || dev < -1 || (len && !ptr))
@@ -117,8 +114,9 @@ void register_load(py::module_& m) {
         "instead, through bounce buffers, each chunk verified before it is copied; the destinations must stay "
         "valid until the job is done. A file wholly covered by placements gets no buffer (None in buffers()), "
         "the others are read whole into aligned buffers. streams: [(device, cudaStream_t)] the GPU copies are "
-        "ordered after. remote: (NfsClient, directory on the server): the files are read from there, by "
-        "their names (the paths given are local placeholders of the same names, nfs://). keepalive: owners of the "
+        "ordered after. remote: None (local files), or (a remote target's client, directory on its "
+        "server): the files are read from there, by their names (the paths given are local placeholders of "
+        "the same names). keepalive: owners of the "
         "placements' destinations, released only once the job is joined.");
   m.def(
       "bounce_pool_bytes",

@@ -11,7 +11,6 @@
 
 #include "engine/engine.hpp"
 #include "io/backend.hpp"
-#include "io/remote_files.hpp"
 #include "python/bindings.hpp"
 
 namespace fw {
@@ -151,12 +150,10 @@ std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<
   std::vector<Segment> segs = parse_segments(segments, devices);
   append_host_segments(host_files, segs);
   SaveOptions opt;
-  opt.backend = parse_backend(backend);
+  opt.files = job_files_of(remote, backend, direct);
   opt.queue_depth = queue_depth;
   opt.copy_threads = copy_threads;
-  opt.direct = direct;
   opt.hold_slots = hold_slots;
-  opt.remote = remote_files_of(remote);
   auto out = std::make_unique<PySaveJob>();
   out->keepalive = std::move(keepalive);
   out->job = start_interruptible(eng, std::move(fs), std::move(segs), std::move(opt), devices, streams);
@@ -294,10 +291,11 @@ void register_engine(py::module_& m) {
            "every address until staged. streams: [(device, cudaStream_t)] the GPU copies are ordered after "
            "(PyTorch's current streams; a device without one uses its legacy default stream). Returns once "
            "that ordering is in place. hold_slots: keep the staged image whole in the pool until "
-           "SaveJob.release_slots() (a local snapshot). remote: an NfsClient: the files are paths in its export, "
-           "created there and written over its connections straight from the staging slots (nfs://). "
-           "held: [(file, base stripe path, [(offset, len, checksum)])]: files staged but written only if a "
-           "checksum differs, else hard-linked from the base stripe (see SaveJob.held_results; local files only).")
+           "SaveJob.release_slots() (a local snapshot). remote: None (local files), or a remote target's client: "
+           "the files are paths on its server, created there and written over its connections straight from "
+           "the staging slots. held: [(file, base stripe path, [(offset, len, checksum)])]: files staged but "
+           "written only if a checksum differs, else hard-linked from the base stripe (see "
+           "SaveJob.held_results; only where the target can hard-link: local files).")
       .def("reserve",
            [](Engine& e, uint64_t bytes, int device) {
              py::gil_scoped_release nogil;

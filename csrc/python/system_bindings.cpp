@@ -69,6 +69,16 @@ void register_system(py::module_& m) {
     return probe_direct(dir);
   });
   m.def("io_uring_compiled", &uring_compiled);
+  m.def(
+      "io_uring_library",
+      []() -> py::object {
+        if (!uring_compiled()) return py::none();
+        py::dict d;
+        d["source"] = uring_library_source();
+        d["version"] = uring_library_version();
+        return d;
+      },
+      "Which liburing the build links: {'source': 'system' | 'vendored', 'version': '2.15'}; None without io_uring.");
   m.def("io_uring_probe", [] { return -uring_probe(); }, "0 when a ring can be set up here, else the errno.");
   m.def("cuda_info", &cuda_info, py::arg("initialize") = true);
   py::class_<WriteWatch>(m, "WriteWatch",

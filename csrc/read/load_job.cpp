@@ -12,6 +12,7 @@ namespace fw {
 
 LoadJob::LoadJob(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> pieces, LoadOptions opt)
     : specs_(std::move(files)), pieces_(std::move(pieces)), opt_(opt) {
+  if (!opt_.files) throw std::invalid_argument("a load job needs the files of its target");
   if (opt_.chunk_bytes == 0 || opt_.chunk_bytes % kAlign) throw std::invalid_argument("chunk_bytes must be a positive multiple of 4096");
   if (opt_.verify_threads == 0) opt_.verify_threads = 1;
   for (auto& p : pieces_) {
@@ -28,9 +29,8 @@ LoadJob::~LoadJob() {
     cancel();
     ctl_.wait(-1);
   }
-  if (opt_.remote) return;  // handles of the remote files, not descriptors
-  for (int fd : fds_) close_fd(fd);
-  for (int fd : buffered_fds_) close_fd(fd);
+  for (int fd : fds_) opt_.files->close(fd);
+  for (int fd : buffered_fds_) opt_.files->close(fd);
 }
 
 void LoadJob::fail(std::exception_ptr e) { ctl_.fail(std::move(e)); }
@@ -42,25 +42,11 @@ void LoadJob::start() {
   // Open and size-check on the caller's thread: missing or truncated files are
   // reported before any large allocation.
   for (auto& spec : specs_) {
-    if (opt_.remote) {
-      uint64_t actual = 0;
-      fds_.push_back(opt_.remote->open(spec.path, &actual));
-      buffered_fds_.push_back(-1);
-      opened_direct_.push_back(0);
-      if (actual != spec.size)
-        throw FormatError("'" + spec.path + "' is " + std::to_string(actual) + " bytes on the server, the manifest "
-                          "says " + std::to_string(spec.size) + (actual < spec.size ? " (truncated)" : ""));
-      continue;
-    }
-    OpenedFile of = open_for_read(spec.path, opt_.direct);
+    OpenedFile of = opt_.files->open(spec.path, spec.size);
     fds_.push_back(of.fd);
     buffered_fds_.push_back(-1);
     opened_direct_.push_back(of.direct);
     files_direct_ += of.direct;
-    uint64_t actual = file_size(of.fd, spec.path);
-    if (actual != spec.size)
-      throw FormatError("'" + spec.path + "' is " + std::to_string(actual) + " bytes, the manifest says " +
-                        std::to_string(spec.size) + (actual < spec.size ? " (truncated)" : ""));
   }
   for (uint32_t f = 0; f < specs_.size(); ++f) {
     bool placed = opt_.placer && opt_.placer->covers(f, specs_[f].size);
@@ -107,7 +93,7 @@ void LoadJob::start() {
     for (size_t i = 0; i < requests_.size(); ++i)
       to_placer_[i] = !requests_[i].buf || opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
   IoCallback cb = [this](IoRequest* r, int64_t res) { on_io(r, res); };
-  backend_ = opt_.remote ? opt_.remote->backend(opt_.queue_depth, cb) : make_backend(opt_.backend, opt_.queue_depth, cb);
+  backend_ = opt_.files->backend(opt_.queue_depth, cb);
   backend_name_ = backend_->name();
   try {
     ctl_.start([this] { run(); });
@@ -122,11 +108,13 @@ void LoadJob::start() {
 // is read buffered from here on, this request resumed where it stopped, as the
 // save path does for writes. Requests already in flight on the direct fd come
 // back the same way and are retried too. Returns false when there is nothing
-// left to fall back to.
+// left to fall back to (the request was buffered, or the files are never direct).
 bool LoadJob::fall_back_to_buffered(IoRequest* r, uint32_t f) {
   std::lock_guard<std::mutex> lk(fallback_mu_);
   if (buffered_fds_[f] < 0) {
-    buffered_fds_[f] = open_for_read(specs_[f].path, false).fd;
+    const int fd = opt_.files->reopen_buffered(specs_[f].path, /*write=*/false);
+    if (fd < 0) return false;
+    buffered_fds_[f] = fd;
     if (opened_direct_[f]) files_direct_ -= 1;
   }
   if (r->fd == buffered_fds_[f]) return false;
@@ -142,7 +130,7 @@ int LoadJob::read_fd(uint32_t f) {
 
 void LoadJob::on_io(IoRequest* r, int64_t res) {
   const uint32_t f = file_of_request_[r->tag];
-  if (res == -EINVAL && opt_.direct && !opt_.remote) {
+  if (res == -EINVAL) {
     try {
       if (fall_back_to_buffered(r, f)) return;
     } catch (...) {
@@ -152,13 +140,8 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
     }
   }
   if ((res < 0 || static_cast<uint64_t>(res) < r->want) && to_placer_[r->tag]) opt_.placer->discard(r->buf);
-  if (res < 0 && opt_.remote) {
-    fail(opt_.remote->error(r, res));
-    return;
-  }
   if (res < 0) {
-    fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "read", specs_[f].path,
-                                         static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
+    fail(opt_.files->error(r, res, specs_[f].path));
     return;
   }
   if (static_cast<uint64_t>(res) < r->want) {
@@ -300,10 +283,8 @@ void LoadJob::run() {
       fail(std::current_exception());
     }
   }
-  if (!opt_.remote) {  // else handles of the remote files, not descriptors
-    for (int fd : fds_) close_fd(fd);
-    for (int fd : buffered_fds_) close_fd(fd);
-  }
+  for (int fd : fds_) opt_.files->close(fd);
+  for (int fd : buffered_fds_) opt_.files->close(fd);
   fds_.clear();
   buffered_fds_.clear();
   ctl_.finish([&] {

@@ -27,7 +27,7 @@
 #include "core/defaults.hpp"
 #include "core/job_control.hpp"
 #include "io/backend.hpp"
-#include "io/remote_files.hpp"
+#include "io/job_files.hpp"
 #include "read/chunk_placer.hpp"
 
 namespace fw {
@@ -49,15 +49,14 @@ struct Mismatch {
 };
 
 struct LoadOptions {
-  BackendKind backend = BackendKind::Auto;
+  // Where the stripes are (local files, or a remote target's): opened and
+  // size-checked there, read by its backend straight into the slots and
+  // destinations. Required.
+  std::shared_ptr<JobFiles> files;
   unsigned queue_depth = defaults::kReadQueueDepth;
   uint64_t chunk_bytes = defaults::kReadChunkBytes;  // multiple of every piece-aligning block
   unsigned verify_threads = defaults::verify_threads();
-  bool direct = true;
   std::shared_ptr<ChunkPlacer> placer;  // set when some bytes are placed
-  // Stripes on a server (nfs://): opened there by their names and read by its
-  // backend straight into the slots and destinations.
-  std::shared_ptr<RemoteFiles> remote;
 };
 
 class LoadJob {

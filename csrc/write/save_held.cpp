@@ -11,8 +11,6 @@
 // says so, SaveJob::start); otherwise every held file is written from the
 // start (PoolTooSmall). The links are made on the copy threads, before the job
 // is done, so the directory fsync that precedes the manifest covers them.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <stdexcept>
@@ -26,7 +24,8 @@ void SaveJob::init_held() {
   for (size_t f = 0; f < specs_.size(); ++f) {
     FileSpec& s = specs_[f];
     if (s.link_from.empty()) continue;
-    if (opt_.remote) throw std::invalid_argument("held files are for local stripes, not remote ones: " + s.path);
+    if (!opt_.files->can_link())
+      throw std::invalid_argument("held files need a target that can hard-link its files: " + s.path);
     auto h = std::make_unique<Held>();
     h->expected = std::move(s.expected);
     std::sort(h->expected.begin(), h->expected.end(),
@@ -90,7 +89,8 @@ void SaveJob::decide(uint32_t f) {
   }
   HeldResult r{HeldOutcome::Changed, 0};
   if (matches(f)) {
-    if (::link(specs_[f].link_from.c_str(), specs_[f].path.c_str()) == 0) {
+    const int err = opt_.files->link(specs_[f].link_from, specs_[f].path);
+    if (err == 0) {
       for (size_t ci : chunks) {
         bytes_linked_ += plan_.chunks[ci].data_len;
         return_slot(requests_[ci].buf, true);  // kept for a local snapshot (hold_slots), else back to the pool
@@ -99,7 +99,7 @@ void SaveJob::decide(uint32_t f) {
       h.result = HeldResult{HeldOutcome::Linked, 0};
       return;
     }
-    r = HeldResult{HeldOutcome::LinkRefused, errno};  // any refusal: the bytes are here, write them
+    r = HeldResult{HeldOutcome::LinkRefused, err};  // any refusal: the bytes are here, write them
   }
   {
     std::lock_guard<std::mutex> lk(park_mu_);

@@ -14,6 +14,7 @@ namespace fw {
 SaveJob::SaveJob(std::shared_ptr<StagingPool> pool, std::vector<FileSpec> files, std::vector<Segment> segments,
                  SaveOptions opt)
     : pool_(std::move(pool)), specs_(std::move(files)), segments_(std::move(segments)), opt_(opt) {
+  if (!opt_.files) throw std::invalid_argument("a save job needs the files of its target");
   user_segments_ = segments_.size();
   if (const char* d = std::getenv("FLASHWRITE_TEST_DEFER_HASH_DELAY_MS")) test_hash_delay_ms_ = std::atoi(d);
   std::vector<uint64_t> sizes;
@@ -95,7 +96,7 @@ void SaveJob::start() {
       if (!held_files_[i]) open_file(i);  // a held file is created only if it is written
     }
     IoCallback cb = [this](IoRequest* r, int64_t res) { on_io(r, res); };
-    backend_ = opt_.remote ? opt_.remote->backend(opt_.queue_depth, cb) : make_backend(opt_.backend, opt_.queue_depth, cb);
+    backend_ = opt_.files->backend(opt_.queue_depth, cb);
     backend_name_ = backend_->name();
     // A slot for every chunk, on top of what other saves staging now on this
     // pool reserved: then no copy waits for another chunk's checksum, and the
@@ -115,8 +116,7 @@ void SaveJob::start() {
     if (reserved_) pool_->unreserve(plan_.chunks.size());
     reserved_ = false;
     backend_.reset();
-    if (!opt_.remote)
-      for (auto& f : files_) close_fd(f->fd.load());
+    for (auto& f : files_) opt_.files->close(f->fd.load());
     files_.clear();
     throw;
   }
@@ -133,15 +133,11 @@ void SaveJob::start() {
 
 void SaveJob::open_file(size_t i) {
   File& f = *files_[i];
-  if (opt_.remote) {
-    f.fd = opt_.remote->create(f.path, f.size);
-    return;
-  }
-  OpenedFile of = open_for_write(f.path, opt_.direct);
+  OpenedFile of = opt_.files->create(f.path, f.size);
   f.fd = of.fd;
   f.direct = of.direct;
   try {
-    preallocate(of.fd, round_up(f.size, kAlign), f.path);
+    opt_.files->reserve(of.fd, f.path, f.size);
   } catch (const IoError& e) {
     // Out of space is the save's failure (reported by its future, like a
     // write that hits ENOSPC), not a bad argument: record it and let the
@@ -224,8 +220,10 @@ void SaveJob::on_io(IoRequest* r, int64_t res) {
     try {
       std::lock_guard<std::mutex> lk(fallback_mu_);
       if (f.direct.load()) {
+        const int buffered = opt_.files->reopen_buffered(f.path, /*write=*/true);
+        if (buffered < 0) std::rethrow_exception(opt_.files->error(r, res, f.path));  // nothing to fall back to
         f.direct_fd = f.fd.load();
-        f.fd = reopen_buffered_for_write(f.path);
+        f.fd = buffered;
         f.direct = false;
       }
       r->fd = f.fd.load();
@@ -235,11 +233,8 @@ void SaveJob::on_io(IoRequest* r, int64_t res) {
     } catch (...) {
       fail(std::current_exception());
     }
-  } else if (res < 0 && opt_.remote) {
-    fail(opt_.remote->error(r, res));
   } else if (res < 0) {
-    fail(std::make_exception_ptr(IoError(static_cast<int>(-res), "write", f.path,
-                                         static_cast<int64_t>(r->offset + r->done), static_cast<int64_t>(r->len))));
+    fail(opt_.files->error(r, res, f.path));
   } else {
     bytes_written_ += c.data_len;
     written = true;
@@ -251,14 +246,9 @@ void SaveJob::on_io(IoRequest* r, int64_t res) {
 }
 
 void SaveJob::finish_files() {
-  if (opt_.remote) {
-    for (auto& f : files_) opt_.remote->finish(f->fd);
-    return;
-  }
   for (auto& f : files_) {
     if (f->fd.load() < 0) continue;  // a held file that was linked, not written
-    truncate_to(f->fd, f->size, f->path);
-    fsync_fd(f->fd, f->path);
+    opt_.files->finish(f->fd, f->path, f->size);
   }
 }
 
@@ -315,9 +305,8 @@ void SaveJob::run() {
     }
   }
   for (auto& f : files_) {
-    if (opt_.remote) break;  // handles of the remote files, not descriptors
-    close_fd(f->fd.load());
-    close_fd(f->direct_fd);
+    opt_.files->close(f->fd.load());
+    opt_.files->close(f->direct_fd);
   }
   ctl_.finish([&] { done_s_ = since_start(); });
 }
@@ -349,7 +338,7 @@ SaveStats SaveJob::stats() const {
   }
   s.pin_s = pin_s_;
   s.backend = backend_name_;
-  if (opt_.remote) s.rewrites = opt_.remote->rewrites();
+  s.rewrites = opt_.files->rewrites();
   for (auto& f : files_)
     if (f->fd.load() >= 0) (f->direct.load() ? s.files_direct : s.files_buffered)++;  // not linked ones
   return s;

@@ -30,7 +30,7 @@
 #include "core/defaults.hpp"
 #include "core/job_control.hpp"
 #include "io/backend.hpp"
-#include "io/remote_files.hpp"
+#include "io/job_files.hpp"
 #include "stage/device_copy.hpp"
 #include "stage/staging_pool.hpp"
 #include "write/chunk_plan.hpp"
@@ -72,10 +72,11 @@ struct HeldResult {
 };
 
 struct SaveOptions {
-  BackendKind backend = BackendKind::Auto;
+  // Where the stripes go (local files, or a remote target's): created, reserved,
+  // written by its backend, finished and closed there. Required.
+  std::shared_ptr<JobFiles> files;
   unsigned queue_depth = defaults::kWriteQueueDepth;
   unsigned copy_threads = defaults::copy_threads();
-  bool direct = true;
   // Needed when a segment is on a GPU: the engine's copy streams, and the
   // callers' current streams (one per device) the copies are ordered after.
   std::shared_ptr<CopyStreams> copy_streams;
@@ -84,9 +85,6 @@ struct SaveOptions {
   // once written, so the staged image stays whole in the pool (a local
   // snapshot). Ignored when the pool is bounded below the save's chunk count.
   bool hold_slots = false;
-  // Stripes on a server (nfs://): created there and written by its backend, each
-  // request reported once durable there; no local files, truncate or fsync.
-  std::shared_ptr<RemoteFiles> remote;
   // Set by the caller to stop a start() that still waits for the staging pool
   // (a first save faulting in its slab): start() then throws, nothing started.
   std::shared_ptr<std::atomic<bool>> abort;
@@ -107,7 +105,7 @@ struct SaveStats {
   double pin_s = 0;  // page-locking the pool while this save started (Engine::start_save)
   std::string backend;
   unsigned files_direct = 0, files_buffered = 0;
-  uint64_t rewrites = 0;  // nfs://: chunks written again (RemoteFiles::rewrites)
+  uint64_t rewrites = 0;  // chunks written again (JobFiles::rewrites)
 };
 
 class SaveJob {

@@ -310,6 +310,8 @@ def rename_exchange(a: str, b: str, /) -> bool:
 def probe_direct(dir: str, /) -> bool:
     """Whether O_DIRECT writes work in this directory."""
 def io_uring_compiled() -> bool: ...
+def io_uring_library() -> dict[str, str] | None:
+    """Which liburing the build links: {'source': 'system' | 'vendored', 'version': '2.15'}; None without io_uring."""
 def io_uring_probe() -> int:
     """0 when a ring can be set up here, else the errno."""
 def bounce_pool_bytes() -> int:
@@ -332,6 +334,8 @@ def cuda_info(initialize: bool = True) -> _CudaInfo:
     """The CUDA runtime flashwrite uses. initialize=False never initialises CUDA
     (dlopen, symbols and versions only), unless it already was."""
 # ---- nfs:// (csrc/io/nfs_client, csrc/python/nfs_bindings.cpp): libnfs loaded at run time
+def nfs_support() -> dict[str, Any]:
+    """{'compiled', 'usable', 'reason' (why not, or None), 'headers', 'library' (the libnfs loaded)}."""
 def nfs_available() -> bool:
     """Whether libnfs can be loaded (dlopen)."""
 def nfs_unavailable_reason() -> str:

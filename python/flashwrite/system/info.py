@@ -11,9 +11,12 @@ from ..targets import tuning as _tuning
 
 
 def backend_info(path: str | os.PathLike | None = None, *, initialize_cuda: bool | None = None) -> dict[str, Any]:
-    """Which I/O backend ``backend="auto"`` uses, whether io_uring works at run time,
-    whether O_DIRECT works in ``path`` (a directory; default: the current one), and
-    whether a CUDA runtime was found.
+    """Which I/O backend ``backend="auto"`` uses, whether io_uring works at run time and
+    which liburing the build links (``"liburing"``: its source, ``"system"`` or
+    ``"vendored"``, and version), whether O_DIRECT works in ``path`` (a directory;
+    default: the current one), whether ``nfs://`` targets work here (``"nfs"``: built in,
+    usable, and the reason when not, e.g. libnfs not installed), and whether a CUDA
+    runtime was found.
 
     CUDA is not initialised here unless it already is (by PyTorch, or a save of GPU
     tensors) or ``initialize_cuda=True``: a process that initialised CUDA and then
@@ -30,6 +33,8 @@ def backend_info(path: str | os.PathLike | None = None, *, initialize_cuda: bool
         "io_uring_compiled": _core.io_uring_compiled(),
         "io_uring_runtime": ring_err == 0,
         "io_uring_error": None if ring_err == 0 else f"{_errno.errorcode.get(ring_err, ring_err)}: {os.strerror(ring_err)}",
+        "liburing": _core.io_uring_library(),
+        "nfs": _core.nfs_support(),
         "directory": os.path.abspath(directory),
         "direct_io": _core.probe_direct(directory),
         "checksum": _core.CHECKSUM_ALGORITHM,

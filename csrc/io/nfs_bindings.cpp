@@ -1,5 +1,8 @@
-// _core.NfsClient: the user-space NFSv3 client (io/nfs_client) for the nfs:// target.
-// Every call that talks to the server runs without the GIL.
+// _core.NfsClient: the user-space NFSv3 client (io/nfs_client) for the nfs:// target,
+// and what the save and load jobs' remote= turns into. The Python face of the client,
+// kept beside it so that nothing outside io/nfs* names NFS; it includes nothing from
+// python/ (bindings.hpp declares what it defines). Every call that talks to the
+// server runs without the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,16 +14,33 @@ namespace fw {
 
 // Engine.start_save's remote=: an NfsClient sends the stripes to its export;
 // start_load's: (NfsClient, directory) reads them from that directory.
-std::shared_ptr<RemoteFiles> remote_files_of(const py::object& remote) {
-  if (remote.is_none()) return nullptr;
+std::shared_ptr<JobFiles> remote_job_files(const py::object& remote) {
   if (py::isinstance<py::tuple>(remote)) {
     auto t = remote.cast<py::tuple>();
-    return nfs::make_remote_files(t[0].cast<std::shared_ptr<nfs::Client>>(), t[1].cast<std::string>());
+    return nfs::make_job_files(t[0].cast<std::shared_ptr<nfs::Client>>(), t[1].cast<std::string>());
   }
-  return nfs::make_remote_files(remote.cast<std::shared_ptr<nfs::Client>>());
+  return nfs::make_job_files(remote.cast<std::shared_ptr<nfs::Client>>());
 }
 
-void register_nfs(py::module_& m) {
+namespace {
+
+// For backend_info(): whether nfs:// works here, and if not why.
+py::dict nfs_support() {
+  py::dict d;
+  const bool usable = nfs::available();
+  d["compiled"] = nfs::compiled();
+  d["usable"] = usable;
+  d["reason"] = usable ? py::none() : py::object(py::str(nfs::unavailable_reason()));
+  d["headers"] = nfs::compiled() ? py::object(py::str(std::string("libnfs ") + nfs::headers_version())) : py::none();
+  d["library"] = usable ? py::object(py::str(nfs::library())) : py::none();
+  return d;
+}
+
+}  // namespace
+
+void register_remote(py::module_& m) {
+  m.def("nfs_support", &nfs_support,
+        "{'compiled', 'usable', 'reason' (why not, or None), 'headers', 'library' (the libnfs loaded)}.");
   m.def("nfs_available", [] { return nfs::available(); }, "Whether libnfs can be loaded (dlopen).");
   m.def("nfs_unavailable_reason", [] { return nfs::available() ? std::string() : nfs::unavailable_reason(); },
         "Why nfs:// cannot work here (what to install), or ''.");
