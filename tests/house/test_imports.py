@@ -146,7 +146,7 @@ def test_bench_never_runs_a_peers_file_from_the_current_directory(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FLASHWRITE_PEERS_FILE", raising=False)
     installed = tmp_path / "venv" / "lib" / "site-packages" / "flashwrite" / "bench" / "peers.py"
-    monkeypatch.setattr(peers, "_TESTS_FILE", str(installed))   # as from a wheel: no checkout around it
+    monkeypatch.setattr(peers, "__file__", str(installed))   # as from a wheel: no checkout around it
     peers.external.cache_clear()
     try:
         assert peers.external() is None
