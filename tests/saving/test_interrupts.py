@@ -35,20 +35,21 @@ def _child(body: str, *args: str, **kw) -> subprocess.Popen:
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
 
-@pytest.fixture(scope="module")
-def ck256(tmp_path_factory):
+def _saved(tmp_path_factory, mib: int):
     exec(_STATE, ns := {})
     path = tmp_path_factory.mktemp("interrupts") / "ck"
-    fw.save(ns["state"](256), path, stripes=4)
+    fw.save(ns["state"](mib), path, stripes=4)
     return path
+
+
+@pytest.fixture(scope="module")
+def ck256(tmp_path_factory):
+    return _saved(tmp_path_factory, 256)
 
 
 @pytest.fixture(scope="module")
 def ck1g(tmp_path_factory):
-    exec(_STATE, ns := {})
-    path = tmp_path_factory.mktemp("interrupts") / "ck"
-    fw.save(ns["state"](1024), path, stripes=4)
-    return path
+    return _saved(tmp_path_factory, 1024)
 
 
 def _drop_caches() -> None:
