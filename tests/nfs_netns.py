@@ -11,10 +11,11 @@ side of the link, not 127.0.0.1.
 
 Teardown: ``stop()`` ends the servers and the namespace's holder by pid and deletes
 the veth pair; both are context managers and register an ``atexit`` stop. If this
-process is killed outright, nothing outlives it for long: the holder exits when its
-stdin (a pipe from this process) closes, the servers get SIGKILL when their parent dies
-(``setpriv --pdeathsig``), and the namespace, its veth end and so the host's end with
-it are gone once its last process is.
+process is killed outright, nothing outlives it for long: when the holder's stdin (a
+pipe from this process) closes, it SIGKILLs every process left in its network namespace
+and exits (ganesha also gets SIGKILL when its parent dies, ``setpriv --pdeathsig``;
+rpcbind changes its uid, which clears that), and the namespace, its veth end and so the
+host's end with it are gone once its last process is.
 
     with ShapedLink(rate_mbit=1000) as link, LinkedNfsServer(link) as srv:
         fw.save(state, srv.url_ports("ck"))
@@ -93,8 +94,12 @@ class ShapedLink:
         return self
 
     def _start_holder(self) -> None:
-        # The holder owns the namespaces; it exits when its stdin (our pipe) closes.
-        script = "mount -t tmpfs fw-run /run && mkdir -p /run/rpcbind && echo ready && exec cat >/dev/null"
+        # The holder owns the namespaces. When its stdin (our pipe) closes, also because this
+        # process died, it SIGKILLs whatever still runs in its network namespace (rpcbind
+        # changes its uid, which clears the parent-death signal) and exits.
+        script = ("mount -t tmpfs fw-run /run && mkdir -p /run/rpcbind && echo ready && cat >/dev/null; "
+                  "me=$(readlink /proc/$$/ns/net); for p in /proc/[0-9]*; do q=${p#/proc/}; "
+                  "[ \"$q\" != $$ ] && [ \"$(readlink $p/ns/net 2>/dev/null)\" = \"$me\" ] && kill -9 $q; done; exit 0")
         self._holder = subprocess.Popen(["unshare", "--net", "--mount", "--propagation", "private", "--",
                                          "sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE)

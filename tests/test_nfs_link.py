@@ -108,3 +108,38 @@ def test_the_test_bed_is_torn_down_also_when_the_block_raises(tmp_path):
             assert all(_alive(p) for p in seen["pids"])
             raise RuntimeError("boom")
     assert _gone(seen["pids"], seen["dev"]), f"left behind: {seen}"
+
+
+_KILLED_CHILD = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from nfs_netns import LinkedNfsServer, ShapedLink
+link = ShapedLink(rate_mbit=100).start()
+srv = LinkedNfsServer(link=link, workdir=sys.argv[2]).start()
+print(srv.pid, srv._rpcbind.pid, link.holder_pid, link.host_dev, flush=True)
+time.sleep(60)
+"""
+
+
+def test_nothing_outlives_a_process_killed_with_the_test_bed_up(tmp_path):
+    # SIGKILL: no finally, no atexit. The holder's pipe closes; it must take rpcbind
+    # (which runs under another uid, so no parent-death signal reaches it) and ganesha.
+    import signal
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, os.path.dirname(__file__), str(tmp_path / "nfs")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().split()
+        if len(line) != 4:
+            pytest.skip(f"no shaped link here (child printed {line!r})")
+        pids, dev = [int(p) for p in line[:3]], line[3]
+        assert all(_alive(p) for p in pids)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+    assert _gone(pids, dev), f"left behind after SIGKILL: pids {[p for p in pids if _alive(p)]}, dev {dev}"
