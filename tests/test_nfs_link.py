@@ -4,13 +4,16 @@ of their own, joined to this host by a veth pair shaped with tbf (tests/nfs_netn
 A bounded transfer (64 MiB each way at 200 Mbit/s, a few seconds) that is byte-exact
 and slower than the shaping rate: the figures the benchmark (benchmarks/nfs_link.py)
 reports come from a link that is really there and really shaped. And the test bed
-leaves nothing behind, also when the block using it raises.
+leaves nothing behind, also when the block using it raises or the process is killed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -124,9 +127,6 @@ time.sleep(60)
 def test_nothing_outlives_a_process_killed_with_the_test_bed_up(tmp_path):
     # SIGKILL: no finally, no atexit. The holder's pipe closes; it must take rpcbind
     # (which runs under another uid, so no parent-death signal reaches it) and ganesha.
-    import signal
-    import subprocess
-    import sys
     child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, os.path.dirname(__file__), str(tmp_path / "nfs")],
                              stdout=subprocess.PIPE, text=True)
     try:
