@@ -50,10 +50,10 @@ def _listening(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
-def _registered(port: int) -> bool:
-    """Whether rpcbind lists NFSv3 over TCP at ``port``."""
+def _registered(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether the rpcbind at ``host`` lists NFSv3 over TCP at ``port``."""
     try:
-        out = subprocess.run(["rpcinfo", "-p", "127.0.0.1"], capture_output=True, text=True, timeout=5).stdout
+        out = subprocess.run(["rpcinfo", "-p", host], capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.TimeoutExpired):
         return False
     return any(line.split()[:4] == [str(NFS_PROGRAM), "3", "tcp", str(port)] for line in out.splitlines())
@@ -75,6 +75,9 @@ class NfsServer:
     nfs_port: int = 0
     mount_port: int = 0
     start_timeout_s: float = 20.0
+    # Put before the rpcbind and ganesha command lines, e.g. to run them in another
+    # network namespace (tests/nfs_netns.py); it must exec, so the pids stay theirs.
+    prefix: list[str] = field(default_factory=list)
     _ganesha: subprocess.Popen | None = None
     _rpcbind: subprocess.Popen | None = None
     _own_workdir: bool = False
@@ -108,13 +111,13 @@ class NfsServer:
         return self
 
     def _ensure_rpcbind(self) -> None:
-        if _listening(111):
+        if _listening(111, self.host):
             return  # one already runs (ours from an earlier start, or the machine's)
         # -f: stay in the foreground, so the pid is ours to stop.
-        self._rpcbind = subprocess.Popen([RPCBIND, "-f"], stdin=subprocess.DEVNULL,
+        self._rpcbind = subprocess.Popen(self.prefix + [RPCBIND, "-f"], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 5
-        while not _listening(111):
+        while not _listening(111, self.host):
             if self._rpcbind.poll() is not None or time.monotonic() > deadline:
                 self._rpcbind = None
                 raise NfsServerUnavailable("rpcbind did not start (is port 111 taken?)")
@@ -158,10 +161,10 @@ NFS_KRB5 {{ Active_krb5 = false; }}
 
     def _start_ganesha(self) -> None:
         self._ganesha = subprocess.Popen(
-            [GANESHA, "-F", "-f", self.config_path, "-L", self.log_path, "-p", os.path.join(self.workdir, "pid"),
+            self.prefix + [GANESHA, "-F", "-f", self.config_path, "-L", self.log_path, "-p", os.path.join(self.workdir, "pid"),
              "-N", "NIV_EVENT"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self.start_timeout_s
-        while not (_listening(self.nfs_port) and _registered(self.nfs_port)):
+        while not (_listening(self.nfs_port, self.host) and _registered(self.nfs_port, self.host)):
             if self._ganesha.poll() is not None:
                 rc, self._ganesha = self._ganesha.returncode, None
                 raise NfsServerUnavailable(f"ganesha.nfsd exited ({rc}) at start: {self.log_tail()}")
