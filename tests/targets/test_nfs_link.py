@@ -127,7 +127,8 @@ time.sleep(60)
 def test_nothing_outlives_a_process_killed_with_the_test_bed_up(tmp_path):
     # SIGKILL: no finally, no atexit. The holder's pipe closes; it must take rpcbind
     # (which runs under another uid, so no parent-death signal reaches it) and ganesha.
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), str(tmp_path / "nfs")],
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where nfs_netns.py lives
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, tests, str(tmp_path / "nfs")],
                              stdout=subprocess.PIPE, text=True)
     try:
         line = child.stdout.readline().split()
