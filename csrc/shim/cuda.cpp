@@ -191,8 +191,25 @@ std::string describe(cudaError_t code) {
   return s;
 }
 
+bool is_sticky(cudaError_t code) {
+  // cudaErrorIllegalAddress, cudaErrorAssert, cudaErrorHardwareStackError,
+  // cudaErrorIllegalInstruction, cudaErrorMisalignedAddress,
+  // cudaErrorInvalidAddressSpace, cudaErrorInvalidPc, cudaErrorLaunchFailure.
+  return code == 700 || code == 710 || (code >= 714 && code <= 719);
+}
+
+namespace {
+std::string sticky_note(cudaError_t code) {
+  if (!is_sticky(code)) return "";
+  return ". This error is sticky: an earlier kernel (the program's, not necessarily flashwrite's copies) may have "
+         "faulted, and every later CUDA call of this process fails the same way; nothing was saved or loaded "
+         "by this call. Restart the process (e.g. from the last checkpoint); CUDA_LAUNCH_BLOCKING=1 names the "
+         "kernel that faulted";
+}
+}  // namespace
+
 CudaError::CudaError(cudaError_t code, const std::string& what)
-    : std::runtime_error("CUDA error in " + what + ": " + describe(code)), code_(code) {}
+    : std::runtime_error("CUDA error in " + what + ": " + describe(code) + sticky_note(code)), code_(code) {}
 
 void use_device(int device) {
   // The runtime keeps the current device per thread; so do we, to skip the call.
