@@ -68,6 +68,50 @@ def scenario_sticky_fault(d):
     return out
 
 
+def _in_child(fn, timeout=20):
+    """fn() in a forked child; its JSON answer, or {"hung": True} when it did not end in time."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            out = fn()
+        except BaseException as e:  # noqa: BLE001  (reported to the parent)
+            out = {"error": repr(e)}
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            data = os.read(r, 1 << 16)
+            os.close(r)
+            return json.loads(data)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    os.close(r)
+    return {"hung": True}
+
+
+def scenario_fork_cpu_save(d):
+    """A parent's GPU save pinned the engine's pool; a forked child (a DataLoader worker)
+    saves CPU tensors through the same engine: no CUDA call may be made there."""
+    sd = state()
+    eng, job, _ = save(sd, d + "/parent", lambda k: 0 if k == "a" else -1, [(0, 0)])
+    job.rethrow()
+    pinned = bool(fake.fake_cudart_registered()) and eng.pool_pinned
+
+    def child():
+        _, j, files = save(sd, d + "/child", lambda k: -1, engine=eng)
+        j.rethrow()
+        return {"calls_after_fork": fake.fake_cudart_calls_after_fork(), "pin_error": eng.pin_error,
+                "pinned": eng.pool_pinned}
+
+    return {"parent_pinned": pinned, **_in_child(child)}
+
+
 if __name__ == "__main__":
     name, d = sys.argv[1], sys.argv[2]
     print(json.dumps(globals()["scenario_" + name](d)))

@@ -249,13 +249,16 @@ bool capture_allows_unsafe_call() {
 }
 
 std::atomic<int> init_pid{0};
+std::atomic<int> after_fork_calls{0};  // calls refused because CUDA was initialised before a fork
 // CUDA is initialised by this call (if not yet); false in a process forked
 // after it was.
 bool init_ok() {
   int pid = static_cast<int>(getpid());
   int expected = 0;
   if (init_pid.compare_exchange_strong(expected, pid)) return true;
-  return expected == pid;
+  if (expected == pid) return true;
+  ++after_fork_calls;
+  return false;
 }
 
 // Sticky errors: after an illegal address (or another fault of a kernel) the
@@ -572,6 +575,7 @@ void fake_cudart_fault(int code) {
 }
 // For the tests: what the engine did with the runtime.
 int fake_cudart_registered() { return registered.load(); }
+int fake_cudart_calls_after_fork() { return after_fork_calls.load(); }
 int fake_cudart_copies() { return copies.load(); }
 int fake_cudart_events_live() { return events_live.load(); }
 int fake_cudart_captured() { return captured_ops.load(); }

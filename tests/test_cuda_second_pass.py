@@ -35,6 +35,13 @@ def test_after_a_sticky_fault_gpu_saves_and_loads_fail_at_once_and_say_why(fake_
     for what in ("save", "load"):
         r = out[what]
         assert r["error"] and "cudaErrorIllegalAddress" in r["error"], out
-        assert "sticky" in r["error"] and "earlier one" in r["error"] and "Restart the process" in r["error"], out
+        assert "sticky" in r["error"] and "an earlier kernel" in r["error"] and "Restart the process" in r["error"], out
         assert r["took_s"] < 5, out  # promptly: nothing waits for copies that never land
     assert out["cpu_save_ok"] is True, out
+
+
+def test_forked_child_makes_no_cuda_call_on_a_cpu_save(fake_cudart, tmp_path):
+    out = _fake(fake_cudart, "fork_cpu_save", tmp_path)
+    assert out["parent_pinned"] is True and "hung" not in out and "error" not in out, out
+    # Neither the pool's pin hooks nor the engine's pinning state survived the fork.
+    assert out["calls_after_fork"] == 0 and out["pin_error"] in (None, ""), out
