@@ -127,8 +127,15 @@ int64_t StagingPool::slot_file_offset(const char* slot) const {
   return -1;
 }
 
+namespace {
+std::string prefer_node(void* p, size_t n, int node);
+}  // namespace
+
 // Called under mu_. The file's blocks are allocated up front (fallocate): a
-// full tmpfs then says ENOSPC here instead of SIGBUS on the first fault.
+// full tmpfs then says ENOSPC here instead of SIGBUS on the first fault. The
+// range is mapped and given its NUMA policy first: on tmpfs the policy of a
+// shared mapping is the file's, and fallocate allocates the pages by it (set
+// after, as fill_slab does for private slabs, it would move nothing).
 AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
   file_offset = -1;
   if (!backing_path_.empty() && backing_error_.empty()) {
@@ -142,6 +149,9 @@ AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
         if (::flock(backing_fd_, LOCK_EX | LOCK_NB) != 0) { /* a new name: nobody else holds it */ }
       }
       const uint64_t off = backing_bytes_;
+      AlignedBuffer mem = AlignedBuffer::map_shared(backing_fd_, off, bytes);
+      // Its error, if any, is fill_slab's to report (it sets the policy again).
+      (void)prefer_node(mem.data(), mem.capacity(), numa_node_);
       int rc;
       do rc = ::posix_fallocate(backing_fd_, static_cast<off_t>(off), static_cast<off_t>(bytes));
       while (rc == EINTR);
@@ -150,7 +160,6 @@ AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
         if (::ftruncate(backing_fd_, static_cast<off_t>(off)) != 0) { /* best effort */ }
         throw_errno(rc, "allocate shared staging memory", path, static_cast<int64_t>(off), static_cast<int64_t>(bytes));
       }
-      AlignedBuffer mem = AlignedBuffer::map_shared(backing_fd_, off, bytes);
       backing_bytes_ = off + bytes;
       file_offset = static_cast<int64_t>(off);
       return mem;
