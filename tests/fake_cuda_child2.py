@@ -112,6 +112,13 @@ def scenario_fork_cpu_save(d):
     return {"parent_pinned": pinned, **_in_child(child)}
 
 
+def scenario_capture_mode_after_device(d):
+    """flashwrite's threads set relaxed capture mode only once their device is current."""
+    eng, job, _ = save(state(), d, lambda k: 1 if k == "a" else -1, [(1, 0)])
+    job.rethrow()
+    return {"exchange_without_device": fake.fake_cudart_exchange_without_device()}
+
+
 if __name__ == "__main__":
     name, d = sys.argv[1], sys.argv[2]
     print(json.dumps(globals()["scenario_" + name](d)))

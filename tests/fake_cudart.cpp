@@ -282,6 +282,8 @@ int gate() {
 }
 
 thread_local int current_device = 0;
+thread_local bool device_set = false;  // cudaSetDevice was called on this thread
+std::atomic<int> exchange_without_device{0};  // capture-mode exchanges before it
 std::mutex g_mu;
 std::map<int, Stream*> legacy;  // per-device legacy default stream (handle 0)
 std::atomic<int> copies{0}, registered{0}, events_live{0}, streams_live{0};
@@ -318,6 +320,7 @@ int cudaSetDevice(int d) {
   if (int err = gate()) return err;
   if (d < 0 || d >= env_int("FAKE_CUDART_DEVICES", 1)) return 101;  // cudaErrorInvalidDevice
   current_device = d;
+  device_set = true;
   return 0;
 }
 int cudaHostRegister(void* p, size_t n, unsigned) {
@@ -532,6 +535,7 @@ int cudaStreamIsCapturing(void* s, int* status) {
 }
 int cudaThreadExchangeStreamCaptureMode(int* mode) {
   if (*mode < kModeGlobal || *mode > kModeRelaxed) return kErrInvalidValue;
+  if (!device_set) ++exchange_without_device;  // on CUDA: device 0's context, made here
   std::swap(*mode, thread_mode);
   return 0;
 }
@@ -576,6 +580,7 @@ void fake_cudart_fault(int code) {
 // For the tests: what the engine did with the runtime.
 int fake_cudart_registered() { return registered.load(); }
 int fake_cudart_calls_after_fork() { return after_fork_calls.load(); }
+int fake_cudart_exchange_without_device() { return exchange_without_device.load(); }
 int fake_cudart_copies() { return copies.load(); }
 int fake_cudart_events_live() { return events_live.load(); }
 int fake_cudart_captured() { return captured_ops.load(); }

@@ -45,3 +45,9 @@ def test_forked_child_makes_no_cuda_call_on_a_cpu_save(fake_cudart, tmp_path):
     assert out["parent_pinned"] is True and "hung" not in out and "error" not in out, out
     # Neither the pool's pin hooks nor the engine's pinning state survived the fork.
     assert out["calls_after_fork"] == 0 and out["pin_error"] in (None, ""), out
+
+
+def test_relaxed_capture_mode_is_set_after_the_device(fake_cudart, tmp_path):
+    # A save from cuda:1: no runtime call on a flashwrite thread before its cudaSetDevice.
+    out = _fake(fake_cudart, "capture_mode_after_device", tmp_path, FAKE_CUDART_DEVICES=2)
+    assert out["exchange_without_device"] == 0, out

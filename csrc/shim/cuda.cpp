@@ -215,6 +215,10 @@ void use_device(int device) {
   // The runtime keeps the current device per thread; so do we, to skip the call.
   thread_local int current = -1;
   if (current == device) return;
+  check(runtime().SetDevice(device), "cudaSetDevice", "cuda:" + std::to_string(device));
+  current = device;
+  // After cudaSetDevice: a runtime call on a thread with no current device
+  // may create device 0's primary context.
   thread_local bool relaxed = false;
   if (!relaxed) {
     relaxed = true;
@@ -222,8 +226,6 @@ void use_device(int device) {
     int mode = cudaStreamCaptureModeRelaxed;
     if (rt.ThreadExchangeStreamCaptureMode && rt.ThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) rt.GetLastError();
   }
-  check(runtime().SetDevice(device), "cudaSetDevice", "cuda:" + std::to_string(device));
-  current = device;
 }
 
 void on_device_thread(int device, const std::function<void()>& fn) {
