@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """One script for a short slot on a GPU machine: build flashwrite, run its CUDA tests,
-measure the GPU data path, print a table last. Meant to finish in one call of at most
-10 minutes on one H200 with the defaults (a 32 GiB state with 50,000 small tensors).
+measure the GPU data path, run the GPU tests last (capped), print a table. One call of
+at most 5 minutes on one H200 (16 cores, 128 GiB RAM, 64 GiB disk): the state is sized
+from free disk, memory and GPU memory (at most 16 GiB), the JSON is rewritten after
+every result, and a watchdog ends the run at --budget (exit 3) with what it has.
 With no GPU it runs its CPU-only checks (fork beside the pool), says what it skipped
 and exits 0.
 
@@ -56,6 +58,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from gpu_incremental_check import incremental_check  # noqa: E402  (beside this script)
@@ -375,22 +378,29 @@ def capture_check(dev, base: str) -> dict:
 
     cap_stream = torch.cuda.Stream(dev)
     g2 = torch.cuda.CUDAGraph()
+    t = None  # capture_begin() may raise before the thread exists
+
+    def join():
+        if t is not None:
+            t.join(60)
+            if t.is_alive():
+                res["beside_capture_hung"] = True
     try:
         with torch.cuda.stream(cap_stream):
             g2.capture_begin()  # global mode, without torch.cuda.graph's device synchronize
             t = threading.Thread(target=saver)
             t.start()
-            started.wait()
+            started.wait(60)
             time.sleep(0.5)  # the save's copies land (and our threads synchronise) during the capture
             y2 = x * 3
             g2.capture_end()
-        t.join()
+        join()
         g2.replay()
         torch.cuda.synchronize(dev)
         res["beside_capture_replay_ok"] = bool(torch.equal(y2, x * 3))
     except Exception as e:  # noqa: BLE001
         res["beside_capture_error"] = repr(e)
-        t.join()
+        join()
     res["beside_capture_save"] = out
     if out.get("ok"):
         back = fw.load(path, map_location=None)
@@ -412,11 +422,50 @@ def cpu_checks(base: str) -> dict:
     return res
 
 
-def measure(args) -> dict:
+class Results(dict):
+    """The results, written to the JSON file at every change: a kill loses nothing."""
+
+    def __init__(self, path: str | None):
+        super().__init__()
+        self.path = path
+
+    def flush(self) -> None:
+        if not self.path:
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(self, wall_s=elapsed()), f, indent=1, default=str)
+        os.replace(tmp, self.path)
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        self.flush()
+
+    def update(self, *a, **kw):
+        super().update(*a, **kw)
+        self.flush()
+
+
+def auto_gib(base: str, gpu_free: int | None = None) -> float:
+    """The state size that fits: a quarter of the free disk (a checkpoint, the next one being
+    written, the load's copy), a third of the available memory (the pool holds a whole copy,
+    torch.load another), half of the GPU's free memory; at most 16 GiB, at least 0.25."""
+    os.makedirs(base, exist_ok=True)
+    disk = shutil.disk_usage(base).free / 4
+    mem = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                mem = int(line.split()[1]) * 1024 / 3
+    limits = [disk, mem or disk] + ([gpu_free / 2] if gpu_free else [])
+    return max(0.25, min(16.0, min(limits) / 2**30))
+
+
+def measure(args, res: dict | None = None) -> dict:
     import torch
 
     import flashwrite as fw
-    res: dict = {}
+    res = {} if res is None else res
     base = os.path.abspath(args.dir or os.path.join(REPO, "build", "gpu-check", "ckpt"))
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
@@ -447,6 +496,9 @@ def measure(args) -> dict:
     res["runtime_already_loaded"] = info["cuda"]["via"] == "already loaded"
     log(f"runtime found already loaded (PyTorch's): {res['runtime_already_loaded']}")
 
+    if args.gib is None:
+        args.gib = auto_gib(base, torch.cuda.mem_get_info(dev)[0])
+    res["gib"] = args.gib
     state = make_state(args.gib, dev, args.small)
     ts = tensors_of(state)
     size = nbytes(ts)
@@ -640,33 +692,47 @@ def verdict(res: dict) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gib", type=float, default=32.0, help="size of the GPU state (default 32)")
+    ap.add_argument("--gib", type=float, default=None,
+                    help="size of the GPU state (default: what free disk, memory and GPU memory allow, <= 16)")
     ap.add_argument("--small", type=int, default=50_000, help="small tensors (1-16 KiB) in it (default 50000)")
-    ap.add_argument("--limit-gib", type=float, default=8.0, help="GiB of the state the D2H/H2D limits copy")
+    ap.add_argument("--limit-gib", type=float, default=4.0, help="GiB of the state the D2H/H2D limits copy")
     ap.add_argument("--rounds", type=int, default=3, help="timed saves after the warm-up (default 3)")
     ap.add_argument("--dir", help="where checkpoints go (default build/gpu-check/ckpt in the repo; not tmpfs)")
     ap.add_argument("--writer-options", default="{}", help='JSON for fw.Writer, e.g. \'{"stripes": 8}\'')
     ap.add_argument("--no-build", action="store_true", help="use the flashwrite already importable")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--all-tests", action="store_true", help="also the stand-in CUDA runtime tests of test_cuda.py")
-    ap.add_argument("--test-timeout", type=float, default=150)
-    ap.add_argument("--budget", type=float, default=540, help="seconds the whole run should fit in (default 540)")
+    ap.add_argument("--test-timeout", type=float, default=90, help="cap on the GPU tests, run last (default 90)")
+    ap.add_argument("--budget", type=float, default=290,
+                    help="seconds the whole run may take (default 290); then it writes what it has and exits 3")
     ap.add_argument("--json", help="write the results here (default $OUT/gpu_check.json when $OUT is set)")
     args = ap.parse_args()
 
-    res: dict = {}
+    out = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
+    res = Results(out)
+    res["budget_s"] = args.budget
+
+    def over_budget():  # never hangs: whatever is stuck, the results so far are kept
+        res["killed_by_budget"] = f"still running after {args.budget:.0f} s"
+        log(res["killed_by_budget"] + "; results so far in " + str(out))
+        os._exit(3)
+
+    watchdog = threading.Timer(args.budget, over_budget)
+    watchdog.daemon = True
+    watchdog.start()
     args.built = not args.no_build
     if args.built:
         res.update(build())
         use_site()
-    if not args.skip_tests:
-        res.update(run_tests(min(args.test_timeout, max(30.0, args.budget - elapsed() - 90)), args.all_tests))
-    res.update(measure(args))
+    measure(args, res)
+    if not args.skip_tests:  # last, capped by what is left of the budget
+        left = args.budget - elapsed() - 15
+        if left > 20:
+            res.update(run_tests(min(args.test_timeout, left), args.all_tests))
+        else:
+            res["tests_skipped"] = f"no time left ({left:.0f} s)"
+    watchdog.cancel()
     res["wall_s"] = elapsed()
-    out = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
     print()
     print(table(res), flush=True)
     ok = verdict(res)

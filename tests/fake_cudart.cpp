@@ -43,7 +43,11 @@
 // copy), FAKE_CUDART_FAIL_COPY (the N-th cudaMemcpyAsync returns
 // cudaErrorIllegalAddress), FAKE_CUDART_FAIL_RECORD (the N-th cudaEventRecord
 // fails likewise), FAKE_CUDART_FAIL_REGISTER=1 (cudaHostRegister fails),
-// FAKE_CUDART_ALLOW_PAGEABLE=1 (see above), FAKE_CUDART_NO_DRIVER=<text>
+// FAKE_CUDART_FAIL_CODE (what those failures return, default 700; a sticky code
+// (700, 710, 714-719) makes every later call that needs the context, and
+// cudaGetLastError, return it for the rest of the process, as CUDA does; 1,
+// cudaErrorInvalidValue, is not sticky), FAKE_CUDART_ALLOW_PAGEABLE=1 (see
+// above), FAKE_CUDART_NO_DRIVER=<text>
 // (cudaGetDeviceCount fails with cudaErrorInsufficientDriver in a copy of the
 // stand-in whose file path contains <text>: a runtime too new for the driver).
 // Build: c++ -std=c++17 -O1 -shared -fPIC -o libfakecudart.so fake_cudart.cpp -lpthread
@@ -245,16 +249,41 @@ bool capture_allows_unsafe_call() {
 }
 
 std::atomic<int> init_pid{0};
+std::atomic<int> after_fork_calls{0};  // calls refused because CUDA was initialised before a fork
 // CUDA is initialised by this call (if not yet); false in a process forked
 // after it was.
 bool init_ok() {
   int pid = static_cast<int>(getpid());
   int expected = 0;
   if (init_pid.compare_exchange_strong(expected, pid)) return true;
-  return expected == pid;
+  if (expected == pid) return true;
+  ++after_fork_calls;
+  return false;
+}
+
+// Sticky errors: after an illegal address (or another fault of a kernel) the
+// context is unusable and every later call returns the same error, as on CUDA.
+std::atomic<int> sticky{0};
+bool is_sticky(int code) { return code == 700 || code == 710 || (code >= 714 && code <= 719); }
+// What a failure injected by FAKE_CUDART_FAIL_COPY/_RECORD returns:
+// FAKE_CUDART_FAIL_CODE (default 700, cudaErrorIllegalAddress, which is sticky).
+int injected_failure() {
+  int code = env_int("FAKE_CUDART_FAIL_CODE", 700);
+  if (is_sticky(code)) {
+    int zero = 0;
+    sticky.compare_exchange_strong(zero, code);
+  }
+  return code;
+}
+// The error every call that needs the context returns now, or 0.
+int gate() {
+  if (!init_ok()) return kErrInitialization;
+  return sticky.load();
 }
 
 thread_local int current_device = 0;
+thread_local bool device_set = false;  // cudaSetDevice was called on this thread
+std::atomic<int> exchange_without_device{0};  // capture-mode exchanges before it
 std::mutex g_mu;
 std::map<int, Stream*> legacy;  // per-device legacy default stream (handle 0)
 std::atomic<int> copies{0}, registered{0}, events_live{0}, streams_live{0};
@@ -283,18 +312,19 @@ int cudaGetDeviceCount(int* n) {
   return 0;
 }
 int cudaGetDevice(int* d) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   *d = current_device;
   return 0;
 }
 int cudaSetDevice(int d) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   if (d < 0 || d >= env_int("FAKE_CUDART_DEVICES", 1)) return 101;  // cudaErrorInvalidDevice
   current_device = d;
+  device_set = true;
   return 0;
 }
 int cudaHostRegister(void* p, size_t n, unsigned) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   if (env_int("FAKE_CUDART_FAIL_REGISTER", 0)) return 2;  // cudaErrorMemoryAllocation
   // Pinning tens of GiB takes seconds on real hardware.
@@ -312,7 +342,7 @@ int cudaHostRegister(void* p, size_t n, unsigned) {
   return 0;
 }
 int cudaHostUnregister(void* p) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   {
     std::lock_guard<std::mutex> lk(mem_mu);
@@ -322,7 +352,7 @@ int cudaHostUnregister(void* p) {
   return 0;
 }
 int cudaMalloc(void** p, size_t n) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   *p = device_malloc(n);
   return *p ? 0 : 2;  // cudaErrorMemoryAllocation
@@ -336,9 +366,9 @@ int cudaFree(void* p) {
   return 0;
 }
 int cudaMemcpyAsync(void* dst, const void* src, size_t n, int kind, void* stream) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   int k = ++copies;
-  if (k == env_int("FAKE_CUDART_FAIL_COPY", 0)) return 700;  // cudaErrorIllegalAddress
+  if (k == env_int("FAKE_CUDART_FAIL_COPY", 0)) return injected_failure();
   char* to = nullptr;
   const char* from = nullptr;
   const void* host = nullptr;
@@ -375,24 +405,25 @@ int cudaMemcpyAsync(void* dst, const void* src, size_t n, int kind, void* stream
   return 0;
 }
 int cudaStreamCreateWithFlags(void** s, unsigned) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   *s = new Stream();
   ++streams_live;
   return 0;
 }
 int cudaStreamDestroy(void* s) {
+  if (int e = sticky.load()) return e;  // the stream is not drained: the context is gone
   S(s)->sync();
   --streams_live;  // the worker thread and the object are leaked on purpose
   return 0;
 }
 int cudaStreamSynchronize(void* s) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   S(s)->sync();
   return 0;
 }
 int cudaEventCreateWithFlags(void** e, unsigned) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   *e = new Event();
   ++events_live;
   return 0;
@@ -405,9 +436,9 @@ int cudaEventDestroy(void* e) {
   return 0;
 }
 int cudaEventRecord(void* e, void* s) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   static std::atomic<int> records{0};
-  if (++records == env_int("FAKE_CUDART_FAIL_RECORD", 0)) return 700;  // cudaErrorIllegalAddress
+  if (++records == env_int("FAKE_CUDART_FAIL_RECORD", 0)) return injected_failure();
   auto* ev = static_cast<Event*>(e);
   unsigned long long gen;
   {
@@ -426,7 +457,7 @@ int cudaEventRecord(void* e, void* s) {
   return 0;
 }
 int cudaStreamWaitEvent(void* s, void* e, unsigned) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   auto* ev = static_cast<Event*>(e);
   unsigned long long gen;
   {
@@ -441,7 +472,7 @@ int cudaStreamWaitEvent(void* s, void* e, unsigned) {
   return 0;
 }
 int cudaEventSynchronize(void* e) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   auto* ev = static_cast<Event*>(e);
   unsigned long long gen;
@@ -453,12 +484,13 @@ int cudaEventSynchronize(void* e) {
   return 0;
 }
 int cudaEventQuery(void* e) {
+  if (int err = gate()) return err;
   auto* ev = static_cast<Event*>(e);
   std::lock_guard<std::mutex> lk(ev->mu);
   return ev->completed >= ev->recorded ? 0 : 600;
 }
 int cudaStreamBeginCapture(void* s, int mode) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   if (!s) return kErrInvalidValue;  // the legacy stream cannot be captured
   Stream* st = S(s);
   std::lock_guard<std::mutex> lk(cap_mu);
@@ -471,7 +503,7 @@ int cudaStreamBeginCapture(void* s, int mode) {
   return 0;
 }
 int cudaStreamEndCapture(void* s, void** graph) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   Stream* st = S(s);
   std::lock_guard<std::mutex> lk(cap_mu);
   *graph = nullptr;
@@ -485,7 +517,7 @@ int cudaStreamEndCapture(void* s, void** graph) {
 // FAKE_CUDART_PCI_BUS_ID names the device's PCI slot (a real one of this
 // machine, so /sys/bus/pci/devices/<id>/numa_node exists); unset: not supported.
 int cudaDeviceGetPCIBusId(char* buf, int len, int device) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   if (device < 0 || device >= env_int("FAKE_CUDART_DEVICES", 1)) return 101;  // cudaErrorInvalidDevice
   const char* id = std::getenv("FAKE_CUDART_PCI_BUS_ID");
   if (!id || !*id) return 801;  // cudaErrorNotSupported
@@ -495,7 +527,7 @@ int cudaDeviceGetPCIBusId(char* buf, int len, int device) {
 }
 
 int cudaStreamIsCapturing(void* s, int* status) {
-  if (!init_ok()) return kErrInitialization;
+  if (int err = gate()) return err;
   Stream* st = S(s);
   std::lock_guard<std::mutex> lk(cap_mu);
   *status = !st->capturing ? 0 : st->invalidated ? 2 : 1;
@@ -503,11 +535,12 @@ int cudaStreamIsCapturing(void* s, int* status) {
 }
 int cudaThreadExchangeStreamCaptureMode(int* mode) {
   if (*mode < kModeGlobal || *mode > kModeRelaxed) return kErrInvalidValue;
+  if (!device_set) ++exchange_without_device;  // on CUDA: device 0's context, made here
   std::swap(*mode, thread_mode);
   return 0;
 }
 
-int cudaGetLastError() { return 0; }
+int cudaGetLastError() { return sticky.load(); }  // a sticky error is never cleared
 const char* cudaGetErrorString(int e) {
   return e == 700   ? "an illegal memory access was encountered (fake)"
          : e == 3   ? "initialization error (fake: CUDA was initialised before this process forked)"
@@ -539,8 +572,15 @@ int cudaDriverGetVersion(int* v) {
   return 0;
 }
 
+// For the tests: a kernel of the caller's faulted (code: e.g. 700, sticky).
+void fake_cudart_fault(int code) {
+  int zero = 0;
+  if (is_sticky(code)) sticky.compare_exchange_strong(zero, code);
+}
 // For the tests: what the engine did with the runtime.
 int fake_cudart_registered() { return registered.load(); }
+int fake_cudart_calls_after_fork() { return after_fork_calls.load(); }
+int fake_cudart_exchange_without_device() { return exchange_without_device.load(); }
 int fake_cudart_copies() { return copies.load(); }
 int fake_cudart_events_live() { return events_live.load(); }
 int fake_cudart_captured() { return captured_ops.load(); }

@@ -80,8 +80,18 @@ void Engine::reserve(uint64_t bytes, int device) {
 }
 
 // Later slabs are pinned as they are created (the hooks stay set).
+void Engine::adopt_after_fork() {
+  const int pid = ::getpid();
+  if (cuda_pid_ == pid) return;
+  if (cuda_pid_ && streams_) new std::shared_ptr<CopyStreams>(std::move(streams_));  // leaked on purpose
+  streams_.reset();
+  pinning_ = false;  // the pool dropped the parent's pin hooks too (StagingPool on fork())
+  cuda_pid_ = pid;
+}
+
 void Engine::pin_pool(int device) {
   std::lock_guard<std::mutex> lk(cuda_mu_);
+  adopt_after_fork();
   if (pinning_) return;
   pinning_ = true;
   // Slabs made from now on are faulted in on the GPU's node: DMA from memory
@@ -92,6 +102,7 @@ void Engine::pin_pool(int device) {
 
 std::shared_ptr<CopyStreams> Engine::copy_streams() {
   std::lock_guard<std::mutex> lk(cuda_mu_);
+  adopt_after_fork();
   if (!streams_) streams_ = std::make_shared<CopyStreams>();
   return streams_;
 }

@@ -66,8 +66,13 @@ class Engine {
   std::shared_ptr<CopyStreams> copy_streams();
 
   std::shared_ptr<StagingPool> pool_;
-  std::mutex cuda_mu_;  // guards pinning_ and streams_
+  // In a forked child: drops the parent's pinning state and copy streams
+  // (never destroyed here: CUDA cannot be called). Under cuda_mu_.
+  void adopt_after_fork();
+
+  std::mutex cuda_mu_;  // guards pinning_, streams_ and cuda_pid_
   bool pinning_ = false;
+  int cuda_pid_ = 0;  // the process pinning_ and streams_ belong to
   bool numa_given_ = false;  // FLASHWRITE_STAGING_NUMA_NODE chose the pool's node
   std::shared_ptr<CopyStreams> streams_;
   const std::shared_ptr<PinError> pin_error_ = std::make_shared<PinError>();

@@ -191,13 +191,34 @@ std::string describe(cudaError_t code) {
   return s;
 }
 
+bool is_sticky(cudaError_t code) {
+  // cudaErrorIllegalAddress, cudaErrorAssert, cudaErrorHardwareStackError,
+  // cudaErrorIllegalInstruction, cudaErrorMisalignedAddress,
+  // cudaErrorInvalidAddressSpace, cudaErrorInvalidPc, cudaErrorLaunchFailure.
+  return code == 700 || code == 710 || (code >= 714 && code <= 719);
+}
+
+namespace {
+std::string sticky_note(cudaError_t code) {
+  if (!is_sticky(code)) return "";
+  return ". This error is sticky: an earlier kernel (the program's, not necessarily flashwrite's copies) may have "
+         "faulted, and every later CUDA call of this process fails the same way; nothing was saved or loaded "
+         "by this call. Restart the process (e.g. from the last checkpoint); CUDA_LAUNCH_BLOCKING=1 names the "
+         "kernel that faulted";
+}
+}  // namespace
+
 CudaError::CudaError(cudaError_t code, const std::string& what)
-    : std::runtime_error("CUDA error in " + what + ": " + describe(code)), code_(code) {}
+    : std::runtime_error("CUDA error in " + what + ": " + describe(code) + sticky_note(code)), code_(code) {}
 
 void use_device(int device) {
   // The runtime keeps the current device per thread; so do we, to skip the call.
   thread_local int current = -1;
   if (current == device) return;
+  check(runtime().SetDevice(device), "cudaSetDevice", "cuda:" + std::to_string(device));
+  current = device;
+  // After cudaSetDevice: a runtime call on a thread with no current device
+  // may create device 0's primary context.
   thread_local bool relaxed = false;
   if (!relaxed) {
     relaxed = true;
@@ -205,8 +226,6 @@ void use_device(int device) {
     int mode = cudaStreamCaptureModeRelaxed;
     if (rt.ThreadExchangeStreamCaptureMode && rt.ThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) rt.GetLastError();
   }
-  check(runtime().SetDevice(device), "cudaSetDevice", "cuda:" + std::to_string(device));
-  current = device;
 }
 
 void on_device_thread(int device, const std::function<void()>& fn) {

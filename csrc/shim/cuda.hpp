@@ -125,6 +125,11 @@ class CudaError : public std::runtime_error {
   cudaError_t code_;
 };
 
+// An error that leaves the context unusable (an illegal address, a kernel's
+// assert or fault): every later call of the process returns it. CudaError's
+// text then says an earlier kernel may have faulted.
+bool is_sticky(cudaError_t code);
+
 // "an illegal memory access was encountered (cudaErrorIllegalAddress)".
 std::string describe(cudaError_t code);
 

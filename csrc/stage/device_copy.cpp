@@ -102,6 +102,19 @@ void CopyPipeline::order_after(const std::vector<StreamRef>& callers) {
   }
 }
 
+void CopyPipeline::order_before(const std::vector<StreamRef>& callers) {
+  const Runtime& rt = require("ordering the caller's stream after GPU copies");
+  std::lock_guard<std::mutex> issue_lk(issue_mu_);  // after every batch issued so far
+  for (const StreamRef& c : callers) {
+    cudaStream_t ours = streams_->stream(c.device);
+    cudaEvent_t ev = streams_->take_event(c.device);
+    cudaError_t e = rt.EventRecord(ev, ours);
+    if (e == cudaSuccess) e = rt.StreamWaitEvent(reinterpret_cast<cudaStream_t>(c.handle), ev, 0);
+    streams_->give_event(c.device, ev);
+    check(e, "ordering the caller's stream after the snapshot's copies", "cuda:" + std::to_string(c.device));
+  }
+}
+
 std::vector<DeviceCopy> coalesce(const std::vector<DeviceCopy>& copies) {
   std::vector<DeviceCopy> out;
   out.reserve(copies.size());

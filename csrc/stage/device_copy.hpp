@@ -88,9 +88,15 @@ class CopyPipeline {
   // stream, cudaStreamWaitEvent on ours). Every later copy on that device is
   // ordered after it. The reverse does not hold: work the caller queues on its
   // stream afterwards is not ordered after our copies and may change a source
-  // before its copy lands (block=False); only waiting for the landing callbacks
-  // (staged) makes the snapshot safe from it. Throws CudaError.
+  // before its copy lands unless order_before() follows the last issue().
+  // Throws CudaError.
   void order_after(const std::vector<StreamRef>& callers);
+  // Makes each caller's stream wait for every copy issued so far on its device
+  // (cudaEventRecord on our stream, cudaStreamWaitEvent on theirs): the GPU
+  // work the caller queues afterwards (an optimizer step after a block=False
+  // save) runs only once the snapshot's copies are done. The CPU does not wait.
+  // Throws CudaError.
+  void order_before(const std::vector<StreamRef>& callers);
   // Enqueues the copies (asynchronous) and returns; blocks while max_pending
   // batches have not landed. Copies that continue each other on both ends (the
   // small tensors of a chunk gathered into one device buffer, in file order)

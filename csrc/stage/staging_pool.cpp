@@ -4,6 +4,7 @@
 #include "core/error.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -12,6 +13,9 @@
 #include <cstring>
 
 #include <chrono>
+#include <cstdlib>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
@@ -19,12 +23,47 @@
 
 namespace fw {
 
+// fork(): a copy or write thread may hold a pool's lock at the moment another
+// thread forks (DataLoader workers fork during saves); the child would inherit
+// it locked, with no thread to unlock it, and hang at its first save. The
+// pthread_atfork handlers take every live pool's lock before the fork and give
+// it back on both sides, so the child starts with them free.
+namespace {
+struct PoolRegistry {
+  std::mutex mu;
+  std::set<StagingPool*> pools;
+};
+PoolRegistry& registry() {
+  static auto* r = new PoolRegistry();  // never destroyed: a fork at exit still finds it
+  return *r;
+}
+}  // namespace
+
+void StagingPool::before_fork() {
+  registry().mu.lock();
+  for (StagingPool* p : registry().pools) p->mu_.lock();
+}
+
+void StagingPool::after_fork() {
+  for (StagingPool* p : registry().pools) p->mu_.unlock();
+  registry().mu.unlock();
+}
+
 StagingPool::StagingPool(size_t slot_bytes, size_t max_bytes)
     : slot_bytes_(slot_bytes), max_slots_(max_bytes ? std::max<size_t>(2, max_bytes / slot_bytes) : 0), owner_pid_(::getpid()) {
   if (slot_bytes == 0 || slot_bytes % kAlign) throw std::invalid_argument("chunk_bytes must be a positive multiple of 4096");
+  if (const char* h = std::getenv("FLASHWRITE_TEST_POOL_LOCK_HOLD_US")) test_hold_us_ = std::atoi(h);
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(&StagingPool::before_fork, &StagingPool::after_fork, &StagingPool::after_fork); });
+  std::lock_guard<std::mutex> lk(registry().mu);
+  registry().pools.insert(this);
 }
 
 StagingPool::~StagingPool() {
+  {
+    std::lock_guard<std::mutex> reg(registry().mu);
+    registry().pools.erase(this);
+  }
   std::lock_guard<std::mutex> lk(mu_);
   adopt_after_fork();
   for (auto& s : slabs_)
@@ -49,6 +88,9 @@ bool StagingPool::adopt_after_fork() {
   if (!backing_path_.empty() && backing_error_.empty())
     backing_error_ = "the shared staging file " + backing_path_ + " belongs to process " + std::to_string(owner_pid_) +
                      ", of which this process is a fork: staging into private memory instead";
+  // CUDA cannot be used in a child forked after it was initialised: the
+  // parent's pin hooks would call cudaSetDevice and cudaHostRegister here.
+  hooks_ = PinHooks{};
   owner_pid_ = pid;
   forked_ = true;
   return true;
@@ -85,8 +127,15 @@ int64_t StagingPool::slot_file_offset(const char* slot) const {
   return -1;
 }
 
+namespace {
+std::string prefer_node(void* p, size_t n, int node);
+}  // namespace
+
 // Called under mu_. The file's blocks are allocated up front (fallocate): a
-// full tmpfs then says ENOSPC here instead of SIGBUS on the first fault.
+// full tmpfs then says ENOSPC here instead of SIGBUS on the first fault. The
+// range is mapped and given its NUMA policy first: on tmpfs the policy of a
+// shared mapping is the file's, and fallocate allocates the pages by it (set
+// after, as fill_slab does for private slabs, it would move nothing).
 AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
   file_offset = -1;
   if (!backing_path_.empty() && backing_error_.empty()) {
@@ -100,6 +149,9 @@ AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
         if (::flock(backing_fd_, LOCK_EX | LOCK_NB) != 0) { /* a new name: nobody else holds it */ }
       }
       const uint64_t off = backing_bytes_;
+      AlignedBuffer mem = AlignedBuffer::map_shared(backing_fd_, off, bytes);
+      // Its error, if any, is fill_slab's to report (it sets the policy again).
+      (void)prefer_node(mem.data(), mem.capacity(), numa_node_);
       int rc;
       do rc = ::posix_fallocate(backing_fd_, static_cast<off_t>(off), static_cast<off_t>(bytes));
       while (rc == EINTR);
@@ -108,7 +160,6 @@ AlignedBuffer StagingPool::new_slab_memory(size_t bytes, int64_t& file_offset) {
         if (::ftruncate(backing_fd_, static_cast<off_t>(off)) != 0) { /* best effort */ }
         throw_errno(rc, "allocate shared staging memory", path, static_cast<int64_t>(off), static_cast<int64_t>(bytes));
       }
-      AlignedBuffer mem = AlignedBuffer::map_shared(backing_fd_, off, bytes);
       backing_bytes_ = off + bytes;
       file_offset = static_cast<int64_t>(off);
       return mem;
@@ -320,6 +371,8 @@ void StagingPool::release(char* slot) {
     std::lock_guard<std::mutex> lk(mu_);
     if ((adopt_after_fork() || forked_) && !owns(slot)) return;  // a slot of the parent's
     free_.push_back(slot);
+    // Test only: the lock is held a while, so a fork from another thread finds it taken.
+    if (test_hold_us_) std::this_thread::sleep_for(std::chrono::microseconds(test_hold_us_));
   }
   // All waiters: one of them may be waiting only for its interrupt and would
   // swallow a notify_one meant for a waiter that needs the slot.

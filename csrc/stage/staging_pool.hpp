@@ -143,6 +143,10 @@ class StagingPool {
   // reserve(), set_pin_hooks() and trim() wait for it (cv_), so one slab at a
   // time changes and a reserve() finds the slots the growth made.
   bool busy_ = false;
+  // pthread_atfork handlers: every live pool's lock is held across fork().
+  static void before_fork();
+  static void after_fork();
+  int test_hold_us_ = 0;  // FLASHWRITE_TEST_POOL_LOCK_HOLD_US: release() holds mu_ this long
   int owner_pid_;       // the process the slabs belong to
   bool forked_ = false;  // adopted after a fork: release() checks its slots
 };

@@ -121,11 +121,9 @@ void SaveJob::start() {
     throw;
   }
   if (!device_chunks_.empty()) {
-    // Return only once the copy streams wait for the callers' streams: the
-    // copies then come after everything queued so far. Work the caller queues
-    // after this call (the next optimizer step) is not ordered after them: it
-    // may change a tensor before its copy lands, unless the caller waits for
-    // staging first (block=True does; with block=False the docstring says so).
+    // Return only once the copies are ordered both ways: after the work queued
+    // so far on the callers' streams, and before what they queue next (the
+    // next optimizer step waits on the GPU for the snapshot's copies).
     std::unique_lock<std::mutex> lk(ctl_.mutex());
     ctl_.cv().wait(lk, [&] { return fenced_ || ctl_.done(); });
   }

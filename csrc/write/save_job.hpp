@@ -5,10 +5,11 @@
 // Segments whose source is on a GPU (device >= 0) are copied into their slots
 // by the CUDA copy engine (stage/device_copy.hpp) on the engine's streams,
 // ordered after the callers' streams, and checksummed on the host once landed;
-// start() returns only after that ordering is in place: work the caller queues
-// on those streams afterwards runs after the copies were ordered, but with
-// block=False it can still run before they land, so the caller must not
-// change the tensors until wait_staged() (Python's docstring says so).
+// start() returns only once every copy is enqueued and the callers' streams
+// wait for them (a "copies done" event): GPU work the caller queues afterwards
+// runs after the snapshot's copies, so block=False cannot tear it. The CPU does
+// not wait for the copies; with a pool smaller than the save it waits until the
+// last GPU chunk has a slot.
 //
 // Lifetime: the segment sources must stay valid until wait_staged() returns
 // true; the binding keeps the owning Python objects alive until then. Worker

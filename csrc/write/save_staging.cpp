@@ -167,11 +167,19 @@ void SaveJob::stage_device_chunks() {
   } catch (...) {
     fail(std::current_exception());
   }
-  {
-    std::lock_guard<std::mutex> lk(ctl_.mutex());
-    fenced_ = true;
-  }
-  ctl_.notify();
+  // start() returns once fenced_: every copy is enqueued and the callers'
+  // streams wait for them, so what the caller queues next cannot tear the
+  // snapshot (with a pool smaller than the save, that is once the last chunk
+  // got a slot: the caller's thread waits for the writes that free them).
+  auto fence = [this] {
+    {
+      std::lock_guard<std::mutex> lk(ctl_.mutex());
+      if (fenced_) return;
+      fenced_ = true;
+    }
+    ctl_.notify();
+  };
+  if (!pipe) fence();
   if (pipe) {
     try {
       std::vector<DeviceCopy> copies;
@@ -193,9 +201,12 @@ void SaveJob::stage_device_chunks() {
         requests_[ci].buf = slot;
         pipe->issue(copies, [this, ci](bool ok) { landed(ci, ok); });
       }
+      // A failed save needs no order (and its first error is the copy's).
+      if (!pipe->failed() && !ctl_.cancelled()) pipe->order_before(opt_.wait_streams);
     } catch (...) {
       fail(std::current_exception());
     }
+    fence();
     try {
       pipe->finish();  // every issued copy has landed (or failed) after this
     } catch (...) {

@@ -100,7 +100,8 @@ def test_a_bounded_pool_that_holds_the_save_links(fake_cudart, tmp_path):
 
 
 def test_a_copy_error_releases_every_held_slot(fake_cudart, tmp_path):
-    out = _run(fake_cudart, "copy_fails", tmp_path, FAKE_CUDART_FAIL_COPY=3, FAKE_CUDART_COPY_DELAY_US=100)
+    out = _run(fake_cudart, "copy_fails", tmp_path, FAKE_CUDART_FAIL_COPY=3, FAKE_CUDART_COPY_DELAY_US=100,
+               FAKE_CUDART_FAIL_CODE=1)  # not sticky, so the engine saves again
     assert out["error"], out  # the failed copy is the save's error
     assert all(r[0] in (UNDECIDED, LINKED) for r in out["results"])
     assert out["trimmed"] > 0  # no slot was left parked

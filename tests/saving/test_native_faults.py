@@ -62,7 +62,8 @@ def test_thread_creation_failing_anywhere_never_crashes_hangs_or_leaks(tmp_path)
 def test_copy_batch_without_an_event_fails_the_save_cleanly(fake_cudart, tmp_path):
     # issue() records no event when cudaEventRecord fails; land() then synchronizes the
     # stream, outside any try before this change (a throw there terminated the process).
-    out = _child("record_fails", tmp_path, {"FLASHWRITE_CUDA_RUNTIME": fake_cudart, "FAKE_CUDART_FAIL_RECORD": "2"})
+    out = _child("record_fails", tmp_path, {"FLASHWRITE_CUDA_RUNTIME": fake_cudart, "FAKE_CUDART_FAIL_RECORD": "2",
+                                             "FAKE_CUDART_FAIL_CODE": "1"})  # not sticky: the engine goes on
     assert out["finished"] is True and out["error"] and "cudaEventRecord" in out["error"], out
     assert out["second_ok"] is True and out["pool_bytes"] <= 4 << 20, out
 

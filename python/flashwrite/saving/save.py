@@ -254,7 +254,10 @@ class Writer:
 
         Returns once every tensor is copied into the staging pool (block=True):
         the caller may then modify its tensors. With block=False it returns as soon
-        as the copies are started; call ``wait_staged()`` before mutating them.
+        as the copies are queued: GPU work queued afterwards on the current stream
+        (the next optimizer step) waits on the GPU for the copies of GPU tensors;
+        CPU tensors, and GPU tensors changed from other streams, need
+        ``wait_staged()`` before they change.
         A target that exists or cannot be created raises here; failures while
         writing (no space, I/O errors) are raised by the future.
 
