@@ -15,8 +15,11 @@ from cuda_fixtures import fake_cudart  # noqa: F401  (the stand-in CUDA runtime)
 # here. A few test modules import another's helpers by name across folders (test_ops_ls
 # the tier's spawn helpers, test_incremental_dcp the DCP states): every folder is on the path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[1:1] = sorted(os.path.join(_HERE, d) for d in os.listdir(_HERE)
-                       if os.path.isdir(os.path.join(_HERE, d)) and d not in ("data", "__pycache__"))
+_FOLDERS = sorted(os.path.join(_HERE, d) for d in os.listdir(_HERE)
+                  if os.path.isdir(os.path.join(_HERE, d)) and d not in ("data", "__pycache__"))
+sys.path[1:1] = _FOLDERS
+# ... and for the child processes tests start that import a test module by name.
+os.environ["PYTHONPATH"] = os.pathsep.join([_HERE, *_FOLDERS, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 # Bounds what one test may write (see disk_guard.py): a runaway test fails alone.
 pytest_plugins = ["disk_guard", "pytester"]

@@ -48,7 +48,7 @@ def hold_commits(writer):
 
 def test_exported():
     assert "CheckpointManager" in fw.__all__
-    assert fw.CheckpointManager is fw.manager.CheckpointManager
+    assert fw.CheckpointManager is fw.manager.manager.CheckpointManager
 
 
 def test_every_n_steps_saves_exactly_the_due_steps(tmp_path, small_writer):
