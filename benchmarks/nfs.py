@@ -58,18 +58,22 @@ def proc_cpu(pid: int | None) -> float:
 
 
 class Timed:
-    """Wall time, this process's CPU time and the server's CPU time of a block."""
+    """Wall time, this process's CPU time (child=True: its finished children's, for a tool
+    run as a subprocess) and the server's CPU time of a block."""
 
-    def __init__(self, server: NfsServer):
-        self.server = server
+    def __init__(self, server: NfsServer, child: bool = False):
+        self.server, self.child = server, child
+
+    def _cpu(self) -> float:
+        return children_cpu() if self.child else time.process_time()
 
     def __enter__(self) -> Timed:
-        self.t0, self.c0, self.s0 = time.perf_counter(), time.process_time(), proc_cpu(self.server.pid)
+        self.t0, self.c0, self.s0 = time.perf_counter(), self._cpu(), proc_cpu(self.server.pid)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self.t0
-        self.cpu = time.process_time() - self.c0
+        self.cpu = self._cpu() - self.c0
         self.server_cpu = proc_cpu(self.server.pid) - self.s0
 
 

@@ -32,32 +32,13 @@ import time
 import uuid
 
 import flashwrite as fw
-from nfs import children_cpu, make_state, proc_cpu, rm
+from nfs import Timed, make_state, rm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from nfs_netns import LinkedNfsServer, ShapedLink, tcp_ceiling  # noqa: E402
 from nfs_server import Export  # noqa: E402
 
 GIB = 1 << 30
-
-
-class Timed:
-    """Wall time, this process's CPU time and the server's CPU time of a block."""
-
-    def __init__(self, server: LinkedNfsServer, child: bool = False):
-        self.server, self.child = server, child
-
-    def _cpu(self) -> float:
-        return children_cpu() if self.child else time.process_time()
-
-    def __enter__(self) -> Timed:
-        self.t0, self.c0, self.s0 = time.perf_counter(), self._cpu(), proc_cpu(self.server.pid)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.perf_counter() - self.t0
-        self.cpu = self._cpu() - self.c0
-        self.server_cpu = proc_cpu(self.server.pid) - self.s0
 
 
 def _fig(save: Timed, load: Timed) -> dict:
