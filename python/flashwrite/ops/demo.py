@@ -279,5 +279,6 @@ def main(size: int, directory: str, device_tool: str = "auto", drop_caches: bool
             f.write("\n")
     bad = [r for r in res["rows"] if r.get("status") != "ok" or r.get("load_check") != "ok"]
     for r in bad:
-        print(f"error: {r['name']}: {r.get('status')} {r.get('load_check', '')}", file=sys.stderr)
+        what = r["status"] if r["status"] != "ok" else f"load check failed: {r['load_check']}"
+        print(f"error: {r['name']}: {what}", file=sys.stderr)
     return 1 if bad else 0
