@@ -235,6 +235,41 @@ def test_the_private_walker_sees_each_kind_of_reach_through(tmp_path):
     assert imports_in_functions(str(pkg)) == [("pkg.c", 2, False), ("pkg.c", 8, True)]
 
 
+def folder_graph(graph: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """Which folder of the package imports which other folder (a module at the top, the
+    package's face, is no folder: every folder may use the face, and the face hands
+    every folder's public names on)."""
+    graph = import_graph() if graph is None else graph
+    root = os.path.basename(PKG_DIR)
+
+    def folder(mod: str) -> str | None:
+        parts = mod.split(".")
+        if len(parts) < 2 or parts[0] != root:
+            return None
+        sub = os.path.join(PKG_DIR, parts[1])
+        return parts[1] if os.path.isdir(sub) else None
+
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        a = folder(mod)
+        if a is None:
+            continue
+        for d in deps:
+            b = folder(d)
+            if b is not None and b != a:
+                out.setdefault(a, set()).add(b)
+    return out
+
+
+def test_no_two_folders_import_each_other():
+    """The folders stand in floors: a folder never imports one that imports it back
+    (saving calls incremental and loading, never the reverse; see CONTRIBUTING.md)."""
+    folders = folder_graph()
+    assert "incremental" in folders["saving"] and "layout" in folders["incremental"]
+    mutual = sorted((a, b) for a, bs in folders.items() for b in bs if a < b and a in folders.get(b, ()))
+    assert mutual == []
+
+
 if __name__ == "__main__":  # print the graph (of the package dir given, or this one), one module a line
     import sys
 

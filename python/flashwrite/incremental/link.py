@@ -69,11 +69,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import compare, held
-from ..saving.commit import parse_temp_name
+from ..layout.names import parse_temp_name
 from ..errors import FlashwriteError
 from ..state.flatten import Columns
 from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, read_manifest
-from ..saving.plan import PlannedFile, plan_files, stripe_name
+from ..layout.plan import PlannedFile, plan_files, stripe_name
 from ..targets.target import LOCAL, Target
 
 log = logging.getLogger("flashwrite")

@@ -1,6 +1,7 @@
 """Multi-rank checkpoints on torch.distributed.
 
-The commit protocol of a multi-rank save, and the multi-rank load. Every rank
+The commit protocol of a multi-rank save (the multi-rank load is
+``loading.load.load_rank``). Every rank
 stages and writes its own stripes (``model-rank00003-00001-of-00004.safetensors``)
 into one shared temporary directory, at the same time. flashwrite's own gloo
 group (``coord.py``), never the training group, then carries the coordination,
@@ -53,7 +54,6 @@ import torch
 import torch.distributed as dist
 
 from . import commit
-from .. import defaults
 from ..tier import neighbour
 from ..incremental import link as _incremental
 from ..system.coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
@@ -61,8 +61,7 @@ from ..errors import DistributedSaveError, FlashwriteError
 from ..format import build_index, merge_manifests, parse_manifest
 from ..future import SaveFuture, SaveStats
 from ..targets.locate import resolve
-from .plan import rank_prefix
-from ..loading.read import load_state
+from ..layout.plan import rank_prefix
 from .session import Commit, SaveSession
 from ..targets.target import Target
 from ..tier.node import LocalSave, LocalTier
@@ -261,23 +260,3 @@ def _check_visible(merged: dict, tmp: str, target: Target) -> None:
         if not target.exists(os.path.join(tmp, f["name"])):
             raise FlashwriteError(f"stripe {f['name']} is not visible in {tmp} from rank 0: every rank must write to "
                                   "the same shared file system")
-
-
-# --------------------------------------------------------------------------- load
-
-
-def load(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cpu", into: Any = None,
-         verify: bool = True, allow_pickle: bool = False, strict: bool = True, backend: str = "auto",
-         direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, zero_copy: bool = False) -> Any:
-    """This rank's state of a multi-rank checkpoint, reading only its own stripes.
-
-    The group must have the world size the checkpoint was saved with (to
-    reshard, save through ``flashwrite.dcp``). A single-process checkpoint is
-    loaded whole on every rank. No collective is issued.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("process_group= needs torch.distributed to be initialized (init_process_group)")
-    pg = process_group if process_group is not None else dist.group.WORLD
-    return load_state(path, rank=(dist.get_rank(pg), dist.get_world_size(pg)), map_location=map_location, into=into,
-                      verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend, direct=direct,
-                      queue_depth=queue_depth, zero_copy=zero_copy)

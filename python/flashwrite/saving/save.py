@@ -27,7 +27,7 @@ from . import write as _write
 from ..state.flatten import flatten_columns
 from ..future import SaveFuture, SaveStats
 from ..targets.locate import resolve
-from .plan import plan_files
+from ..layout.plan import plan_files
 from .session import RenameCommit, SaveSession
 from ..targets.target import UnsupportedTargetError, check_path, url_scheme
 from ..tier.node import LocalTier

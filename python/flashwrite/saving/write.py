@@ -26,7 +26,7 @@ from ..state.flatten import diagnose, flatten_columns
 from ..format import build_manifest
 from ..future import SaveStats
 from ..incremental.link import annotate
-from .plan import PlannedFile, plan_files
+from ..layout.plan import PlannedFile, plan_files
 
 log = logging.getLogger("flashwrite")
 

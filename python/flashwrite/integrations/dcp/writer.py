@@ -31,7 +31,7 @@ from ...system.coord import coordinator
 from ...errors import FlashwriteError
 from ...format import build_index, parse_manifest
 from ...future import SaveStats
-from ...saving.plan import rank_prefix
+from ...layout.plan import rank_prefix
 from ...saving.save import default_writer
 from ...saving.session import Commit, SaveSession
 from ...targets.locate import resolve
