@@ -174,7 +174,7 @@ class BaseCache:
             return self._last.get(os.path.dirname(final))
 
     def get(self, path: str, target: Target = LOCAL) -> Base:
-        if target is not LOCAL:  # read afresh: a remote file's identity is not cheap to check
+        if not target.scannable:  # read afresh: a remote file's identity is not cheap to check
             mpath = os.path.join(path, MANIFEST_NAME)
             size = target.file_size(mpath)
             if size is None:
@@ -380,9 +380,9 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     for te in m.tensors.values():
         by_file[te.file].append(te)
     cands, holds = compare.candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
-    if target is not LOCAL:
+    if not target.os_paths:
         holds = []  # held files are local stripes: on nfs:// GPU stripes are written
-    if (held.HOLD_HOST or hold_all) and target is LOCAL:
+    if (held.HOLD_HOST or hold_all) and target.os_paths:
         cands, holds = [], holds + cands
     found = compare.changed(columns, m, by_file, where, cands, threads)
     changed, unchanged_files = found.changed, found.unchanged
@@ -447,7 +447,7 @@ class Planner:
         """The newest committed checkpoint beside the target (local: found by a scan, so a
         restarted run links from its predecessor's); elsewhere the last one this Writer
         committed in that directory, if it is still there."""
-        if self.target is LOCAL:
+        if self.target.scannable:
             return find_base(self.final)
         last = self.cache.last_committed(self.final)
         if last is not None and self.target.file_size(os.path.join(last, MANIFEST_NAME)) is not None:
@@ -458,13 +458,13 @@ class Planner:
                  block: int, stage_all: bool = False) -> Plan | None:
         """stage_all: the save keeps every staged byte (a local snapshot): candidate stripes
         are held files, staged and then linked by the job, not linked before staging."""
-        on_gpu = sum(d != "cpu" for d in columns.devices) if self.target is not LOCAL else 0
+        on_gpu = sum(d != "cpu" for d in columns.devices) if not self.target.os_paths else 0
         if on_gpu and on_gpu == len(columns.devices):
             self.note = "off: GPU tensors are not compared on nfs:// (the save writes every stripe)"
             return None
         path = self.base_path()
         if path is None:
-            self.note = "on: no earlier checkpoint to link from" + ("" if self.target is LOCAL else
+            self.note = "on: no earlier checkpoint to link from" + ("" if self.target.scannable else
                          " (nfs://: only one this Writer committed there counts; the save writes every stripe)")
             return None
         if on_gpu:
