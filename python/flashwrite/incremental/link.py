@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import os
 import threading
@@ -70,9 +69,9 @@ from typing import Any, Callable
 
 from . import compare, held
 from ..saving.commit import parse_temp_name
-from ..errors import FlashwriteError
+from ..errors import CorruptCheckpointError, FlashwriteError
 from ..state.flatten import Columns
-from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, read_manifest
+from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, read_manifest, safetensors_header
 from ..saving.plan import PlannedFile, plan_files, stripe_name
 from ..targets.target import LOCAL, Target
 
@@ -271,10 +270,12 @@ def _read_header(target: Target, path: str, nbytes: int, size: int) -> bytes | N
     return data if len(data) == nbytes else None
 
 
-def _header_meta(header: bytes) -> Any:
+def _header_meta(header: bytes, size: int, name: str) -> dict[str, str] | None:
+    """The metadata of a stripe's header (the first bytes of a ``size``-byte file), parsed by
+    the one safetensors parser; None where it is not a valid header."""
     try:
-        return json.loads(header[8:]).get("__metadata__")
-    except (ValueError, AttributeError):
+        return safetensors_header.parse(header, size, name).metadata
+    except CorruptCheckpointError:
         return None
 
 
@@ -287,7 +288,7 @@ def _mirrorable(base: Base, files: list[int], target: Target) -> list[tuple[int,
         fe = base.manifest.files[fi]
         src = os.path.join(base.path, fe.name)
         header = _read_header(target, src, fe.header_bytes, fe.size)
-        if header is not None and _header_meta(header) == HEADER_META:
+        if header is not None and _header_meta(header, fe.size, fe.name) == HEADER_META:
             out.append((fi, src, header))
     return out
 
