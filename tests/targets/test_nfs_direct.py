@@ -172,3 +172,20 @@ def test_cli_inspect_and_verify_take_nfs_urls(nfs_server, capsys, tmp_path, monk
     err = capsys.readouterr().err
     assert missing in err and "Traceback" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["nfs", "staging"]  # nothing made under the current directory
+
+
+def test_a_plain_safetensors_directory_loads_from_nfs(nfs_server, nfs_staging):
+    """Safetensors that flashwrite did not write load from an nfs:// directory as from a
+    local one: headers read through the target by the one parser, bytes by the load job."""
+    from safetensors.torch import save_file
+    d = os.path.join(nfs_server.export, "plain")
+    os.makedirs(d)
+    a = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    b = {"v": torch.arange(5, dtype=torch.int64)}
+    save_file(a, os.path.join(d, "a.safetensors"))
+    save_file(b, os.path.join(d, "b.safetensors"))
+    got = fw.load(nfs_server.url("plain"))
+    assert_same(got, {**a, **b})
+    assert_same(got, fw.load(d))
+    with pytest.raises(ValueError, match="plain safetensors"):
+        fw.load(nfs_server.url("plain"), into={"w": torch.empty(3, 4)})

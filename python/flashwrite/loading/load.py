@@ -70,7 +70,13 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
 def _load(where: Located, process_group: Any, options: dict) -> Any:
     map_location, into, backend, direct, queue_depth = (options[k] for k in ("map_location", "into", "backend",
                                                                                 "direct", "queue_depth"))
-    if not where.target.os_paths:  # a flashwrite checkpoint, read through its target
+    if not where.target.os_paths:  # read through its target
+        if foreign.is_foreign_on(where.target, where.path):
+            if into is not None or process_group is not None:
+                raise ValueError(f"{where.given} is plain safetensors, not a flashwrite checkpoint: load it without "
+                                 "into= or process_group=")
+            return load_foreign(where, map_location=map_location, backend=backend, direct=direct,
+                                queue_depth=queue_depth)
         if process_group is not None:
             return distributed.load(where, process_group=process_group, **options)
         return load_state(where, **options)

@@ -246,15 +246,20 @@ def load_state(path: str | os.PathLike, *, rank: tuple[int, int] | None = None, 
         return unflatten(m.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
 
 
-def load_foreign(path: str, *, map_location: Any = "cpu", backend: str = "auto", direct: bool = True,
+def load_foreign(path: str | Located, *, map_location: Any = "cpu", backend: str = "auto", direct: bool = True,
                  queue_depth: int = defaults.READ_QUEUE_DEPTH) -> dict[str, torch.Tensor]:
     """The flat {name: tensor} of plain safetensors at ``path`` (see ``foreign``), like
     ``safetensors.torch.load_file``'s merged across shards. No checksums to verify; each
     tensor's bytes are copied out by the native job (its data may sit at any offset) or
     placed on its GPU."""
-    directory, names = foreign.locate(path)
-    from_index = foreign.indexed_dir(path) is not None
-    with CheckpointDir(directory, lambda base, shown: foreign.describe(base, shown, names, from_index)) as ck:
+    if isinstance(path, Located):  # a directory on a target whose paths are not this machine's
+        where: Any = path
+        describe = lambda base, shown: foreign.describe_on(path.target, base, shown)  # noqa: E731
+    else:
+        where, names = foreign.locate(path)
+        from_index = foreign.indexed_dir(path) is not None
+        describe = lambda base, shown: foreign.describe(base, shown, names, from_index)  # noqa: E731
+    with CheckpointDir(where, describe) as ck:
         m = ck.manifest
         res = ck.read(verify=False, backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=False,
                       device_targets=_map_targets(list(m.tensors.values()), map_location))
