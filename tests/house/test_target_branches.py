@@ -18,8 +18,6 @@ SKIP = ("targets", "bench")
 
 # file (relative to python/flashwrite) -> (how many, why it stays)
 ALLOWED: dict[str, tuple[int, str]] = {
-    "ops/tune_nfs.py": (2, "the connections sweep behind `flashwrite tune nfs://`: it runs saves and loads, "
-                           "which targets/ may not import, and stores what it found in nfs.py's tunings"),
     "saving/write.py": (1, "SaveStats.extra's nfs_rewrites (public output) is reported for the native job whose "
                            "backend is named 'nfs'"),
     "system/info.py": (1, "backend_info()'s 'nfs' key (public output: whether nfs:// works here)"),

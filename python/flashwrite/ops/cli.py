@@ -24,7 +24,6 @@ from .progress import Progress
 from .sources import FORMATS
 from .tune import tune
 from .tune_nfs import save_nfs_tuning, tune_nfs
-from .tune_nfs import store_path as nfs_store_path
 from ..targets.locate import kind_of
 
 
@@ -184,8 +183,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
 def _tune_nfs(a: argparse.Namespace) -> int:
     r = tune_nfs(a.dir, a.budget_s, _progress(a), size=a.size)
     if a.save:
-        r["saved"] = save_nfs_tuning(r)
-        r["saved_to"] = nfs_store_path()
+        r["saved"], r["saved_to"] = save_nfs_tuning(r)
     if a.json:
         print_json(r)
         return OK

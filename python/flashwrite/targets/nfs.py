@@ -33,6 +33,7 @@ import errno
 import json
 import os
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -244,6 +245,34 @@ class NfsTarget(Target):
         """The NFS client: the save job sends each chunk from its staging slot straight to the
         server over its connections, committed before the slot is reused."""
         return self.client
+
+    # ``flashwrite tune nfs://...`` (``ops/tune_nfs.py``): the connections are what is tuned.
+    default_connections = DEFAULT_CONNECTIONS
+
+    def tuning_store(self) -> str:
+        """Where the tuned connections are kept."""
+        return store_path()
+
+    def save_tuning(self, connections: int, gbps: float | None) -> dict:
+        """Store ``connections`` as this export's tuned value (what a URL of it without
+        ``connections=`` then uses); the record stored, with its key."""
+        key = tuning_key(self.url.server, self.url.nfs_port, self.export)
+        try:
+            with open(store_path()) as fh:
+                store = json.load(fh)
+            if not isinstance(store, dict):
+                store = {}
+        except (OSError, ValueError):
+            store = {}
+        rec = {"connections": int(connections), "gbps": gbps, "saved_unix": time.time()}
+        store[key] = rec
+        os.makedirs(os.path.dirname(store_path()), exist_ok=True)
+        tmp = f"{store_path()}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(store, fh, indent=1)
+        os.replace(tmp, store_path())
+        forget_tunings()
+        return {"key": key, **rec}
 
     def open_stripe(self, path: str, write: bool) -> int:
         raise UnsupportedTargetError(f"{self.show(path)}: stripes on nfs:// are sent by the NFS client, not opened",
