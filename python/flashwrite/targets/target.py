@@ -1,8 +1,8 @@
 """Target: where a checkpoint lives, and the one place that tells a URL from a path.
 
 Every entry point (save, load, verify, the manager, the DCP writer and reader, the
-operator commands) passes the user's path through ``local_path`` or ``resolve``
-first. A string shaped like a URL (``scheme://...``) is never taken for a local
+operator commands) passes the user's path through ``locate`` (or ``resolve``,
+``kind_of``, ``local_path``) first, once. A string shaped like a URL (``scheme://...``) is never taken for a local
 path: ``fw.save(state, "nfs://server/export/ck")`` must not quietly create a
 directory named ``nfs:`` under the current directory.
 
@@ -11,7 +11,8 @@ from the place a checkpoint lives: create, list, rename, fsync, remove and open
 stripe files. ``LocalTarget`` (a directory of a local or kernel-mounted file
 system) is its first implementation; ``commit`` goes through it. ``nfs.NfsTarget``
 (an NFSv3 export reached with the native NFS client) is the second; ``locate.resolve``
-picks one for a path.
+picks one for a path. Callers outside this folder ask a target its capabilities
+(``os_paths``, ``scannable``, ``native_files()``...), never which kind it is.
 """
 
 from __future__ import annotations
