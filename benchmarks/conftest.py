@@ -26,8 +26,8 @@ import pytest
 if importlib.util.find_spec("pytest_benchmark") is None:  # pragma: no cover - depends on the environment
     collect_ignore_glob = ["test_bench_*.py"]
 
-from flashwrite.bench.devicelimit import drop_caches  # noqa: E402
-from flashwrite.bench.state import make_state  # noqa: E402
+from flashwrite.ops.devicelimit import drop_caches  # noqa: E402
+from flashwrite.ops.synthetic import make_state  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,7 +85,7 @@ def device_limit(bench_dir):
     fsync, else the in-tree probe), measured once per size per session and *not* timed by
     pytest-benchmark: fio's start-up is not the device's time. The save and load rows put
     it in their extra_info (device_write_s / device_read_s), where summarize.py reads it."""
-    from flashwrite.bench.devicelimit import device_limit as measure
+    from flashwrite.ops.devicelimit import device_limit as measure
     cache: dict[int, dict] = {}
 
     def get(n: int) -> dict:

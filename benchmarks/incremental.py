@@ -41,7 +41,7 @@ import time
 import torch
 
 import flashwrite as fw
-from flashwrite.bench.devicelimit import drop_caches
+from flashwrite.ops.devicelimit import drop_caches
 
 ADAPTER_BYTES = 32 << 20
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from flashwrite.bench.devicelimit import device_limit, drop_caches
+from flashwrite.ops.devicelimit import device_limit, drop_caches
 from flashwrite.system.sizes import fmt_bytes, parse_size
 
 # (import, timed statement): the import is not timed; every loader returns {name: tensor}.

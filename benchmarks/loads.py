@@ -61,7 +61,7 @@ def make_state(gib: float, fast: bool = False) -> dict:
 
 
 def _drop() -> None:
-    from flashwrite.bench.devicelimit import drop_caches
+    from flashwrite.ops.devicelimit import drop_caches
     why = drop_caches()
     if why:
         raise SystemExit(why)
@@ -155,7 +155,7 @@ def _child(args: list[str], pythonpath: str | None = None) -> dict:
 
 
 def fio_best(directory: str, nbytes: int) -> dict:
-    from flashwrite.bench.devicelimit import fio_write_read
+    from flashwrite.ops.devicelimit import fio_write_read
     configs = []
     for block, depth in sorted({(b, d) for b, d, _ in FIO_CONFIGS}):
         files = tuple(n for b, d, n in FIO_CONFIGS if (b, d) == (block, depth))

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import flashwrite as fw
-from flashwrite.bench.devicelimit import drop_caches
+from flashwrite.ops.devicelimit import drop_caches
 
 WORLD = 2
 

@@ -33,7 +33,7 @@ import uuid
 import torch
 
 import flashwrite as fw
-from flashwrite.bench.devicelimit import drop_caches
+from flashwrite.ops.devicelimit import drop_caches
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from nfs_server import Export, NfsServer  # noqa: E402

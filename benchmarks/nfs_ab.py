@@ -26,7 +26,7 @@ from nfs_server import Export, NfsServer  # noqa: E402
 CHILD = r"""
 import json, os, resource, sys, time, torch
 import flashwrite as fw
-from flashwrite.bench.devicelimit import drop_caches
+from flashwrite.ops.devicelimit import drop_caches
 gib, url = float(sys.argv[1]), sys.argv[2]
 n = int(gib * (1 << 30)) // 4
 per = 1 << 24

@@ -20,7 +20,7 @@ import sys
 import torch
 
 import flashwrite as fw
-from flashwrite.bench.devicelimit import drop_caches
+from flashwrite.ops.devicelimit import drop_caches
 
 CHILD = """
 import json, sys, time, flashwrite as fw

@@ -1,10 +1,10 @@
 """Benchmark adapters for peers whose use needs their internals.
 
-``flashwrite bench`` picks this file up from a source checkout (see
-``flashwrite.bench.peers.external``): it adds DCP's async stager, torch_checkpointing
-and DeepSpeed FastPersist to the table, and torch_checkpointing to
-``flashwrite overhead``. Install the peers with ``pip install -e ".[bench]"``
-(DeepSpeed separately). The wheel never ships or imports this file.
+``benchmarks/compare.py`` takes this file (see ``harness.peers.external``): it adds
+DCP's async stager, torch_checkpointing and DeepSpeed FastPersist to the table, and
+torch_checkpointing to ``benchmarks/overhead.py``. Install the peers with
+``pip install -e ".[bench]"`` (DeepSpeed separately). The wheel never ships or imports
+this file.
 
 Interface: ``contenders(dcp_threads) -> list[Contender]`` (in table order, before
 flashwrite) and ``OVERHEAD_SAVERS = {mode: (label, saver class)}``.
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flashwrite.bench.peers import DCP_THREADS, Contender, DcpAsyncSave, fsync_tree
+from harness.peers import DCP_THREADS, Contender, DcpAsyncSave, fsync_tree
 
 
 class DcpAsyncStagedSave(DcpAsyncSave):
@@ -158,7 +158,7 @@ class DeepSpeedFastPersist(Contender):
         self.handle = self.pinned = None
 
 class TorchCheckpointingSaver:
-    """torch_checkpointing for ``flashwrite overhead``: one save in flight at a time."""
+    """torch_checkpointing for ``benchmarks/overhead.py``: one save in flight at a time."""
 
     def __init__(self):
         from torch_checkpointing import CheckpointManager

@@ -14,7 +14,7 @@ import pytest
 from _params import BACKENDS, ROUNDS, SIZES, SWEEP_SIZE, size_id
 
 import flashwrite as fw
-from flashwrite.bench.state import state_bytes
+from flashwrite.ops.synthetic import state_bytes
 
 _saved: dict[tuple, str] = {}
 

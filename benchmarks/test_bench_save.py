@@ -17,7 +17,7 @@ from _params import BACKENDS, ROUNDS, SIZES, SWEEP_SIZE, size_id
 
 import flashwrite as fw
 from flashwrite.defaults import CHUNK_BYTES, STRIPES
-from flashwrite.bench.state import state_bytes
+from flashwrite.ops.synthetic import state_bytes
 
 MiB = 1 << 20
 

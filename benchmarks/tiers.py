@@ -30,7 +30,7 @@ import time
 import torch
 
 import flashwrite as fw
-from flashwrite.bench.devicelimit import drop_caches
+from flashwrite.ops.devicelimit import drop_caches
 
 
 def make_state(gib: float) -> dict:

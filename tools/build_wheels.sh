@@ -8,7 +8,8 @@
 #      with the compiler: the same smoke script.
 # The wheel must hold the package, _core (without debug info), _core.pyi and py.typed, and
 # in its .dist-info the licenses (flashwrite's, xxHash's, liburing's, libnfs's: its headers
-# are compiled in, the library is loaded at run time): nothing else.
+# are compiled in, the library is loaded at run time): nothing else (no benchmark harness:
+# that is benchmarks/, in a checkout).
 #
 #   tools/build_wheels.sh [OUT]      (OUT defaults to a fresh /tmp/flashwrite-wheels.XXXXXX)
 #
@@ -102,6 +103,11 @@ di = next(n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info
 allowed = re.compile(r"flashwrite/([A-Za-z0-9_]+/)*[A-Za-z0-9_]+\.py|flashwrite/_core\.[A-Za-z0-9_.-]+\.so|"
                      r"flashwrite/_core\.pyi|flashwrite/py\.typed|"
                      + re.escape(di) + r"/(METADATA|WHEEL|RECORD|entry_points\.txt|licenses/.+)")
+# The benchmark harness and the peer contenders live in a checkout's benchmarks/, not in
+# what every training node installs (issue 36): a bench/ folder back in the package fails here.
+harness = [n for n in names if re.match(r"flashwrite/(bench|benchmarks|harness)/", n)]
+if harness:
+    sys.exit(f"wheel holds the benchmark harness (it belongs in benchmarks/): {harness[:5]}")
 extra = [n for n in names if not allowed.fullmatch(n)]
 if extra:
     sys.exit(f"wheel holds what it should not: {extra[:20]}")

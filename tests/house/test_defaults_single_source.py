@@ -84,12 +84,10 @@ def test_no_parameter_or_constant_restates_a_default_number():
 
 
 def test_the_cpu_count_rule_is_not_restated():
-    # min(N, cpus): the rule lives in defaults.hpp (cpu_threads); the benchmark tools
-    # may count CPUs to report them, but not to size the library's threads.
+    # min(N, cpus): the rule lives in defaults.hpp (cpu_threads); the demo and tune may
+    # count CPUs to report them (or to size a memcpy), but not to size the library's threads.
     copies = []
     for path, tree in _modules():
-        if path.parent.name == "bench":
-            continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max"):
                 inner = ast.unparse(node)

@@ -124,37 +124,6 @@ def test_the_library_imports_no_peer():
     assert {n: v for n, v in offenders.items() if v} == {}
 
 
-def test_bench_from_a_checkout_finds_the_peer_adapters():
-    from flashwrite.bench import peers
-
-    checkout = os.path.join(os.path.dirname(os.path.dirname(PKG_DIR)), "benchmarks", "peers.py")
-    if not os.path.isfile(checkout):
-        import pytest
-        pytest.skip("not a source checkout")
-    found = peers.contenders()
-    assert {"dcp_async_staged", "torch_checkpointing", "deepspeed"} <= set(found)
-    assert list(found)[-1] == "flashwrite" and peers.default_contenders() == list(found)
-
-
-def test_bench_never_runs_a_peers_file_from_the_current_directory(tmp_path, monkeypatch):
-    """A peers.py in the caller's working directory is not the package's to run."""
-    from flashwrite.bench import peers
-
-    (tmp_path / "benchmarks").mkdir()
-    marker = tmp_path / "ran"
-    (tmp_path / "benchmarks" / "peers.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("FLASHWRITE_PEERS_FILE", raising=False)
-    installed = tmp_path / "venv" / "lib" / "site-packages" / "flashwrite" / "bench" / "peers.py"
-    monkeypatch.setattr(peers, "__file__", str(installed))   # as from a wheel: no checkout around it
-    peers.external.cache_clear()
-    try:
-        assert peers.external() is None
-    finally:
-        peers.external.cache_clear()
-    assert not marker.exists()
-
-
 # --------------------------------------------------------------------------- private names
 
 def _package_of(name: str, path: str) -> str:

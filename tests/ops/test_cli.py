@@ -1,4 +1,5 @@
-"""The flashwrite command and the benchmark runner, at toy sizes (a few seconds each)."""
+"""The flashwrite command, at toy sizes (a few seconds each). The benchmark harness it
+once carried is tested in tests/benchmarks/."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 
 import flashwrite as fw
-from flashwrite.bench import devicelimit, overhead, report, runner
-from flashwrite.ops.main import main
-from flashwrite.bench.state import make_state, planned_bytes, state_bytes
+from flashwrite.ops import devicelimit
+from flashwrite.ops.main import MOVED, main
+from flashwrite.ops.synthetic import make_state, planned_bytes, state_bytes
 from flashwrite.system.sizes import fmt_bytes, parse_size
 
 # This file lives one folder below tests/: its paths are reckoned from there.
@@ -27,12 +28,6 @@ COLUMNS = ["stall_s", "durable_s", "gbps", "vs_device", "cpu_s_per_gib", "rss_gr
 def cli(*args: str, cwd: str | None = None, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flashwrite", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env=None if env is None else {**os.environ, **env})
-
-
-# The peer adapters of this checkout, named as a user of an installed flashwrite would (a
-# library never runs a peers.py it finds in the current directory).
-PEERS = {"FLASHWRITE_PEERS_FILE": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_TESTS_FILE))),
-                                               "benchmarks", "peers.py")}
 
 
 def test_parse_size():
@@ -84,36 +79,47 @@ def test_demo_prints_the_side_by_side_table(tmp_path):
     assert os.listdir(tmp_path) == []  # its temporary folder is gone
 
 
-def test_bench_writes_json_with_every_column(tmp_path):
-    out, png = tmp_path / "res.json", tmp_path / "res.png"
-    p = cli("bench", "--size", "16MiB", "--contenders", "torch_save,deepspeed,flashwrite", "--dir", str(tmp_path),
-            "--json", str(out), "--plot", str(png), "--device-tool", "probe", "--plain", "-q", env=PEERS)
-    assert p.returncode == 0, p.stdout + p.stderr
-    res = json.loads(out.read_text())["comparison"]
-    assert res["device"]["write_s"] > 0 and res["device"]["read_s"] > 0 and "probe" in res["device"]["tool"]
-    assert res["memcpy"]["stall_s"] > 0
-    rows = {r["key"]: r for r in res["rows"]}
-    for key in ("torch_save", "flashwrite"):
-        assert rows[key]["status"] == "ok", rows[key]
-        for c in COLUMNS:
-            assert rows[key][c] is not None, (key, c)
-        assert rows[key]["load_check"] == "ok"
-    assert rows["flashwrite"]["backend"] in ("io_uring", "threads")
-    assert "first" in rows["flashwrite"]  # warm-up save kept apart
-    if rows["deepspeed"]["status"] != "ok":
-        assert rows["deepspeed"]["status"].startswith("skipped: ")
-    assert {t["target"] for t in res["targets"]} >= {"durable >= 0.9 x device limit"}
-    try:
-        import matplotlib  # noqa: F401
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    except ImportError:
-        assert not png.exists()
-    assert [f for f in os.listdir(tmp_path) if f.startswith(".flashwrite-bench")] == []
+def test_demo_writes_json_and_exits_1_when_a_load_comes_back_wrong(tmp_path, capsys, monkeypatch):
+    from flashwrite.ops import demo
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--size", "4MiB", "--dir", str(tmp_path), "--plain", "-q", "--device-tool", "probe",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {r["key"]: r["load_check"] for r in res["rows"]} == {"torch_save": "ok", "flashwrite": "ok"}
+    assert res["device"]["write_s"] > 0 and res["memcpy"]["stall_s"] > 0
+    assert "In short: with flashwrite" in capsys.readouterr().out
+    # A load that returns other bytes is an error of the command, not a row that looks fine.
+    name, label, save, _, warm = demo.CONTENDERS["flashwrite"]
+    monkeypatch.setitem(demo.CONTENDERS, "flashwrite", (name, label, save, lambda p: {"x": torch.zeros(3)}, warm))
+    assert main(["demo", "--size", "4MiB", "--dir", str(tmp_path), "--plain", "-q", "--device-tool", "probe"]) == 1
+    cap = capsys.readouterr()
+    assert "LOAD CHECK FAILED" in cap.out and "error: flashwrite: load check failed: loaded 12 tensor bytes" in cap.err
 
 
-def test_bench_rejects_unknown_contender(tmp_path, capsys):
-    assert main(["bench", "--size", "1MiB", "--contenders", "nope", "--dir", str(tmp_path)]) == 2
-    assert "unknown contender" in capsys.readouterr().err
+def test_demo_imports_no_peer_and_no_harness():
+    """The demo, in the wheel, runs torch.save and flashwrite only: none of the peers
+    benchmarks/compare.py measures is imported (nor the harness: it is not in the wheel)."""
+    code = ("import sys, flashwrite.ops.main, flashwrite.ops.demo\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('safetensors', 'deepspeed', 'torch_checkpointing', 'harness', 'matplotlib')"
+            " or m.startswith('torch.distributed.checkpoint'))\n"
+            "print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("command", ["bench", "overhead"])
+def test_bench_and_overhead_name_the_checkout_script_that_replaced_them(command, tmp_path, capsys):
+    args = ["--size", "2GiB", "--rounds", "3", "--contenders", "torch_save,flashwrite", "--dir", str(tmp_path / "d x"),
+            "--plain", "-q", "--json", "OUT"] if command == "bench" else ["--steps", "4", "--plain"]
+    assert main([command, *args]) == 2
+    err = capsys.readouterr().err
+    script = MOVED[command]
+    assert f"python {script} {' '.join(args[:4])}" in err, err  # the same arguments, ready to paste
+    if command == "bench":
+        assert f"--dir '{tmp_path / 'd x'}' --plain -q --json OUT" in err, err
+    assert os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_TESTS_FILE))), script))
+    assert not os.listdir(tmp_path)  # nothing was made, nothing was run
 
 
 def test_verify_ok_and_corrupt(tmp_path, capsys):
@@ -164,41 +170,6 @@ def test_verify_checks_stripe_by_stripe_and_names_the_damaged_one(tmp_path):
         fw.verify(path, progress=p)
     assert e.value.file == stripes[2]
     assert [c[0] for c in p.calls] == ["start", "advance", "advance", "finish"]
-
-
-def test_report_plain_table_and_markdown():
-    res = runner.summarize(
-        {"rounds": 1, "filesystem": "ext4", "cpus": 2, "cold_cache": "dropped"}, 1 << 30,
-        [{"tool": "fio", "write_s": 1.0, "read_s": 0.8}],
-        {"memcpy": [{"status": "ok", "name": "memcpy", "label": "memcpy", "stall_s": 0.1}],
-         "flashwrite": [{"status": "ok", "name": "flashwrite", "label": "fw", "stall_s": 0.12, "durable_s": 1.05,
-                         "cpu_s": 0.2, "rss_growth": 1 << 30, "load_s": 0.85, "load_check": "ok"}],
-         "torch_save": [{"status": "ok", "name": "torch.save + fsync", "label": "ts", "stall_s": 2.0,
-                         "durable_s": 2.0, "cpu_s": 1.0, "rss_growth": 0, "load_s": 1.5, "load_check": "ok"}],
-         "deepspeed": [{"status": "skipped: deepspeed not installed", "name": "DeepSpeed FastPersist"}]})
-    rows = {r["key"]: r for r in res["rows"]}
-    assert rows["flashwrite"]["vs_device"] == pytest.approx(1 / 1.05)
-    assert rows["flashwrite"]["load_vs_device"] == pytest.approx(0.8 / 0.85)
-    met = {t["target"]: t["met"] for t in res["targets"]}
-    assert met["durable >= 0.9 x device limit"] and met["faster to durable than every peer"]
-    import io
-    buf = io.StringIO()
-    report.print_table(res, file=buf, plain=True)
-    text = buf.getvalue()
-    assert "skipped: deepspeed not installed" in text and "x device read" in text
-    assert report.markdown(res).count("\n") == len(report.table_rows(res)) + 1
-
-
-def test_overhead_train_and_summary(tmp_path):
-    spec = {"mode": "flashwrite", "steps": 4, "every": 2, "width": 32, "depth": 2, "batch": 4, "dir": str(tmp_path)}
-    r = overhead.train(spec)
-    assert r["checkpoints"] == 2 and len(r["stalls"]) == 2 and r["checkpoint_bytes"] > 0
-    assert fw.load(tmp_path / "step-000004")["step"] == 4
-    base = overhead.train({**spec, "mode": "none"})
-    res = overhead.summarize({"none": [{**base, "status": "ok"}], "flashwrite": [{**r, "status": "ok"}]},
-                             {"steps": 4, "every": 2, "rounds": 1, "model": "tiny"})
-    rows = {x["key"]: x for x in res["rows"]}
-    assert rows["flashwrite"]["slowdown_pct"] is not None and rows["none"]["slowdown_pct"] == 0
 
 
 def test_one_version_readable_everywhere():

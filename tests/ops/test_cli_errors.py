@@ -88,7 +88,9 @@ BAD_INPUT = [
     ("tune-zero-budget", ["tune", "{tmp}", "--budget-s", "0"], ["--budget-s", "positive"]),
     ("demo-dir-is-a-file", ["demo", "--dir", "{notes}"], ["{notes}", "pass a directory"]),
     ("demo-bad-size", ["demo", "--size", "lots", "--dir", "{tmp}"], ["lots", "--size"]),
-    ("bench-unknown-contender", ["bench", "--contenders", "nope", "--dir", "{tmp}"], ["nope", "choose from"]),
+    ("bench-moved", ["bench", "--contenders", "nope", "--dir", "{tmp}"],
+     ["python benchmarks/compare.py --contenders nope --dir {tmp}", "source checkout"]),
+    ("overhead-moved", ["overhead", "--steps", "4"], ["python benchmarks/overhead.py --steps 4", "source checkout"]),
     ("unknown-command", ["frobnicate"], ["frobnicate", "choose from"]),
     ("no-command", [], ["COMMAND", "usage:"]),
 ]

@@ -223,7 +223,7 @@ def _demo_result() -> dict:
                                "gbps": 0.27, "vs_device": 0.26, "cpu_s_per_gib": 3.1, "rss_growth": 1 << 28,
                                "load_s": 1.1, "load_vs_device": 0.28}
     return {"bytes": 512 << 20, "device": {"tool": "fio, O_DIRECT", "write_s": 0.52, "write_gbps": 1.03, "read_s": 0.31},
-            "meta": {"rounds": 1, "filesystem": "ext4 on /dev/vda1", "cpus": 2, "cold_cache": "cold cache"},
+            "meta": {"filesystem": "ext4 on /dev/vda1", "cpus": 2, "cold_cache": "cold cache"},
             "memcpy": {"name": "memcpy, 2 threads", "label": "memcpy", "stall_s": 0.061},
             "rows": [row("torch.save + fsync", 2.013), row("flashwrite", 0.113)]}
 
@@ -231,7 +231,7 @@ def _demo_result() -> dict:
 def test_demo_table_fits_80_columns_without_cutting_words(monkeypatch):
     pytest.importorskip("rich")
     import io
-    from flashwrite.bench import report
+    from flashwrite.ops import demo
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -239,7 +239,8 @@ def test_demo_table_fits_80_columns_without_cutting_words(monkeypatch):
 
     monkeypatch.setenv("COLUMNS", "80")
     out = Terminal()
-    report.print_table(_demo_result(), file=out, targets=False)
+    res = _demo_result()
+    demo.render_table(demo.COLUMNS, demo.table_rows(res), demo.title(res), demo.notes(res), file=out)
     text = __import__("re").sub(r"\x1b\[[0-9;]*m", "", out.getvalue())
     table = text.split("stall: seconds")[0]
     assert max(len(ln.rstrip()) for ln in table.splitlines()) <= 80, table

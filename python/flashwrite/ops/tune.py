@@ -2,7 +2,7 @@
 recommend Writer settings for it.
 
 1. The raw device limit for the same bytes (fio when installed, else the in-tree
-   probe of ``bench.devicelimit``), so every trial can be read as a fraction of it.
+   probe of ``ops.devicelimit``), so every trial can be read as a fraction of it.
 2. flashwrite saves of a synthetic state, one setting varied at a time around the
    best so far (stripes, then queue depth, then chunk size): a coordinate search
    that needs ~14 saves instead of a 100-point grid. Each Writer is warmed by one
@@ -24,7 +24,7 @@ import torch
 
 from .. import defaults
 from ..targets.target import local_path
-from ..bench import devicelimit
+from . import devicelimit
 from ..saving.save import Writer
 from ..targets.tuning import mount_of
 from .common import UsageError

@@ -1,4 +1,5 @@
-"""A synthetic training state: transformer-like parameters, Adam moments and the
+"""A synthetic training state (``flashwrite demo``, and the benchmarks of the repository's
+``benchmarks/``): transformer-like parameters, Adam moments and the
 non-tensor fields a real optimizer and trainer carry (hyper-parameters, step
 counters, RNG state, config strings).
 
@@ -96,24 +97,3 @@ def tensors_of(obj) -> list[torch.Tensor]:
 
 def state_bytes(obj) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(obj))
-
-
-def flat_tensors(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors by dotted key, other leaves as strings): what safetensors can hold."""
-    tensors: dict[str, torch.Tensor] = {}
-    other: dict[str, str] = {}
-
-    def walk(o, key):
-        if isinstance(o, torch.Tensor):
-            tensors[key] = o
-        elif isinstance(o, dict):
-            for k, v in o.items():
-                walk(v, f"{key}.{k}" if key else str(k))
-        elif isinstance(o, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in o):
-            for i, v in enumerate(o):
-                walk(v, f"{key}.{i}" if key else str(i))
-        else:
-            other[key] = repr(o)
-
-    walk(obj, prefix)
-    return tensors, other

@@ -105,7 +105,7 @@ class Meter:
         gc.collect()
         self.start_bytes = self.peak_bytes = resident_bytes()
         self._own0, self._live0 = self._cpu_now()
-        self._thread = threading.Thread(target=self._sample, name="flashwrite-bench-meter", daemon=True)
+        self._thread = threading.Thread(target=self._sample, name="fwbench-meter", daemon=True)
         self._thread.start()
         self._t0 = time.perf_counter()
         return self
@@ -122,15 +122,32 @@ class Meter:
         self.cpu_s = (own1 - self._own0) + sum(c - self._live0.get(p, 0.0) for p, c in live1.items())
 
 
-def run_in_subprocess(module: str, spec: dict, timeout_s: float, ident: dict) -> dict:
-    """Run ``python -m module --worker spec.json out.json`` in a fresh process (clean RSS
-    and CPU accounting) and return its JSON result, or ``ident`` plus a failed status."""
+# The benchmarks/ folder: put first on a worker's path, so it imports this harness (and
+# flashwrite from wherever the parent got it) and nothing from the folder it runs in.
+BENCHMARKS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_WORKER = """import importlib, json, sys
+sys.path.insert(0, {bench!r})
+mod, _, fn = {target!r}.partition(":")
+with open(sys.argv[1]) as f:
+    spec = json.load(f)
+res = getattr(importlib.import_module(mod), fn)(spec)
+with open(sys.argv[2], "w") as f:
+    json.dump(res, f)
+"""
+
+
+def run_in_subprocess(target: str, spec: dict, timeout_s: float, ident: dict) -> dict:
+    """Run ``target`` ("harness.module:function", called with spec) in a fresh process
+    (clean RSS and CPU accounting) and return its JSON result, or ``ident`` plus a failed
+    status. The child runs in spec["dir"], a fresh folder the parent made."""
     with tempfile.TemporaryDirectory(prefix="fwbench-worker-") as d:
         sp, op = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
         with open(sp, "w") as f:
             json.dump(spec, f)
+        code = _WORKER.format(bench=BENCHMARKS_DIR, target=target)
         try:
-            p = subprocess.run([sys.executable, "-m", module, "--worker", sp, op],
+            p = subprocess.run([sys.executable, "-c", code, sp, op],
                                capture_output=True, text=True, timeout=timeout_s, cwd=spec["dir"])
         except subprocess.TimeoutExpired:
             return {**ident, "status": f"failed: timed out after {timeout_s:.0f} s"}

@@ -1,6 +1,7 @@
-"""`flashwrite bench` runs peer adapters only from the package's own checkout or a file
-named with --peers: never a peers.py (or any other module) found in the caller's
-current directory or in the benchmark's --dir (issue 24, item 8)."""
+"""benchmarks/compare.py (once `flashwrite bench`) runs peer adapters only from the
+benchmarks/peers.py beside it or a file named with --peers: never a peers.py (or any
+other module) found in the caller's current directory or in the benchmark's --dir
+(issue 24, item 8)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+from harness_paths import COMPARE
 
 
 def _trap(folder, name: str, marker) -> None:
@@ -21,12 +24,12 @@ def _trap(folder, name: str, marker) -> None:
 
 def _bench(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "FLASHWRITE_PEERS_FILE"}
-    return subprocess.run([sys.executable, "-m", "flashwrite", "bench", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, COMPARE, *args], capture_output=True, text=True,
                           timeout=300, cwd=cwd, env=env)
 
 
 MY_PEERS = '''
-from flashwrite.bench.peers import TorchSave
+from harness.peers import TorchSave
 
 
 class Mine(TorchSave):

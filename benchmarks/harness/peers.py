@@ -6,12 +6,11 @@ has none). Each peer is called through its public API as its own documentation
 shows, with its own best settings where one is documented (DCP thread_count,
 torch_checkpointing without its default O_DIRECT, which fails on ext4).
 
-Here: what a user compares on their own storage with nothing extra installed
-(torch.save, safetensors, DCP's public API, flashwrite). Adapters that reach into
-other projects' internals (DCP's async stager, torch_checkpointing, DeepSpeed's
-op builders) live in the repository's ``benchmarks/peers.py`` and join the table
-when it is found beside the package or named by ``flashwrite bench --peers FILE``
-(see ``external``).
+Here: the peers called through their public API alone (torch.save, safetensors,
+DCP's public API, flashwrite). Adapters that reach into other projects' internals
+(DCP's async stager, torch_checkpointing, DeepSpeed's op builders) live in
+``benchmarks/peers.py`` beside this folder, or in the file named by
+``benchmarks/compare.py --peers FILE`` (see ``external``).
 """
 
 from __future__ import annotations
@@ -28,9 +27,28 @@ from typing import Any, Callable
 
 import torch
 
-from .state import flat_tensors
-
 DCP_THREADS = 4
+
+
+def flat_tensors(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors by dotted key, other leaves as strings): what safetensors can hold."""
+    tensors: dict[str, torch.Tensor] = {}
+    other: dict[str, str] = {}
+
+    def walk(o, key):
+        if isinstance(o, torch.Tensor):
+            tensors[key] = o
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(o, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in o):
+            for i, v in enumerate(o):
+                walk(v, f"{key}.{i}" if key else str(i))
+        else:
+            other[key] = repr(o)
+
+    walk(obj, prefix)
+    return tensors, other
 
 
 def fsync_tree(path: str) -> None:
@@ -248,15 +266,16 @@ def _builtin(dcp_threads: int) -> list[Contender]:
     return [TorchSave(), SafetensorsSave(), DcpSave(dcp_threads), DcpAsyncSave(dcp_threads)]
 
 
-PEERS_FILE = os.path.join("benchmarks", "peers.py")
+# benchmarks/peers.py, beside this folder.
+PEERS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peers.py")
 
 
 PEERS_ENV = "FLASHWRITE_PEERS_FILE"
 
 
 def use_peers_file(path: str | os.PathLike) -> str:
-    """Take the peer adapters from ``path`` (``flashwrite bench --peers FILE``), in this
-    process and in the workers it starts (they inherit ``FLASHWRITE_PEERS_FILE``)."""
+    """Take the peer adapters from ``path`` (``--peers FILE``), in this process and in the
+    workers it starts (they inherit ``FLASHWRITE_PEERS_FILE``)."""
     full = os.path.abspath(os.fspath(path))
     if not os.path.isfile(full):
         raise FileNotFoundError(f"--peers {full}: not a file")
@@ -269,15 +288,11 @@ def use_peers_file(path: str | os.PathLike) -> str:
 def external() -> Any:
     """The adapters for peers whose use needs their internals (DCP's async stager,
     torch_checkpointing, DeepSpeed's op builders): the file named explicitly
-    (``--peers FILE``, i.e. ``FLASHWRITE_PEERS_FILE``), else ``benchmarks/peers.py`` of
-    the source checkout this package itself is installed from (an editable install);
-    None otherwise (a wheel: those peers are then not offered). Never a file found in
-    the current directory: a library must not run code from wherever its caller happens
-    to be. The library itself never imports those projects."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    (``--peers FILE``, i.e. ``FLASHWRITE_PEERS_FILE``), else ``benchmarks/peers.py`` beside
+    this harness; None when neither is there. Never a file found in the current
+    directory or the benchmark's --dir. flashwrite itself never imports those projects."""
     named = os.environ.get(PEERS_ENV)
-    path = os.path.abspath(named) if named else os.path.normpath(os.path.join(here, os.pardir, os.pardir, os.pardir,
-                                                                              PEERS_FILE))
+    path = os.path.abspath(named) if named else PEERS_FILE
     if not os.path.isfile(path):
         if named:
             raise FileNotFoundError(f"{PEERS_ENV} names {path}, which is not a file")
@@ -290,7 +305,7 @@ def external() -> Any:
 
 
 def contenders(dcp_threads: int = DCP_THREADS) -> dict[str, Contender]:
-    """Every contender, in table order: the library's own, the external peers' (see
+    """Every contender, in table order: this file's, the external peers' (see
     ``external``), flashwrite last."""
     ext = external()
     cs = [*_builtin(dcp_threads), *(ext.contenders(dcp_threads) if ext else []), Flashwrite()]
@@ -298,7 +313,7 @@ def contenders(dcp_threads: int = DCP_THREADS) -> dict[str, Contender]:
 
 
 def default_contenders() -> list[str]:
-    """What ``flashwrite bench`` runs by default (``--contenders all``): every contender known here."""
+    """What ``benchmarks/compare.py`` runs by default (``--contenders all``): every contender known here."""
     return list(contenders())
 
 

@@ -18,11 +18,9 @@ slowdown % = (time with checkpoints - baseline time) / baseline time.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -157,7 +155,7 @@ def run(steps: int = 60, every: int = 10, rounds: int = 1, directory: str | None
             try:
                 spec = {"mode": m, "steps": steps, "every": every, "width": width, "depth": depth, "batch": batch,
                         "threads": threads, "dir": workdir, "seed": 0}
-                r = run_in_subprocess("flashwrite.bench.overhead", spec, 1800, {"mode": spec["mode"]})
+                r = run_in_subprocess("harness.overhead:train", spec, 1800, {"mode": spec["mode"]})
                 if "status" not in r:
                     r["status"] = "ok"
             finally:
@@ -217,14 +215,3 @@ def summarize(per: dict[str, list[dict]], meta: dict) -> dict:
         spread = (max(r["train_s"] for r in base) - min(r["train_s"] for r in base)) / base_s * 100
         notes.append(f"baseline spread over rounds: {spread:.1f}% (the noise floor of this machine)")
     return {"meta": meta, "rows": rows, "notes": notes}
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        with open(sys.argv[2]) as f:
-            spec = json.load(f)
-        res = train(spec)
-        with open(sys.argv[3], "w") as f:
-            json.dump(res, f)
-        sys.exit(0)
-    sys.exit("usage: python -m flashwrite.bench.overhead --worker SPEC.json OUT.json (use `flashwrite overhead`)")

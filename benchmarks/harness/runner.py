@@ -15,12 +15,10 @@ second checkpoint; the first save's figures are kept in the JSON ("first").
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -28,27 +26,14 @@ from typing import Any, Callable
 
 import torch
 
-from . import devicelimit, peers
+from flashwrite.ops import devicelimit
+from flashwrite.ops.demo import check_loaded, filesystem_of
+from flashwrite.ops.synthetic import make_state, planned_bytes, state_bytes, tensors_of
+
+from . import peers
 from .measure import Meter, resident_bytes, run_in_subprocess
-from .state import make_state, planned_bytes, state_bytes, tensors_of
 
 GiB = 1 << 30
-
-
-def _check_loaded(state: Any, loaded: Any) -> str:
-    """'ok' when the loaded object holds every tensor byte of the state (checked on
-    the largest tensors), else what differs."""
-    src = tensors_of(state)
-    got = tensors_of(loaded)
-    if state_bytes(state) != sum(t.numel() * t.element_size() for t in got):
-        return f"loaded {sum(t.numel() * t.element_size() for t in got)} tensor bytes, saved {state_bytes(state)}"
-    by_shape: dict[tuple, list[torch.Tensor]] = {}
-    for t in got:
-        by_shape.setdefault((tuple(t.shape), t.dtype), []).append(t)
-    for s in sorted(src, key=lambda t: -t.numel())[:3]:
-        if not any(torch.equal(s, t) for t in by_shape.get((tuple(s.shape), s.dtype), [])):
-            return f"a {tuple(s.shape)} tensor came back different"
-    return "ok"
 
 
 def run_worker(spec: dict, state: Any = None) -> dict:
@@ -104,7 +89,7 @@ def run_worker(spec: dict, state: Any = None) -> dict:
                 loaded = c.load(path, template)
                 out["load_s"] = time.perf_counter() - t0
             out["load_cpu_s"] = m.cpu_s
-            out["load_check"] = _check_loaded(state, loaded)
+            out["load_check"] = check_loaded(state, loaded)
             del loaded, template
         out["cache"] = "dropped" if why_not is None else why_not
         out["status"] = "ok"
@@ -121,19 +106,6 @@ def run_worker(spec: dict, state: Any = None) -> dict:
 def _median(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
-
-
-def _fs_of(directory: str) -> str:
-    try:
-        best = ("", "?")
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, fstype = line.split()[:3]
-                if (directory + "/").startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(best[0]):
-                    best = (mnt, f"{fstype} ({dev} on {mnt})")
-        return best[1]
-    except OSError:
-        return "?"
 
 
 def compare(size: int, contenders: list[str], directory: str | None = None, rounds: int = 1,
@@ -153,7 +125,7 @@ def compare(size: int, contenders: list[str], directory: str | None = None, roun
     workdir = tempfile.mkdtemp(prefix=".flashwrite-bench-", dir=parent)
     can_drop = devicelimit.drop_caches() if drop_caches else "not asked (--no-drop-caches)"
     meta = {"size_requested": size, "rounds": rounds, "isolation": isolation, "directory": parent,
-            "filesystem": _fs_of(parent), "cpus": len(os.sched_getaffinity(0)),
+            "filesystem": filesystem_of(parent), "cpus": len(os.sched_getaffinity(0)),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1),
             "python": platform.python_version(), "torch": torch.__version__, "kernel": platform.release(),
             "cold_cache": "page cache dropped before every save and load" if can_drop is None else can_drop,
@@ -189,7 +161,7 @@ def compare(size: int, contenders: list[str], directory: str | None = None, roun
                     c = known[key]
                     r = {"key": key, "name": c.name, "label": c.label, "status": f"skipped: {why}"}
                 elif isolation == "subprocess":
-                    r = run_in_subprocess("flashwrite.bench.runner", spec, timeout_s, {"key": spec["contender"]})
+                    r = run_in_subprocess("harness.runner:run_worker", spec, timeout_s, {"key": spec["contender"]})
                 else:
                     r = run_worker(spec, shared_state)
                 per[key].append(r)
@@ -288,18 +260,3 @@ def targets(res: dict) -> list[dict]:
             add("faster cold load than every peer", fw["load_s"] < best_l["load_s"],
                 f"{fw['load_s']:.2f} s vs best peer {best_l['name']} {best_l['load_s']:.2f} s")
     return out
-
-
-def _worker_main(spec_path: str, out_path: str) -> int:
-    with open(spec_path) as f:
-        spec = json.load(f)
-    res = run_worker(spec)
-    with open(out_path, "w") as f:
-        json.dump(res, f)
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
-    sys.exit("usage: python -m flashwrite.bench.runner --worker SPEC.json OUT.json (use `flashwrite bench`)")

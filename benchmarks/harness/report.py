@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any, TextIO
 
-from ..system.sizes import fmt_bytes
+from flashwrite.ops.demo import render_table
+from flashwrite.system.sizes import fmt_bytes
 
 GiB = 1 << 30
 
@@ -44,7 +44,7 @@ def title(res: dict) -> str:
 
 def footnotes(res: dict, targets: bool = True) -> list[str]:
     """The notes under the table; targets: also the project's own pass/fail target lines
-    (for `flashwrite bench`; the demo, a user's tool, leaves them out)."""
+    (the demo, a user's tool, has none)."""
     out = ["stall: seconds the caller could not touch its tensors; durable: until fsync'd (and committed); "
            "x device: device-limit time / contender time (1.0 = at the device limit).",
            f"device limit: {res['device']['tool']}, same bytes, same run (write + fsync, then cold read)."]
@@ -72,50 +72,7 @@ def footnotes(res: dict, targets: bool = True) -> list[str]:
 
 
 def print_table(res: dict, file: TextIO | None = None, plain: bool = False, targets: bool = True) -> None:
-    file = file or sys.stdout
-    rows = table_rows(res)
-    if not plain:
-        try:
-            from rich.console import Console
-        except ImportError:
-            plain = True
-    if not plain:
-        probe = Console(file=file)
-        con = Console(file=file, width=probe.width if probe.is_terminal else 160)
-        con.print(_rich_table(rows, title(res), con.width))
-        for n in footnotes(res, targets):
-            con.print(n, markup=False, highlight=False)
-        return
-    print(title(res), file=file)
-    print(format_plain(rows), file=file)
-    for n in footnotes(res, targets):
-        print(n, file=file)
-
-
-def _rich_table(rows: list[list[str]], heading: str, width: int) -> Any:
-    """The table for a terminal. On a narrow one (80 columns) no word is cut: names and
-    figures stay whole, headers wrap between their words, borders go."""
-    from rich import box
-    from rich.table import Table
-    need = [max(len(str(r[i])) for r in rows) if rows else 0 for i in range(len(COLUMNS))]
-    words = [max(len(w) for w in c.split()) for c in COLUMNS]
-    narrow = sum(max(n, len(c)) + 3 for n, c in zip(need, COLUMNS)) > width
-    t = Table(title=heading, title_justify="left", box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD,
-              pad_edge=not narrow, collapse_padding=narrow)
-    for i, c in enumerate(COLUMNS):
-        fit = max(need[i], words[i])
-        t.add_column(c, justify="left" if i == 0 else "right", overflow="fold", min_width=fit,
-                     width=fit if narrow else None)
-    for r in rows:
-        t.add_row(*r)
-    return t
-
-
-def format_plain(rows: list[list[str]], header: list[str] = COLUMNS) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)  # noqa: E731
-                               for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+    render_table(COLUMNS, table_rows(res), title(res), footnotes(res, targets), file=file, plain=plain)
 
 
 def markdown(res: dict) -> str:
@@ -184,32 +141,10 @@ OVERHEAD_COLUMNS = ["mode", "train s", "slowdown %", "blocked %", "checkpoints",
 
 
 def print_overhead(res: dict, file: TextIO | None = None, plain: bool = False) -> None:
-    file = file or sys.stdout
-    header = OVERHEAD_COLUMNS
-    rows = overhead_rows(res)
     head = (f"training overhead: {res['meta']['model']}, {res['meta']['steps']} steps, checkpoint every "
             f"{res['meta']['every']} steps ({fmt_bytes(res['meta']['checkpoint_bytes'])} each), "
             f"{res['meta']['rounds']} round(s), medians")
-    if not plain:
-        try:
-            from rich.console import Console
-            from rich.table import Table
-            t = Table(title=head, title_justify="left")
-            for i, c in enumerate(header):
-                t.add_column(c, justify="left" if i == 0 else "right")
-            for r in rows:
-                t.add_row(*r)
-            probe = Console(file=file)
-            Console(file=file, width=probe.width if probe.is_terminal else 160).print(t)
-            for n in res.get("notes", []):
-                print(n, file=file)
-            return
-        except ImportError:
-            pass
-    print(head, file=file)
-    print(format_plain(rows, header), file=file)
-    for n in res.get("notes", []):
-        print(n, file=file)
+    render_table(OVERHEAD_COLUMNS, overhead_rows(res), head, res.get("notes", []), file=file, plain=plain)
 
 
 def overhead_rows(res: dict) -> list[list[str]]:

@@ -1,4 +1,5 @@
-"""The reference lines every contender is measured against, in the same run:
+"""The reference lines a save is measured against, in the same run (``flashwrite tune``,
+``flashwrite demo``, and the harness in the repository's ``benchmarks/``):
 
 - the device limit: a sequential O_DIRECT write (then fsync) and read of the same
   number of bytes, with fio when installed (io_uring, 8 MiB blocks, depth 16; the
@@ -197,7 +198,7 @@ def device_limit(directory: str, nbytes: int, tool: str = "auto") -> dict:
 def memcpy_seconds(tensors: list[torch.Tensor], threads: int | None = None, repeats: int = 3) -> dict:
     """Best-of-`repeats` seconds to copy every tensor into one warm (already faulted)
     buffer with `threads` threads: what a snapshot of CPU state cannot beat."""
-    threads = threads or max(1, len(os.sched_getaffinity(0)))
+    threads = threads or len(os.sched_getaffinity(0))  # the CPUs this process may use (never 0)
     total = sum(t.numel() * t.element_size() for t in tensors)
     dst = torch.empty(total, dtype=torch.uint8)
     dst.fill_(1)  # fault the pages in: a reused staging pool is warm
