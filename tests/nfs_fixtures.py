@@ -37,10 +37,14 @@ def nfs_server(tmp_path):
 
 @pytest.fixture
 def nfs_staging(tmp_path, monkeypatch):
-    """Where nfs:// loads put their stand-in directories (FLASHWRITE_NFS_STAGING): this
-    test's own; none may be left behind."""
+    """An nfs:// load reads through its target and makes no local stand-in directory (as
+    loads once did, in /dev/shm or FLASHWRITE_NFS_STAGING): none may appear."""
     d = tmp_path / "staging"
     d.mkdir()
-    monkeypatch.setenv("FLASHWRITE_NFS_STAGING", str(d))
+    monkeypatch.setenv("FLASHWRITE_NFS_STAGING", str(d))  # where an old stand-in would have gone
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    before = {n for n in os.listdir(shm) if n.startswith("flashwrite-nfs-")} if shm else set()
     yield d
-    assert os.listdir(d) == [], f"staging copies left behind: {os.listdir(d)}"
+    assert os.listdir(d) == [], f"local copies made: {os.listdir(d)}"
+    after = {n for n in os.listdir(shm) if n.startswith("flashwrite-nfs-")} if shm else set()
+    assert after <= before, f"local stand-ins made: {sorted(after - before)}"

@@ -16,6 +16,7 @@ import flashwrite as fw
 from conftest import assert_same
 from fault_util import flip_byte, make_state, temp_entries
 from flashwrite.ops import main as cli
+from flashwrite.loading import read as read_mod
 from flashwrite.targets import nfs
 
 pytestmark = [pytest.mark.nfs, pytest.mark.usefixtures("nfs_staging")]
@@ -45,26 +46,26 @@ def test_a_pool_smaller_than_the_save_commits_to_free_its_slots(nfs_server):
     assert_same(fw.load(local), state)
 
 
-def test_a_load_reads_the_stripes_from_the_server_not_a_local_copy(nfs_server, nfs_staging):
-    """The stand-in directory holds the small files and, per stripe, a sparse placeholder
-    with its header only; the bytes come over the connections, and a stripe damaged on the
-    server is caught (the placeholder's zeros are never read)."""
+def test_a_load_reads_the_stripes_from_the_server_not_a_local_copy(nfs_server, nfs_staging, monkeypatch):
+    """The load job gets its files from the target (its NFS client) and the stripes by their
+    paths on the server: no local stand-in directory, no copy; a stripe damaged on the
+    server is caught."""
     state = _state(8, seed=2)
     fw.save(state, nfs_server.url("ck"), stripes=2)
     target, inner = nfs.target_for(nfs_server.url("ck"), "test")
-    local = target.download(inner)
-    try:
-        stripes = [n for n in os.listdir(local) if n.endswith(".safetensors")]
-        assert len(stripes) == 2
-        for n in stripes:
-            st = os.stat(os.path.join(local, n))
-            assert st.st_size == os.path.getsize(os.path.join(nfs_server.export, "ck", n))
-            assert st.st_blocks * 512 < st.st_size // 4, f"{n}: the placeholder holds the stripe's bytes"
-        assert nfs.reader_for(local) == (target.client, inner)
-    finally:
-        nfs.forget_download(local)
-    assert nfs.reader_for(local) is None and not os.path.exists(local)
+    seen = []
+    real = read_mod._core.start_load
+
+    def spy(specs, *args, **kwargs):
+        seen.append(([p for p, _ in specs], kwargs.get("remote")))
+        return real(specs, *args, **kwargs)
+
+    monkeypatch.setattr(read_mod._core, "start_load", spy)
     assert_same(fw.load(nfs_server.url("ck")), state)
+    (paths, remote), = seen
+    assert remote is target.client
+    stripes = [os.path.basename(p) for p in paths]
+    assert len(stripes) == 2 and all(p == f"{inner}/{n}" for p, n in zip(paths, stripes))
 
     path = os.path.join(nfs_server.export, "ck", sorted(stripes)[1])
     flip_byte(path, os.path.getsize(path) - 10)
@@ -171,3 +172,20 @@ def test_cli_inspect_and_verify_take_nfs_urls(nfs_server, capsys, tmp_path, monk
     err = capsys.readouterr().err
     assert missing in err and "Traceback" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["nfs", "staging"]  # nothing made under the current directory
+
+
+def test_a_plain_safetensors_directory_loads_from_nfs(nfs_server, nfs_staging):
+    """Safetensors that flashwrite did not write load from an nfs:// directory as from a
+    local one: headers read through the target by the one parser, bytes by the load job."""
+    from safetensors.torch import save_file
+    d = os.path.join(nfs_server.export, "plain")
+    os.makedirs(d)
+    a = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    b = {"v": torch.arange(5, dtype=torch.int64)}
+    save_file(a, os.path.join(d, "a.safetensors"))
+    save_file(b, os.path.join(d, "b.safetensors"))
+    got = fw.load(nfs_server.url("plain"))
+    assert_same(got, {**a, **b})
+    assert_same(got, fw.load(d))
+    with pytest.raises(ValueError, match="plain safetensors"):
+        fw.load(nfs_server.url("plain"), into={"w": torch.empty(3, 4)})

@@ -175,3 +175,27 @@ def test_export_resolution_takes_the_longest_prefix_in_any_listed_order(monkeypa
     assert nfs.find_export("h", "/srv/outer/x/ck", 1) == "/srv/outer"
     with pytest.raises(FileNotFoundError, match="no export of h contains /srv/other/ck"):
         nfs.find_export("h", "/srv/other/ck", 1)
+
+
+def test_kind_of_gives_capabilities_without_reaching_the_target():
+    """What may be done at a path is asked of its kind, before anything connects: a
+    server that does not answer (TEST-NET-1) does not slow the answer down."""
+    import time
+
+    from flashwrite.targets.locate import kind_of
+    t0 = time.monotonic()
+    remote = kind_of("nfs://192.0.2.1/export/ck?timeout=30", "save")
+    assert time.monotonic() - t0 < 1
+    assert not (remote.os_paths or remote.holds_local_snapshots or remote.scannable or remote.tunes_writer)
+    local = kind_of("relative/dir", "save")
+    assert local.os_paths and local.holds_local_snapshots and local.scannable and local.tunes_writer
+    with pytest.raises(fw.UnsupportedTargetError) as ei:
+        kind_of("s3://bucket/key", "save")
+    _refused(ei, "s3://bucket/key", "save")
+
+
+def test_local_snapshots_to_nfs_are_refused_before_anything_is_reached():
+    with fw.Writer(stripes=2, chunk_bytes=1 << 20, local_snapshots=True) as w:
+        with pytest.raises(fw.UnsupportedTargetError, match="local snapshots with nfs://") as ei:
+            w.save({"w": torch.arange(4.0)}, "nfs://192.0.2.1/export/ck")
+    assert ei.value.scheme == "nfs" and ei.value.url == "nfs://192.0.2.1/export/ck"

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import os
 import threading
@@ -70,9 +69,9 @@ from typing import Any, Callable
 
 from . import compare, held
 from ..layout.names import parse_temp_name
-from ..errors import FlashwriteError
+from ..errors import CorruptCheckpointError, FlashwriteError
 from ..state.flatten import Columns
-from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, read_manifest
+from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, read_manifest, safetensors_header
 from ..layout.plan import PlannedFile, plan_files, stripe_name
 from ..targets.target import LOCAL, Target
 
@@ -174,7 +173,7 @@ class BaseCache:
             return self._last.get(os.path.dirname(final))
 
     def get(self, path: str, target: Target = LOCAL) -> Base:
-        if target is not LOCAL:  # read afresh: a remote file's identity is not cheap to check
+        if not target.scannable:  # read afresh: a remote file's identity is not cheap to check
             mpath = os.path.join(path, MANIFEST_NAME)
             size = target.file_size(mpath)
             if size is None:
@@ -271,10 +270,12 @@ def _read_header(target: Target, path: str, nbytes: int, size: int) -> bytes | N
     return data if len(data) == nbytes else None
 
 
-def _header_meta(header: bytes) -> Any:
+def _header_meta(header: bytes, size: int, name: str) -> dict[str, str] | None:
+    """The metadata of a stripe's header (the first bytes of a ``size``-byte file), parsed by
+    the one safetensors parser; None where it is not a valid header."""
     try:
-        return json.loads(header[8:]).get("__metadata__")
-    except (ValueError, AttributeError):
+        return safetensors_header.parse(header, size, name).metadata
+    except CorruptCheckpointError:
         return None
 
 
@@ -287,7 +288,7 @@ def _mirrorable(base: Base, files: list[int], target: Target) -> list[tuple[int,
         fe = base.manifest.files[fi]
         src = os.path.join(base.path, fe.name)
         header = _read_header(target, src, fe.header_bytes, fe.size)
-        if header is not None and _header_meta(header) == HEADER_META:
+        if header is not None and _header_meta(header, fe.size, fe.name) == HEADER_META:
             out.append((fi, src, header))
     return out
 
@@ -380,9 +381,9 @@ def plan(columns: Columns, base: Base, tmp: str, *, stripes: int, prefix: str, m
     for te in m.tensors.values():
         by_file[te.file].append(te)
     cands, holds = compare.candidates(columns, m, by_file, where, recheck=seq % RECHECK_HOT_EVERY == 0)
-    if target is not LOCAL:
+    if not target.os_paths:
         holds = []  # held files are local stripes: on nfs:// GPU stripes are written
-    if (held.HOLD_HOST or hold_all) and target is LOCAL:
+    if (held.HOLD_HOST or hold_all) and target.os_paths:
         cands, holds = [], holds + cands
     found = compare.changed(columns, m, by_file, where, cands, threads)
     changed, unchanged_files = found.changed, found.unchanged
@@ -447,7 +448,7 @@ class Planner:
         """The newest committed checkpoint beside the target (local: found by a scan, so a
         restarted run links from its predecessor's); elsewhere the last one this Writer
         committed in that directory, if it is still there."""
-        if self.target is LOCAL:
+        if self.target.scannable:
             return find_base(self.final)
         last = self.cache.last_committed(self.final)
         if last is not None and self.target.file_size(os.path.join(last, MANIFEST_NAME)) is not None:
@@ -458,13 +459,13 @@ class Planner:
                  block: int, stage_all: bool = False) -> Plan | None:
         """stage_all: the save keeps every staged byte (a local snapshot): candidate stripes
         are held files, staged and then linked by the job, not linked before staging."""
-        on_gpu = sum(d != "cpu" for d in columns.devices) if self.target is not LOCAL else 0
+        on_gpu = sum(d != "cpu" for d in columns.devices) if not self.target.os_paths else 0
         if on_gpu and on_gpu == len(columns.devices):
             self.note = "off: GPU tensors are not compared on nfs:// (the save writes every stripe)"
             return None
         path = self.base_path()
         if path is None:
-            self.note = "on: no earlier checkpoint to link from" + ("" if self.target is LOCAL else
+            self.note = "on: no earlier checkpoint to link from" + ("" if self.target.scannable else
                          " (nfs://: only one this Writer committed there counts; the save writes every stripe)")
             return None
         if on_gpu:

@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import stat
+from typing import Any, Callable
 
 from ..format import dtypes
 from ..defaults import READ_CHUNK_BYTES
@@ -38,6 +39,42 @@ def is_foreign(path: str) -> bool:
         glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
 
 
+def is_foreign_on(target: Any, path: str) -> bool:
+    """``is_foreign`` of a directory on a target whose paths are not this machine's."""
+    return target.is_dir(path) and not target.exists(f"{path.rstrip('/')}/{MANIFEST_NAME}") and any(
+        n.endswith(".safetensors") for n in target.list(path))
+
+
+def describe_on(target: Any, base: str, shown: str) -> Manifest:
+    """``describe`` of the directory ``base`` of ``target`` (its index, else every
+    ``*.safetensors`` in it), each file and header read through the target."""
+    listing = sorted(target.list(base))
+    indexes = [n for n in listing if n.endswith(".safetensors.index.json")]
+    if len(indexes) > 1:
+        raise ValueError(f"{shown} holds several safetensors indexes ({', '.join(indexes)}); load their files one "
+                         "by one")
+    if indexes:
+        try:
+            data = target.read_small(f"{base.rstrip('/')}/{indexes[0]}", MAX_INDEX_BYTES)
+        except ValueError:
+            raise _bad(indexes[0], f"larger than {MAX_INDEX_BYTES} bytes") from None
+        names = _index_names(shown, indexes[0], data)
+    else:
+        names = [n for n in listing if n.endswith(".safetensors")]
+
+    def header_of(name: str) -> tuple[int, safetensors_header.SafetensorsHeader]:
+        full = f"{base.rstrip('/')}/{name}"
+        size = target.file_size(full)
+        if size is None and not target.exists(full):
+            raise CorruptCheckpointError(f"{name} (listed in the index) is missing from {shown}", file=name)
+        if size is None:
+            raise UnsafeCheckpointError(f"{name} in {shown} is not a regular file", file=name)
+        n = safetensors_header.header_length(target.read_at(full, 0, 8), size, name)
+        return size, safetensors_header.parse(target.read_at(full, 0, 8 + n), size, name)
+
+    return _manifest(names, shown, True, header_of)
+
+
 def _bad(name: str, msg: str, tensor: str | None = None) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{name}: {msg}", file=name, tensor=tensor)
 
@@ -48,6 +85,11 @@ def _index_files(directory: str, index_path: str) -> list[str]:
         data = fh.read(MAX_INDEX_BYTES + 1)
     if len(data) > MAX_INDEX_BYTES:
         raise _bad(name, f"larger than {MAX_INDEX_BYTES} bytes")
+    return _index_names(directory, name, data)
+
+
+def _index_names(directory: str, name: str, data: bytes) -> list[str]:
+    """The files the index ``name`` (its bytes ``data``) lists, each a plain name in ``directory``."""
     try:
         index = json.loads(data)
     except (ValueError, RecursionError):
@@ -109,11 +151,8 @@ def describe(base: str, shown: str, names: list[str] | None = None, from_index: 
         whole_dir = True
     else:
         whole_dir = from_index
-    if not names:
-        raise FileNotFoundError(2, "no safetensors files (and no flashwrite manifest) in", shown)
-    files: list[FileEntry] = []
-    tensors: dict[str, TensorEntry] = {}
-    for fi, name in enumerate(names):
+
+    def header_of(name: str) -> tuple[int, safetensors_header.SafetensorsHeader]:
         full = os.path.join(base, name)
         try:
             st = os.lstat(full)
@@ -121,13 +160,26 @@ def describe(base: str, shown: str, names: list[str] | None = None, from_index: 
             raise CorruptCheckpointError(f"{name} (listed in the index) is missing from {shown}", file=name) from None
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeCheckpointError(f"{name} in {shown} is not a regular file", file=name)
-        header = _read_header(full, name, st.st_size)
+        return st.st_size, _read_header(full, name, st.st_size)
+
+    return _manifest(names, shown, whole_dir, header_of)
+
+
+def _manifest(names: list[str], shown: str, whole_dir: bool,
+              header_of: Callable[[str], tuple[int, safetensors_header.SafetensorsHeader]]) -> Manifest:
+    """The manifest of the files ``names`` (``header_of(name)``: its size and header)."""
+    if not names:
+        raise FileNotFoundError(2, "no safetensors files (and no flashwrite manifest) in", shown)
+    files: list[FileEntry] = []
+    tensors: dict[str, TensorEntry] = {}
+    for fi, name in enumerate(names):
+        size, header = header_of(name)
         if header.metadata.get("writer") == "flashwrite" and whole_dir:
             # Its stripes without its manifest: a crashed or damaged save, never a whole checkpoint.
             raise CorruptCheckpointError(f"{os.path.join(shown, MANIFEST_NAME)} is missing: {name} was written by "
                                          "flashwrite, so this is an incomplete flashwrite checkpoint",
                                          file=MANIFEST_NAME)
-        files.append(FileEntry(name, st.st_size, header.header_bytes))
+        files.append(FileEntry(name, size, header.header_bytes))
         for key, e in header.tensors.items():
             if key in tensors:
                 raise _bad(name, f"tensor {key!r} is also in {files[tensors[key].file].name}", key)

@@ -21,8 +21,7 @@ from ..state.flatten import referenced_keys
 from ..format import MANIFEST_NAME
 from ..future import LoadFuture, LoadStats, launch_load
 from .read import CheckpointDir, LoadResult, load_foreign, load_state, read_tensors
-from ..targets.locate import local_view
-from ..targets.target import check_path
+from ..targets.locate import Located, kind_of, locate
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult", "LoadFuture", "LoadStats"]
 
@@ -58,23 +57,29 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     a group of the same size (reading only its stripes). Without it, a multi-rank
     checkpoint loads as ``{rank: state}``.
     """
-    check_path(path, "load")  # a URL other than nfs:// is refused before anything else
+    where = path if isinstance(path, Located) else locate(path, "load")  # the one check of the path
     options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
                    backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
     # One pause of the collector for the whole load (one collection after it, not one
     # per stage): a state of 100,000 tensors is 100,000s of new objects (see gcpause).
-    with gcpause.paused(), _fetched(path, "load") as local:
-        return _load(local, process_group, options)
+    with gcpause.paused():
+        return _load(where, process_group, options)
 
 
-def _fetched(path: str | os.PathLike, what: str):
-    """A local path to read ``path`` from (``locate.local_view``)."""
-    return local_view(path, what)
-
-
-def _load(path: str | os.PathLike, process_group: Any, options: dict) -> Any:
+def _load(where: Located, process_group: Any, options: dict) -> Any:
     map_location, into, backend, direct, queue_depth = (options[k] for k in ("map_location", "into", "backend",
                                                                                 "direct", "queue_depth"))
+    if not where.target.os_paths:  # read through its target
+        if foreign.is_foreign_on(where.target, where.path):
+            if into is not None or process_group is not None:
+                raise ValueError(f"{where.given} is plain safetensors, not a flashwrite checkpoint: load it without "
+                                 "into= or process_group=")
+            return load_foreign(where, map_location=map_location, backend=backend, direct=direct,
+                                queue_depth=queue_depth)
+        if process_group is not None:
+            return distributed.load(where, process_group=process_group, **options)
+        return load_state(where, **options)
+    path = where.given
     indexed = foreign.indexed_dir(os.fspath(path))
     if indexed is not None and os.path.lexists(os.path.join(indexed, MANIFEST_NAME)):
         path = indexed  # a flashwrite checkpoint's index file: the checkpoint it belongs to
@@ -117,7 +122,7 @@ def load_async(path: str | os.PathLike, **kwargs: Any) -> LoadFuture:
     family as ``save_async``'s (``result()``, ``done()``, ``wait()``, ``stats``).
     A path that can never load (an unsupported URL) raises here, not through the future."""
     global _load_pool
-    check_path(path, "load_async")
+    kind_of(path, "load_async")  # a path that can never load raises here (nothing is reached yet)
     with _load_pool_lock:
         if _load_pool is None:
             _load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="flashwrite-load")
@@ -133,7 +138,8 @@ def verify(path: str | os.PathLike, progress: Any = None) -> dict:
     told of each stripe checked (``start(total_bytes, what)``, ``advance(n)``,
     ``finish()``), as ``flashwrite verify``'s bar is."""
     t0 = time.perf_counter()
-    with _fetched(check_path(path, "verify"), "verify") as local, CheckpointDir(local) as ck:
+    where = locate(path, "verify")
+    with CheckpointDir(where if not where.target.os_paths else where.given, what="verify") as ck:
         m = ck.manifest
         unknown = referenced_keys(m.tree) - set(m.tensors)  # what load would refuse, checksums or not
         if unknown:

@@ -32,13 +32,13 @@ from .. import _core, defaults
 from ..format import dtypes
 from . import foreign, read_plan
 from ..system import gcpause
-from ..targets import nfs
 from ..system import cuda as _cuda
 from ..errors import CorruptCheckpointError
 from ..state.flatten import FlatTensor, flatten, unflatten
 from ..format import Manifest, TensorEntry, read_manifest, select_rank
 from ..format.hints import not_a_checkpoint
 from .read_plan import stored_dtype
+from ..targets.locate import Located
 from ..targets.target import local_path
 
 __all__ = ["LoadResult", "CheckpointDir", "read_tensors", "load_state", "tensor_placer"]
@@ -73,10 +73,22 @@ class CheckpointDir:
     """A checkpoint directory opened once: ``manifest`` is parsed on opening, and
     ``read`` reads stripes through the same directory handle (any number of times)."""
 
-    def __init__(self, path: str | os.PathLike,
-                 describe: Callable[[str, str], Manifest] = lambda base, shown: read_manifest(base, shown=shown)):
+    def __init__(self, path: str | os.PathLike | Located,
+                 describe: Callable[[str, str], Manifest] | None = None, what: str = "load"):
         """describe(base, shown): the manifest of the directory opened at ``base`` (messages
-        name ``shown``); by default its flashwrite.json, or e.g. ``foreign.describe``."""
+        name ``shown``); by default its flashwrite.json, or e.g. ``foreign.describe``.
+        ``path`` may be a ``Located`` (``targets.locate``): on a target whose paths are not
+        this machine's, the manifest is read through it and the stripes by their names
+        there, through its ``native_files()``."""
+        self._fd = -1
+        self.files: object | None = None  # what the load job reads the stripes through (None: local files)
+        self.target = None
+        if isinstance(path, Located) and not path.target.os_paths:
+            self.path, self.base, self.target = path.given, path.path, path.target
+            self.files = path.target.native_files()
+            self.manifest = describe(self.base, self.path) if describe else path.read_manifest(what)
+            return
+        describe = describe or (lambda base, shown: read_manifest(base, shown=shown))
         self.path = local_path(path, "read")
         if not os.path.isdir(self.path):
             raise not_a_checkpoint(self.path)
@@ -143,7 +155,7 @@ class CheckpointDir:
             wanted = set(m.tensors) if keys is None else keys
             file_ids = sorted({m.tensors[k].file for k in wanted}) if keys is not None else list(range(len(m.files)))
             slot = {fi: i for i, fi in enumerate(file_ids)}
-            specs = read_plan.stripe_specs(m, file_ids, self.base, self.path)
+            specs = read_plan.stripe_specs(m, file_ids, self.base, self.path, self.target)
             pieces, owners = read_plan.checksum_pieces(m, wanted, slot) if verify else ([], [])
             targets = {k: t for k, t in device_targets.items() if k in wanted}
             hosted = {k: t for k, t in host_targets.items() if k in wanted and k not in targets}
@@ -164,7 +176,7 @@ class CheckpointDir:
             # is joined, whatever order an interrupted frame frees its locals in.
             job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
                                    defaults.VERIFY_THREADS, direct, placements=placements,
-                                   streams=streams, remote=nfs.reader_for(self.path),  # nfs://: from the server
+                                   streams=streams, remote=self.files,  # the target's native_files()
                                    keepalive=(targets, hosted, owned, headers, stripes))
         job.wait()
         with gcpause.paused():
@@ -234,15 +246,20 @@ def load_state(path: str | os.PathLike, *, rank: tuple[int, int] | None = None, 
         return unflatten(m.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
 
 
-def load_foreign(path: str, *, map_location: Any = "cpu", backend: str = "auto", direct: bool = True,
+def load_foreign(path: str | Located, *, map_location: Any = "cpu", backend: str = "auto", direct: bool = True,
                  queue_depth: int = defaults.READ_QUEUE_DEPTH) -> dict[str, torch.Tensor]:
     """The flat {name: tensor} of plain safetensors at ``path`` (see ``foreign``), like
     ``safetensors.torch.load_file``'s merged across shards. No checksums to verify; each
     tensor's bytes are copied out by the native job (its data may sit at any offset) or
     placed on its GPU."""
-    directory, names = foreign.locate(path)
-    from_index = foreign.indexed_dir(path) is not None
-    with CheckpointDir(directory, lambda base, shown: foreign.describe(base, shown, names, from_index)) as ck:
+    if isinstance(path, Located):  # a directory on a target whose paths are not this machine's
+        where: Any = path
+        describe = lambda base, shown: foreign.describe_on(path.target, base, shown)  # noqa: E731
+    else:
+        where, names = foreign.locate(path)
+        from_index = foreign.indexed_dir(path) is not None
+        describe = lambda base, shown: foreign.describe(base, shown, names, from_index)  # noqa: E731
+    with CheckpointDir(where, describe) as ck:
         m = ck.manifest
         res = ck.read(verify=False, backend=backend, direct=direct, queue_depth=queue_depth, zero_copy=False,
                       device_targets=_map_targets(list(m.tensors.values()), map_location))

@@ -9,6 +9,7 @@ import os
 import stat
 
 import torch
+from typing import Any
 
 from ..system import cuda as _cuda
 from .. import defaults
@@ -31,19 +32,27 @@ def host_empty(e: TensorEntry) -> torch.Tensor:
 
 
 
-def stripe_specs(m: Manifest, file_ids: list[int], base: str, path: str) -> list[tuple[str, int]]:
-    """(path, size) of each stripe to read, each checked to be a regular file of its recorded size."""
+def stripe_specs(m: Manifest, file_ids: list[int], base: str, path: str, target: Any = None) -> list[tuple[str, int]]:
+    """(path, size) of each stripe to read, each checked to be a regular file of its recorded size
+    (in the directory ``base`` of this machine, or of ``target`` where one is given)."""
     specs = []
     for fi in file_ids:
         fe = m.files[fi]
         full = os.path.join(base, fe.name)
-        try:
-            st = os.lstat(full)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
-        if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
-            raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
-        size = st.st_size
+        if target is not None:
+            size = target.file_size(full)
+            if size is None and not target.exists(full):
+                raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name)
+            if size is None:
+                raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
+        else:
+            try:
+                st = os.lstat(full)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
+            if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
+                raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
+            size = st.st_size
         if size != fe.size:
             what = "truncated" if size < fe.size else "longer than recorded"
             raise CorruptCheckpointError(f"stripe {fe.name} is {size} bytes, the manifest says {fe.size} "

@@ -7,7 +7,7 @@ import inspect
 import os
 
 from ..saving.save import Writer
-from ..targets.target import UnsupportedTargetError
+from ..targets.target import unsupported
 
 # What a caller may pass per save: Writer.save_async's keyword options, less those the
 # manager sets itself (derived, so a new save option reaches the manager with no edit here).
@@ -40,8 +40,8 @@ def manager_writer(root: str, root_is_local: bool, writer: Writer | None, local_
     """The writer given (checked to keep the local snapshots and neighbour copies asked
     for), or a new one that does; local snapshots need a local root."""
     if not root_is_local and (local_snapshots or neighbour_copies or (writer is not None and writer.local_snapshots)):
-        raise UnsupportedTargetError(f"CheckpointManager root {root!r}: local snapshots with nfs:// "
-                                     "are not supported yet", url=root, scheme="nfs")
+        raise unsupported(f"CheckpointManager root {root!r}: local snapshots with nfs:// are not supported yet",
+                          root)
     if writer is None:
         return Writer(local_snapshots=local_snapshots, local_dir=local_dir, neighbour_copies=neighbour_copies)
     if local_snapshots and not writer.local_snapshots:

@@ -17,7 +17,6 @@ import string
 from ..saving import commit
 from ..format import MANIFEST_NAME
 from ..targets.locate import resolve
-from ..targets.target import LOCAL
 
 log = logging.getLogger("flashwrite")
 
@@ -57,7 +56,7 @@ class StepDirs:
         # root: a local directory, or for nfs:// the URL without its query, which path_for puts back.
         self.target, self.dir = resolve(root, "CheckpointManager root")
         self.query = ""
-        self.local = self.target is LOCAL
+        self.local = self.target.scannable
         if self.local:
             self.root = self.dir
         else:

@@ -24,8 +24,7 @@ from .progress import Progress
 from .sources import FORMATS
 from .tune import tune
 from .tune_nfs import save_nfs_tuning, tune_nfs
-from .tune_nfs import store_path as nfs_store_path
-from ..targets.target import url_scheme
+from ..targets.locate import kind_of
 
 
 def _when(t: float | None) -> str:
@@ -163,7 +162,7 @@ def _print_tune(r: dict) -> None:
 
 @guarded
 def cmd_tune(a: argparse.Namespace) -> int:
-    if url_scheme(a.dir) == "nfs":
+    if not kind_of(a.dir, "tune").tunes_writer:  # a remote target: its connections are what is tuned
         return _tune_nfs(a)
     r = tune(a.dir, a.budget_s, _progress(a), device_tool=a.device_tool, size=a.size)
     if not r.get("recommended"):
@@ -184,8 +183,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
 def _tune_nfs(a: argparse.Namespace) -> int:
     r = tune_nfs(a.dir, a.budget_s, _progress(a), size=a.size)
     if a.save:
-        r["saved"] = save_nfs_tuning(r)
-        r["saved_to"] = nfs_store_path()
+        r["saved"], r["saved_to"] = save_nfs_tuning(r)
     if a.json:
         print_json(r)
         return OK

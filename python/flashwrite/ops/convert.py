@@ -28,8 +28,8 @@ from ..errors import CorruptCheckpointError
 from ..state.flatten import FlatTensor, referenced_keys, unflatten
 from ..format import build_index, build_manifest, piece_ranges
 from ..layout.plan import PlannedFile, plan_files
-from ..targets.locate import resolve
-from ..targets.target import LOCAL, Target, check_path, shown, url_scheme
+from ..targets.locate import kind_of, resolve
+from ..targets.target import LOCAL, Target, check_path, shown
 from .common import UsageError
 from .sources import FORMATS, META_KEY, SIDECAR, Item, Source, detect, flat_tree, open_source
 
@@ -43,7 +43,7 @@ def target_format(src_kind: str, dst: str, to: str | None) -> str:
             raise UsageError(f"unknown --to {to!r}; choose from {', '.join(FORMATS)}")
         return to
     # A URL's extension is its path's: nfs://h/x.safetensors?mountport=P names a .safetensors
-    name = urllib.parse.urlsplit(dst).path if url_scheme(dst) else dst
+    name = dst if kind_of(dst, "convert").os_paths else urllib.parse.urlsplit(dst).path
     ext = os.path.splitext(name)[1].lower()
     if ext in _EXT:
         return _EXT[ext]
@@ -78,7 +78,7 @@ class _OutFile:
     def __init__(self, target: Target, path: str):
         self.target, self.path = target, path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644) \
-            if target is LOCAL else None
+            if target.os_paths else None
         self.buf = bytearray()
 
     def write(self, data: Any) -> None:
@@ -306,10 +306,10 @@ def to_dcp(src: Source, dst: str, progress: Any, *, allow_pickle: bool) -> None:
 def _check_remote(src: str, kind: str, dst: str, out_kind: str) -> None:
     """nfs:// on either side: flashwrite checkpoints only (read piece by piece from the
     server, or committed there as a save is); the other formats go through local paths."""
-    if url_scheme(src) and kind != "flashwrite":
+    if not kind_of(src, "convert").os_paths and kind != "flashwrite":
         raise UsageError(f"{src}: from nfs:// convert reads flashwrite checkpoints, not {kind}; copy the {kind} "
                          "input to a local (or mounted) path first")
-    if url_scheme(dst) and out_kind != "flashwrite":
+    if not kind_of(dst, "convert").os_paths and out_kind != "flashwrite":
         raise UsageError(f"{dst}: to nfs:// convert writes flashwrite checkpoints (--to flashwrite), not "
                          f"{out_kind}; write {out_kind} to a local (or mounted) path")
 
@@ -332,7 +332,7 @@ def convert(src_path: str, dst: str, *, src_format: str | None = None, dst_forma
     src_path, dst = check_path(src_path, "convert"), check_path(dst, "convert")
     if src_format and src_format not in FORMATS:
         raise UsageError(f"unknown --from {src_format!r}; choose from {', '.join(FORMATS)}")
-    kind = src_format or ("flashwrite" if url_scheme(src_path) else detect(src_path))
+    kind = src_format or (detect(src_path) if kind_of(src_path, "convert").os_paths else "flashwrite")
     out_kind = target_format(kind, dst, dst_format)
     _check_remote(src_path, kind, dst, out_kind)
     if shown(src_path) == shown(dst):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..format import Manifest, TensorEntry, read_manifest
-from ..targets.locate import local_view, resolve
+from ..format import Manifest, TensorEntry
+from ..targets.locate import locate, read_manifest
 from ..targets.target import Target, shown
 from . import tree as _tree
 from .inspect import key_matcher
@@ -63,8 +63,8 @@ def diff(a: str, b: str, *, deep: bool = False, pattern: str | None = None, prog
     """Either checkpoint may be an nfs:// URL: its manifest is fetched as ``inspect`` does,
     and ``deep`` reads its stripes from the server."""
     match = key_matcher(pattern)
-    with local_view(a, "diff") as la, local_view(b, "diff") as lb:
-        ma, mb = read_manifest(la, shown=shown(a)), read_manifest(lb, shown=shown(b))
+    wa, wb = locate(a, "diff"), locate(b, "diff")
+    ma, mb = read_manifest(wa, "diff", shown=shown(a)), read_manifest(wb, "diff", shown=shown(b))
     ka = {k for k in ma.tensors if match(k)}
     kb = {k for k in mb.tensors if match(k)}
     out: dict[str, Any] = {"a": shown(a), "b": shown(b), "deep": deep,
@@ -87,7 +87,7 @@ def diff(a: str, b: str, *, deep: bool = False, pattern: str | None = None, prog
         else:
             out["unknown"].append(k)
     if to_read:
-        sa, sb = _Stripes(*resolve(a, "diff"), ma), _Stripes(*resolve(b, "diff"), mb)
+        sa, sb = _Stripes(wa.target, wa.path, ma), _Stripes(wb.target, wb.path, mb)
         if progress is not None:
             progress.start(sum(ma.tensors[k].nbytes for k in to_read), "comparing")
         try:

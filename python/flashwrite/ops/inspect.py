@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 from typing import Any
 
-from ..format import Manifest, read_manifest
-from ..targets.locate import local_view
-from ..targets.target import url_scheme
+from ..format import Manifest
+from ..targets.locate import locate
+from ..targets.target import shown
 from ..incremental.link import SECTION, byte_counts
 from . import tree as _tree
 from .common import UsageError
@@ -33,8 +32,7 @@ def key_matcher(pattern: str | None):
 def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
     """The manifest as a report: tensors (filtered by ``pattern``: a glob, a substring,
     or ``re:REGEX``), totals by top-level key and dtype, leaves, stripes, writer."""
-    with local_view(path, "inspect") as local:  # nfs://: the manifest fetched from the server
-        m: Manifest = read_manifest(local)
+    m: Manifest = locate(path, "inspect").read_manifest("inspect")  # nfs://: fetched from the server
     match = key_matcher(pattern)
     tensors = []
     by_top: dict[str, list[int]] = {}
@@ -54,7 +52,7 @@ def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
     written, linked = byte_counts(raw)
     ranks = raw.get("ranks") if isinstance(raw.get("ranks"), dict) else None
     return {
-        "path": path if url_scheme(path) else os.path.abspath(path),
+        "path": shown(path),
         "format_version": raw.get("format_version"),
         "writer_version": m.writer_version,
         "created_unix": raw.get("created_unix") if isinstance(raw.get("created_unix"), (int, float)) else None,

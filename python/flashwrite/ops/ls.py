@@ -25,8 +25,8 @@ from .. import _core
 from ..saving import commit
 from ..tier import snapshot as local
 from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD
-from ..targets.locate import resolve
-from ..targets.target import LOCAL, Target, local_path, url_scheme
+from ..targets.locate import kind_of, resolve
+from ..targets.target import LOCAL, Target, local_path
 from ..incremental.link import byte_counts
 
 VERIFIED_NAME = ".flashwrite-verified.json"
@@ -115,7 +115,7 @@ def describe(path: str, name: str | None = None, target: Target = LOCAL) -> Entr
     m = _STEP_RE.match(name)
     step = int(m.group(1)) if m else None
     if commit.is_temp_name(name):
-        if target is not LOCAL:  # its owner's pid is another host's, maybe: alive or dead cannot be told
+        if not target.sweeps_dead_saves:  # its owner's pid is another host's, maybe: alive or dead cannot be told
             return Entry(target.show(path), name, "temporary", step,
                          problem="a save in progress, or left by a crashed save or deletion")
         alive = commit.TMP_MARK in name and commit.temp_owner_alive(name, path)
@@ -189,7 +189,7 @@ def list_local(root: str, local_dir: str | None = None) -> list[Entry]:
     """Local snapshots in ``local_dir`` (default /dev/shm) of ROOT or of its children:
     step, state, size, owner (alive or dead) and where (the header's path). None for an
     nfs:// ROOT (local snapshots are taken of local roots only)."""
-    if url_scheme(root) == "nfs":
+    if not kind_of(root, "ls").holds_local_snapshots:
         return []
     root = os.path.abspath(local_path(root, "ls"))
     out = []

@@ -22,7 +22,8 @@ from .ls import record_verified
 from .progress import Progress
 from ..loading.load import verify
 from ..system.sizes import parse_size
-from ..targets.target import UnsupportedTargetError, url_scheme
+from ..targets.locate import kind_of
+from ..targets.target import UnsupportedTargetError
 
 
 def _size(text: str) -> int:
@@ -81,9 +82,13 @@ def _verify_failed(path: str, e: Exception) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    if url_scheme(a.dir):
+    try:
+        kind = kind_of(a.dir, "info")
+    except UnsupportedTargetError:
+        kind = None  # a URL of a scheme flashwrite does not handle
+    if kind is None or not kind.os_paths:
         other = (f"for an nfs:// target, `flashwrite tune {a.dir}` measures it and `flashwrite ls {a.dir}` lists it"
-                 if url_scheme(a.dir) == "nfs" else "flashwrite reads local (or mounted) paths and nfs:// URLs")
+                 if kind is not None else "flashwrite reads local (or mounted) paths and nfs:// URLs")
         print(f"flashwrite info: error: {a.dir}: info probes a local directory (O_DIRECT, io_uring, CUDA); {other}",
               file=sys.stderr)
         return 2

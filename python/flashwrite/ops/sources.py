@@ -25,8 +25,8 @@ from .. import _core
 from ..format import dtypes
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from ..state.flatten import flatten, referenced_keys
-from ..format import MANIFEST_NAME, check_member_name, piece_ranges, read_manifest, safetensors_header
-from ..targets.locate import local_view, resolve
+from ..format import MANIFEST_NAME, check_member_name, piece_ranges, safetensors_header
+from ..targets.locate import locate, read_manifest as read_located
 from ..targets.target import shown
 from .common import UsageError
 from .ls import read_json_small
@@ -203,9 +203,9 @@ class FlashwriteSource(Source):
     are read from the server."""
 
     def __init__(self, path: str):
-        self.target, self.root = resolve(path, "convert")
-        with local_view(path, "convert") as local:
-            self.m = read_manifest(local, shown=shown(path))
+        where = locate(path, "convert")
+        self.target, self.root = where.target, where.path
+        self.m = read_located(where, "convert", shown=shown(path))
         items = [Item(k, dtypes.dtype_from_name(e.dtype), e.shape) for k, e in self.m.tensors.items()]
         super().__init__("flashwrite", path, items, self.m.tree, dict(self.m.aliases), dict(self.m.metadata))
 

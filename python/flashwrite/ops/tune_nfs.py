@@ -11,7 +11,6 @@ connections). ``--save`` stores it for that server and export; an nfs:// URL wit
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import urllib.parse
@@ -20,10 +19,9 @@ from typing import Any
 
 import torch
 
-from ..targets import nfs
 from ..loading.load import load
 from ..saving.save import Writer
-from ..targets.nfs import store_path
+from ..targets.locate import resolve
 from .common import UsageError
 
 CONNECTIONS = (1, 2, 4, 8, 16)
@@ -47,7 +45,7 @@ def tune_nfs(url: str, budget_s: float, progress: Any, size: int | None = None) 
     """Sweep ``connections`` for the server of ``url`` (an existing directory there)."""
     if budget_s <= 0:
         raise UsageError("--budget-s must be positive")
-    target, inner = nfs.target_for(url, "tune")
+    target, inner = resolve(url, "tune")
     if not target.is_dir(inner):
         raise FileNotFoundError(2, "no such directory", url)
     nbytes = size or DEFAULT_SIZE
@@ -89,25 +87,11 @@ def tune_nfs(url: str, budget_s: float, progress: Any, size: int | None = None) 
     return {"url": url, "server": target.url.server, "export": target.export, "budget_s": budget_s,
             "elapsed_s": time.monotonic() - t0, "bytes_per_trial": nbytes, "trials": rows, "skipped": skipped,
             "recommended": {"connections": best["connections"]}, "connections": best["connections"],
-            "recommended_gbps": best["save_gbps"], "default_connections": nfs.DEFAULT_CONNECTIONS}
+            "recommended_gbps": best["save_gbps"], "default_connections": target.default_connections}
 
 
-def save_nfs_tuning(result: dict) -> dict:
-    """Store the recommended connections for the result's server and export."""
-    key = nfs.tuning_key(result["server"], nfs.parse_url(result["url"]).nfs_port, result["export"])
-    try:
-        with open(store_path()) as fh:
-            store = json.load(fh)
-        if not isinstance(store, dict):
-            store = {}
-    except (OSError, ValueError):
-        store = {}
-    rec = {"connections": int(result["connections"]), "gbps": result["recommended_gbps"], "saved_unix": time.time()}
-    store[key] = rec
-    os.makedirs(os.path.dirname(store_path()), exist_ok=True)
-    tmp = f"{store_path()}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(store, fh, indent=1)
-    os.replace(tmp, store_path())
-    nfs.forget_tunings()
-    return {"key": key, **rec}
+def save_nfs_tuning(result: dict) -> tuple[dict, str]:
+    """Store the recommended connections for the result's server and export: (the record
+    stored, with its key; the file it is in)."""
+    target, _ = resolve(result["url"], "tune")
+    return target.save_tuning(result["connections"], result["recommended_gbps"]), target.tuning_store()

@@ -26,10 +26,10 @@ from ..incremental import link as _incremental
 from . import write as _write
 from ..state.flatten import flatten_columns
 from ..future import SaveFuture, SaveStats
-from ..targets.locate import resolve
+from ..targets.locate import kind_of, resolve
 from ..layout.plan import plan_files
 from .session import RenameCommit, SaveSession
-from ..targets.target import UnsupportedTargetError, check_path, url_scheme
+from ..targets.target import check_path, unsupported
 from ..tier.node import LocalTier
 from .write import StripeWrite
 
@@ -281,10 +281,10 @@ class Writer:
         apply (local snapshots, hf_model=) the save writes every stripe and
         ``SaveStats.incremental`` says why.
         """
-        check_path(path, "save")  # a URL other than nfs:// is refused before anything else
-        if url_scheme(path) is not None and self._tier is not None:
-            raise UnsupportedTargetError(f"save: {os.fspath(path)!r}: local snapshots with nfs:// are not "
-                                         "supported yet; save to a mounted path", url=os.fspath(path), scheme="nfs")
+        kind = kind_of(path, "save")  # a URL other than nfs:// is refused before anything else
+        if not kind.holds_local_snapshots and self._tier is not None:
+            raise unsupported(f"save: {os.fspath(path)!r}: local snapshots with nfs:// are not supported yet; save to "
+                              "a mounted path", path)
         single = ("hf_model", hf_model), ("hf_config", hf_config), ("extra_files", extra_files)
         if process_group is not None or coordination_group is not None:
             given = [name for name, v in single if v is not None]
@@ -382,7 +382,7 @@ def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Wri
     if unknown:
         raise TypeError(f"unknown Writer options: {sorted(unknown)}")
     effective.update(options)
-    if path is not None and options.get("chunk_bytes") is None and url_scheme(check_path(path, "save")) is None:
+    if path is not None and options.get("chunk_bytes") is None and kind_of(path, "save").os_paths:
         # A tuned chunk size sizes the pool: one shared writer per chunk size, so a save to
         # another file system is not bound to the first one's tuning.
         effective["tuned_chunk"] = tuning.resolve(os.fspath(path), {})["chunk_bytes"]
@@ -407,8 +407,7 @@ def save_async(state_dict: Any, path: str | os.PathLike, **options: Any) -> Save
     local_snapshots, local_dir, neighbour_copies, reserve), which pick the shared Writer,
     and every parameter of ``Writer.save_async`` (overwrite, block, allow_pickle, ...).
     """
-    check_path(path, "save")  # before the tuning of a path's file system is looked up
-    wopts, sopts = _split_options(dict(options))
+    wopts, sopts = _split_options(dict(options))  # default_writer checks the path, before any tuning is looked up
     return default_writer(path, **wopts).save_async(state_dict, path, **sopts)
 
 

@@ -21,11 +21,9 @@ a chunk's slot is reused only once a COMMIT of its stripe returned the verifier 
 WRITEs did (a server restart between WRITE and COMMIT means the chunk is written
 again). Then the index and the manifest (committed the same way), then the rename.
 NFSv3 servers make directory operations stable before replying, so there is no
-directory fsync. A load copies the checkpoint's small files (manifest, index) into a
-directory in /dev/shm, with a sparse placeholder holding only the header for each
-stripe, and the load job reads the stripes over the connections straight into its
-bounce slots and destinations (no local copy of the bytes); the directory is removed
-when the call returns.
+directory fsync. A load reads the manifest through the target (``Target.read_manifest``)
+and the load job reads the stripes, by their paths on the server, over the connections
+(``native_files()``) straight into its bounce slots and destinations (no local copy).
 """
 
 from __future__ import annotations
@@ -33,11 +31,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import mmap
 import os
-import shutil
-import tempfile
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -160,8 +156,6 @@ class NfsTarget(Target):
         self.client = _core.NfsClient(url.server, export, nfs_port=url.nfs_port, mount_port=url.mount_port,
                                       connections=url.connections, depth=url.depth,
                                       timeout_ms=int(url.timeout_s * 1000))
-        self._staging: dict[str, str] = {}  # local staging directory -> temporary directory on the server
-        self._lock = threading.Lock()
 
     def show(self, path: str) -> str:
         """The URL of ``path`` (for messages, stats and ``ls``), with the mount port when
@@ -252,82 +246,37 @@ class NfsTarget(Target):
         server over its connections, committed before the slot is reused."""
         return self.client
 
+    # ``flashwrite tune nfs://...`` (``ops/tune_nfs.py``): the connections are what is tuned.
+    default_connections = DEFAULT_CONNECTIONS
+
+    def tuning_store(self) -> str:
+        """Where the tuned connections are kept."""
+        return store_path()
+
+    def save_tuning(self, connections: int, gbps: float | None) -> dict:
+        """Store ``connections`` as this export's tuned value (what a URL of it without
+        ``connections=`` then uses); the record stored, with its key."""
+        key = tuning_key(self.url.server, self.url.nfs_port, self.export)
+        try:
+            with open(store_path()) as fh:
+                store = json.load(fh)
+            if not isinstance(store, dict):
+                store = {}
+        except (OSError, ValueError):
+            store = {}
+        rec = {"connections": int(connections), "gbps": gbps, "saved_unix": time.time()}
+        store[key] = rec
+        os.makedirs(os.path.dirname(store_path()), exist_ok=True)
+        tmp = f"{store_path()}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(store, fh, indent=1)
+        os.replace(tmp, store_path())
+        forget_tunings()
+        return {"key": key, **rec}
+
     def open_stripe(self, path: str, write: bool) -> int:
         raise UnsupportedTargetError(f"{self.show(path)}: stripes on nfs:// are sent by the NFS client, not opened",
                                      url=self.show(path), scheme="nfs")
-
-    def download(self, path: str) -> str:
-        """A fresh local directory standing for the checkpoint directory ``path``: its small
-        files copied, each ``.safetensors`` stripe a sparse placeholder of its size holding
-        only its header (what the reader checks before it reads). A load of that directory
-        reads the stripes from the server (``reader_for``), straight into its bounce slots
-        and destinations. Remove it with ``forget_download``."""
-        local = tempfile.mkdtemp(prefix="flashwrite-nfs-", dir=_staging_root())
-        try:
-            exists, is_dir, _ = self.client.stat(path)
-            if not exists or not is_dir:
-                raise FileNotFoundError(2, "checkpoint directory not found", self.show(path))
-            for name in self.client.listdir(path):
-                exists, is_dir, size = self.client.stat(f"{path}/{name}")
-                if is_dir:
-                    continue
-                fd = os.open(os.path.join(local, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                try:
-                    if not size:
-                        continue
-                    os.ftruncate(fd, size)
-                    if name.endswith(".safetensors"):
-                        head = self._header(f"{path}/{name}", size)
-                        os.pwrite(fd, head, 0)
-                        continue
-                    with mmap.mmap(fd, size) as m:  # straight into the copy's pages
-                        n = self.client.read_into(f"{path}/{name}", m, 0)
-                    if n != size:
-                        os.ftruncate(fd, n)
-                finally:
-                    os.close(fd)
-        except BaseException:
-            shutil.rmtree(local, ignore_errors=True)
-            raise
-        with _reads_lock:
-            _reads[local] = (self, path)
-        return local
-
-    def _header(self, path: str, size: int) -> bytes:
-        """The first bytes of a safetensors file: its 8-byte length and its JSON header."""
-        buf = bytearray(min(size, 1 << 16))
-        n = self.client.read_into(path, buf, 0)
-        head = bytes(buf[:n])
-        if n >= 8:
-            want = min(size, 8 + int.from_bytes(head[:8], "little"))
-            if want > n and want <= 100 << 20:
-                rest = bytearray(want - n)
-                head += bytes(rest[:self.client.read_into(path, rest, n)])
-        return head
-
-
-def forget_download(local: str) -> None:
-    """Remove a directory ``download`` made."""
-    with _reads_lock:
-        _reads.pop(local, None)
-    shutil.rmtree(local, ignore_errors=True)
-
-
-def reader_for(directory: str) -> tuple | None:
-    """(NfsClient, directory on the server) a load of the local ``directory`` (made by
-    ``NfsTarget.download``) reads its stripes from, else None."""
-    with _reads_lock:
-        hit = _reads.get(os.path.abspath(directory))
-    return (hit[0].client, hit[1]) if hit is not None else None
-
-
-# A load's local stand-in directory (NfsTarget.download) -> (target, checkpoint directory there).
-_reads: dict[str, tuple[NfsTarget, str]] = {}
-_reads_lock = threading.Lock()
-
-
-def _staging_root() -> str:
-    return os.environ.get("FLASHWRITE_NFS_STAGING") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
 
 
 _targets: dict[tuple, NfsTarget] = {}

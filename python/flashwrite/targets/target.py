@@ -1,8 +1,8 @@
 """Target: where a checkpoint lives, and the one place that tells a URL from a path.
 
 Every entry point (save, load, verify, the manager, the DCP writer and reader, the
-operator commands) passes the user's path through ``local_path`` or ``resolve``
-first. A string shaped like a URL (``scheme://...``) is never taken for a local
+operator commands) passes the user's path through ``locate`` (or ``resolve``,
+``kind_of``, ``local_path``) first, once. A string shaped like a URL (``scheme://...``) is never taken for a local
 path: ``fw.save(state, "nfs://server/export/ck")`` must not quietly create a
 directory named ``nfs:`` under the current directory.
 
@@ -11,7 +11,8 @@ from the place a checkpoint lives: create, list, rename, fsync, remove and open
 stripe files. ``LocalTarget`` (a directory of a local or kernel-mounted file
 system) is its first implementation; ``commit`` goes through it. ``nfs.NfsTarget``
 (an NFSv3 export reached with the native NFS client) is the second; ``locate.resolve``
-picks one for a path.
+picks one for a path. Callers outside this folder ask a target its capabilities
+(``os_paths``, ``scannable``, ``native_files()``...), never which kind it is.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import stat
 from typing import Any
 
 from .. import _core
-from ..errors import FlashwriteError
+from ..errors import CorruptCheckpointError, FlashwriteError
+from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, read_manifest
 
-__all__ = ["UnsupportedTargetError", "url_scheme", "local_path", "check_path", "shown", "Target", "LocalTarget",
-           "LOCAL"]
+__all__ = ["UnsupportedTargetError", "url_scheme", "local_path", "check_path", "shown", "unsupported", "Target",
+           "LocalTarget", "LOCAL"]
 
 # RFC 3986 scheme, then "://". "C:\\x" or "a:b" are not URLs; "nfs://h/e" and "s3://b/k" are.
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -88,6 +90,12 @@ def check_path(path: str | os.PathLike, what: str) -> str:
     return local_path(s, what)
 
 
+def unsupported(message: str, path: str | os.PathLike) -> UnsupportedTargetError:
+    """The refusal ``message`` of what the target ``path`` names cannot do (its scheme attached)."""
+    s = os.fspath(path)
+    return UnsupportedTargetError(message, url=s, scheme=url_scheme(s) or "")
+
+
 def shown(path: str | os.PathLike) -> str:
     """How a user's path is reported back: a URL as given, a local path made absolute."""
     s = os.fspath(path)
@@ -101,9 +109,22 @@ class Target:
     that carry errno and the path."""
 
     name = "abstract"
+    # Capabilities: what callers ask instead of which kind of target this is.
     # Whether this process may judge a save's temporary directory here dead by its
     # name (pid and host) and remove it: see ``commit.clean_dead_saves``.
     sweeps_dead_saves = False
+    # Whether its paths are this machine's own (open(2) takes them): the other formats'
+    # readers and writers, ``flashwrite info``'s probes, held GPU stripes and the saved
+    # Writer tunings (keyed by mount) need that.
+    os_paths = False
+    # Whether a save here may also keep local snapshots (``tier/``) of what it wrote.
+    holds_local_snapshots = False
+    # Whether its directories and files can be scanned cheaply: step directories found by
+    # listing, a stripe's identity told by its stat, a temporary's owner judged alive or dead.
+    scannable = False
+    # Whether ``flashwrite tune`` sweeps the Writer's settings here (else the target's own
+    # transfer settings, its connections).
+    tunes_writer = False
 
     def exists(self, path: str) -> bool:
         raise NotImplementedError
@@ -179,6 +200,23 @@ class Target:
         """The size of the regular file ``path``; None if there is none."""
         raise NotImplementedError
 
+    def read_manifest(self, path: str, shown: str | None = None) -> Manifest:
+        """The checked manifest of the checkpoint directory ``path`` (messages name ``shown``,
+        default ``show(path)``), read as hostile input like ``format.read_manifest``'s."""
+        shown = shown if shown is not None else self.show(path)
+        mshown = f"{shown.rstrip('/')}/{MANIFEST_NAME}"
+        if not self.is_dir(path):
+            raise FileNotFoundError(errno.ENOENT, "checkpoint directory not found", shown)
+        try:
+            data = self.read_small(f"{path.rstrip('/')}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{mshown} is missing: the checkpoint is incomplete or not a flashwrite "
+                                         "checkpoint (`flashwrite ls DIR` lists the checkpoints in a directory)",
+                                         file=MANIFEST_NAME) from None
+        except ValueError as e:
+            raise CorruptCheckpointError(str(e), file=MANIFEST_NAME) from None
+        return parse_manifest(data, sealed=True)
+
     def native_files(self) -> object | None:
         """What the native save job writes this target's stripes through: None where the
         engine opens them itself (a local file system), else the object ``start_save``
@@ -191,6 +229,13 @@ class LocalTarget(Target):
 
     name = "local"
     sweeps_dead_saves = True
+    os_paths = True
+    holds_local_snapshots = True
+    scannable = True
+    tunes_writer = True
+
+    def read_manifest(self, path: str, shown: str | None = None) -> Manifest:
+        return read_manifest(path, shown=shown)
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)

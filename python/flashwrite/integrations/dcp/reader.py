@@ -15,10 +15,10 @@ from torch.futures import Future
 
 from ... import defaults
 from ...errors import CorruptCheckpointError
-from ...format import MANIFEST_NAME, read_manifest
+from ...format import MANIFEST_NAME
 from ...loading.read import CheckpointDir
-from ...targets.locate import local_view, resolve
-from ...targets.target import check_path, shown, url_scheme
+from ...targets.locate import Located, kind_of, locate
+from ...targets.target import check_path
 from .section import InlineItem, StoredChunk, decode_metadata
 
 __all__ = ["FlashwriteStorageReader", "DEFAULT_MAX_READ_BYTES"]
@@ -40,6 +40,7 @@ class FlashwriteStorageReader(StorageReader):
                  direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
         super().__init__()
         self.path = None if path is None else check_path(path, "DCP reader")
+        self._where: Located | None = None
         self.verify = verify
         self.backend = backend
         self.direct = direct
@@ -51,14 +52,14 @@ class FlashwriteStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.path = check_path(checkpoint_id, "DCP reader")
+            self._where = None
         self.storage_data = {}
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
             raise ValueError("no checkpoint path: pass it to FlashwriteStorageReader or as checkpoint_id")
-        with local_view(self.path, "DCP reader") as local:
-            m = read_manifest(local, shown=shown(self.path))
+        m = self._located().read_manifest("DCP reader")
         if "dcp" not in m.raw:
             raise CorruptCheckpointError(f"{self.path} was not written through DCP (no dcp section): load it "
                                          "with flashwrite.load", file=MANIFEST_NAME)
@@ -87,7 +88,8 @@ class FlashwriteStorageReader(StorageReader):
             by_file.setdefault(sd.file, []).append((req, sd))
         if by_file:
             # One manifest read per call, and every batch read through the same directory handle.
-            with local_view(self.path, "DCP reader") as local, CheckpointDir(local) as ck:
+            where = self._located()
+            with CheckpointDir(where if not where.target.os_paths else where.given, what="DCP reader") as ck:
                 sizes = {fe.name: fe.size for fe in ck.manifest.files}
                 batch: list[str] = []
                 held = 0
@@ -119,6 +121,12 @@ class FlashwriteStorageReader(StorageReader):
                 dst.copy_(src)
                 planner.commit_tensor(req, dst)
 
+    def _located(self) -> Located:
+        """The checkpoint's target, resolved once per path."""
+        if self._where is None:
+            self._where = locate(self.path, "DCP reader")
+        return self._where
+
     @property
     def checkpoint_id(self) -> str | None:
         return self.path
@@ -126,9 +134,8 @@ class FlashwriteStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            if url_scheme(checkpoint_id) not in (None, "nfs"):
-                return False
-            target, path = resolve(checkpoint_id, "DCP reader")
-            return target.is_file(os.path.join(path, MANIFEST_NAME))
+            kind_of(checkpoint_id, "DCP reader")  # a URL of another scheme: not ours
+            where = locate(checkpoint_id, "DCP reader")
+            return where.target.is_file(os.path.join(where.path, MANIFEST_NAME))
         except (TypeError, OSError, ValueError):
             return False

@@ -34,8 +34,8 @@ from ...future import SaveStats
 from ...layout.plan import rank_prefix
 from ...saving.save import default_writer
 from ...saving.session import Commit, SaveSession
-from ...targets.locate import resolve
-from ...targets.target import LOCAL, Target, check_path, shown, url_scheme
+from ...targets.locate import kind_of, resolve
+from ...targets.target import Target, check_path, shown
 from ...saving.write import StripeWrite
 from . import contract
 from .section import InlineItem, StoredChunk, as_ranks_base, build_manifest, item_key, stored_chunks
@@ -119,7 +119,7 @@ def _stage(session: SaveSession, writer: Any, tensors: dict[str, Any], rank: int
     planner, note = None, ""
     if getattr(writer, "incremental", False):
         strategy = session.strategy
-        if strategy.target is not LOCAL:
+        if not strategy.target.scannable:
             note = "off: DCP saves to nfs:// are not incremental yet (the save writes every stripe)"
         elif not hasattr(writer, "incremental_planner"):
             note = f"off: {type(writer).__name__} has no incremental planner (the save writes every stripe)"
@@ -434,4 +434,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         s = os.fspath(checkpoint_id)
-        return isinstance(s, str) and url_scheme(s) in (None, "nfs")
+        try:
+            return isinstance(s, str) and kind_of(s, "DCP writer") is not None
+        except ValueError:  # a URL of a scheme flashwrite does not handle
+            return False
