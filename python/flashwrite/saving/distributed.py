@@ -80,7 +80,7 @@ __all__ = ["DistributedSaveError", "DEFAULT_TIMEOUT_S", "coordinator", "save_asy
 def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                coordination_group: Any = None, timeout: float | None = None, overwrite: bool = False,
                block: bool = True, allow_pickle: bool = False, metadata: dict[str, str] | None = None,
-               tier: LocalTier | None = None, incremental: Callable[..., Any] | None = None,
+               tier: LocalTier | None = None, incremental: _incremental.Wiring | None = None,
                on_committed: Callable[[str], None] | None = None) -> SaveFuture:
     """``Writer.save_async`` for one rank of a multi-rank save (see the module doc).
 
@@ -88,8 +88,7 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     order relative to its other flashwrite saves on that group. tier: the writer's
     local tier (each rank keeps its own part as a local snapshot, whose manifest's
     tree is {rank: state}; with neighbour copies, rank r-1's too).
-    incremental: ``(final, target, (rank, world size)) -> planner factory`` (see
-    ``incremental.planner_for``): this rank compares its state with its own part of the
+    incremental: the Writer's ``incremental.link.Wiring`` (or None): this rank compares its state with its own part of the
     newest committed checkpoint and links its unchanged stripes into the shared temporary
     directory; rank 0's directory fsync before the manifest makes them durable, as it does
     every rank's stripes (where it cannot apply, SaveStats.incremental says why).
@@ -101,12 +100,11 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     seq = coord.next_seq()
     t0 = time.perf_counter()
     target, final = resolve(path, "save")
-    make_planner = incremental(final, target, (coord.rank, coord.size)) if incremental is not None else None
     strategy = AgreedCommit(coord, final, commit.shared_temp_dir_for(final, coord.nonce, seq), overwrite, target,
                             tier, t0, on_committed)
     session = SaveSession(writer, strategy, tier, t0)
     session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
-                  allow_pickle=allow_pickle, metadata=metadata, incremental=make_planner)
+                  allow_pickle=allow_pickle, metadata=metadata, incremental=incremental)
     return session.launch(block)
 
 

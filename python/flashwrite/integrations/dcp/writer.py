@@ -38,6 +38,7 @@ from ...targets.locate import kind_of, resolve
 from ...targets.target import Target, check_path, shown
 from ...saving.write import StripeWrite
 from . import contract
+from ...incremental.link import Wiring
 from .section import InlineItem, StoredChunk, as_ranks_base, build_manifest, item_key, stored_chunks
 
 __all__ = ["FlashwriteStorageWriter"]
@@ -116,19 +117,15 @@ def _stage(session: SaveSession, writer: Any, tensors: dict[str, Any], rank: int
     stripes that did not change since the newest committed DCP checkpoint beside the
     target (saved by as many ranks) are linked from that checkpoint's part of this rank
     (``incremental.Planner``; SaveStats.incremental says what happened)."""
-    planner, note = None, ""
+    wiring = None
     if getattr(writer, "incremental", False):
-        strategy = session.strategy
-        if not strategy.target.scannable:
-            note = "off: DCP saves to nfs:// are not incremental yet (the save writes every stripe)"
-        elif not hasattr(writer, "incremental_planner"):
-            note = f"off: {type(writer).__name__} has no incremental planner (the save writes every stripe)"
+        if not session.strategy.target.scannable:
+            wiring = Wiring.refuse("off: DCP saves to nfs:// are not incremental yet (the save writes every stripe)")
+        elif not hasattr(writer, "incremental_wiring"):
+            wiring = Wiring.refuse(f"off: {type(writer).__name__} has no incremental planner (the save writes every stripe)")
         else:
-            planner = writer.incremental_planner(strategy.final, strategy.target, (rank, size), as_ranks_base)
-    sw = session.stage(tensors, prefix=rank_prefix(rank), incremental=planner)
-    if planner is None:
-        sw.stats.incremental = note
-    return sw
+            wiring = writer.incremental_wiring(view=as_ranks_base, rank=(rank, size))
+    return session.stage(tensors, prefix=rank_prefix(rank), incremental=wiring)
 
 
 def _chunk_bytes(item: Any) -> int:
