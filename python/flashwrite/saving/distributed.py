@@ -187,22 +187,14 @@ class AgreedCommit(Commit):
         return manifest
 
     def _fail(self, sw: StripeWrite | None, error: BaseException | None) -> None:
-        """2a. someone failed: stop our own writes, learn who failed and why; rank 0 removes
-        the directory once the gather shows that every rank has stopped."""
-        _stop(sw)
-        mine = None if error is None else f"{type(error).__name__}: {error}"[:2000]
-        texts: list = [None] * self.coord.size
-        collective(dist.all_gather_object, texts, mine, group=self.coord.group)
-        if self.coord.rank == 0:
-            commit.discard(self.tmp, self.target)
-        failures = {r: t for r, t in enumerate(texts) if t is not None}
-        summary = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
-        if error is not None:
-            if hasattr(error, "add_note"):
-                error.add_note(f"flashwrite: multi-rank save to {self.final} failed ({summary}); nothing was committed")
-            raise error
-        raise DistributedSaveError(f"multi-rank save to {self.final} failed on {summary}; nothing was committed",
-                                   failures)
+        """2a. someone failed (see ``settle_failure``)."""
+        settle_failure(self._all_gather, self.coord.rank, sw, error, lambda: commit.discard(self.tmp, self.target),
+                       self.final)
+
+    def _all_gather(self, mine: Any) -> list:
+        out: list = [None] * self.coord.size
+        collective(dist.all_gather_object, out, mine, group=self.coord.group)
+        return out
 
     def commit(self, sw: StripeWrite, manifest: dict) -> SaveStats:
         """2b. everyone is durable: gather manifests, rank 0 commits, everyone learns the outcome."""
@@ -246,6 +238,31 @@ class AgreedCommit(Commit):
         return DistributedSaveError(
             f"multi-rank save to {self.final}: lost contact with a peer (it died, or was silent for longer than the "
             f"timeout of {self.coord.timeout_s} s); nothing was committed. {e}")
+
+
+def failure_text(error: BaseException | None) -> str | None:
+    """What a rank tells the others of its failure (None: it did not fail)."""
+    return None if error is None else f"{type(error).__name__}: {error}"[:2000]
+
+
+def settle_failure(exchange: Callable[[str | None], list], rank: int, sw: StripeWrite | None,
+                   error: BaseException | None, discard: Callable[[], None], final: str) -> None:
+    """The failure agreement of every multi-rank save, once some rank failed: stop this
+    rank's writes, learn who failed and why (``exchange``: every rank's failure text, in
+    rank order; also the point after which no rank writes any more), rank 0 removes the
+    temporary directory (``discard``), and every rank raises: its own error, with a note
+    naming the others, or a ``DistributedSaveError`` naming who failed."""
+    _stop(sw)
+    texts = exchange(failure_text(error))
+    if rank == 0:
+        discard()
+    failures = {r: t for r, t in enumerate(texts) if t is not None}
+    summary = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
+    if error is not None:
+        if hasattr(error, "add_note"):
+            error.add_note(f"flashwrite: multi-rank save to {final} failed ({summary}); nothing was committed")
+        raise error
+    raise DistributedSaveError(f"multi-rank save to {final} failed on {summary}; nothing was committed", failures)
 
 
 def _stop(sw: StripeWrite | None) -> None:

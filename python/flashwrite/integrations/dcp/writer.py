@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ...saving import commit
+from ...saving.distributed import failure_text, settle_failure
 from ...system.coord import coordinator
 from ...errors import FlashwriteError
 from ...format import build_index, parse_manifest
@@ -266,17 +267,11 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         except BaseException as e:  # noqa: BLE001 - agreed on below, then raised
             error = e
         # Every rank learns whether every rank staged, so a failure raises on all of
-        # them here instead of leaving the others waiting in DCP's collectives.
-        texts = exchange(None if error is None else f"{type(error).__name__}: {error}"[:2000])
-        failed = {r: t for r, t in enumerate(texts) if t is not None}
-        if failed:
-            if sw is not None:
-                sw.stop()
-            if rank == 0:
-                commit.discard(tmp, target)
-            if error is not None:
-                raise error
-            raise FlashwriteError("staging failed on " + "; ".join(f"rank {r}: {t}" for r, t in failed.items()))
+        # them here instead of leaving the others waiting in DCP's collectives; then the
+        # failure agreement of every multi-rank save (whose exchange is also the point after
+        # which no rank writes, so rank 0 removes the directory only then).
+        if any(t is not None for t in exchange(failure_text(error))):
+            settle_failure(exchange, rank, sw, error, lambda: commit.discard(tmp, target), final)
         self._pending.append(_Staged(self._fixed_path, tmp, session, sw, owner, set(tensors), inline, t0))
         return _copy_containers(state_dict)
 
