@@ -6,7 +6,7 @@ Both are ``CheckpointFuture``s, which are ``concurrent.futures.Future``s (so
 ``stats`` (``SaveStats`` or ``LoadStats``). A save's future tracks it from staging to
 commit (``SaveFuture``); a load's, from its queue to the returned state (``LoadFuture``).
 
-Every save, on one rank or many, is launched the same way (``SaveFuture._launch``):
+Every save, on one rank or many, is launched the same way (``SaveFuture.start``):
 wait for staging if asked, then run the save's ``finish`` on a background thread,
 which waits until the stripes are durable, passes the commit gate, and commits.
 The gate is the one place where a cancel either wins (nothing is committed) or
@@ -190,12 +190,13 @@ class SaveFuture(CheckpointFuture):
         self._committing = False
         _IN_FLIGHT.add(self)
 
-    def _launch(self, finish: Finish, submit: Callable[[Callable[[], None]], Any], *, block: bool,
-                cleanup: Callable[[], None], abandon: Callable[[BaseException], None] | None = None) -> SaveFuture:
-        """Start the save's background part: wait for staging if ``block``, then hand
-        ``finish`` to ``submit`` (the thread that commits). Its result, or its exception
-        after ``cleanup()``, completes this future. If the launch itself fails, the job
-        is stopped and ``abandon(error)`` (default: ``cleanup()``) runs before it raises."""
+    def start(self, finish: Finish, submit: Callable[[Callable[[], None]], Any], *, block: bool,
+              cleanup: Callable[[], None], abandon: Callable[[BaseException], None] | None = None) -> SaveFuture:
+        """Start the save's background part (called once, by the save session that made
+        this future, as an executor calls ``set_result``): wait for staging if ``block``,
+        then hand ``finish`` to ``submit`` (the thread that commits). Its result, or its
+        exception after ``cleanup()``, completes this future. If the start itself fails, the
+        job is stopped and ``abandon(error)`` (default: ``cleanup()``) runs before it raises."""
 
         def run() -> None:
             try:

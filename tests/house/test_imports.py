@@ -270,6 +270,55 @@ def test_no_two_folders_import_each_other():
     assert mutual == []
 
 
+# A namedtuple's own API, and reads inside the module that owns the object's class.
+_PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make"}
+_OWN_MODULE = {("flashwrite.future", "fut._run"): "launch_load and LoadFuture are one module's"}
+
+
+def private_attribute_reads(pkg_dir: str = PKG_DIR) -> list[str]:
+    """Where code reaches into another object's private state: ``obj._x`` with ``obj`` a
+    name other than ``self``/``cls`` and other than an imported module (``private_reads``
+    covers those). ``super()._x`` (a framework's hook being overridden) is no reach-through."""
+    mods = _modules(pkg_dir)
+    out = []
+    for name, path in sorted(mods.items()):
+        with open(path) as fh:
+            tree = ast.parse(fh.read(), path)
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules.update((a.asname or a.name).split(".")[0] for a in node.names)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)) or node.attr in _PUBLIC_UNDERSCORE:
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if not isinstance(root, ast.Name) or root.id in modules:
+                continue  # super()._hook, or a module's name (private_reads' job)
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue  # an object's own state
+            what = ast.unparse(node)
+            if (name, what) not in _OWN_MODULE:
+                out.append(f"{name}:{node.lineno}: {what}")
+    return out
+
+
+def test_no_object_reaches_into_anothers_private_state():
+    """Public hooks instead (``SaveFuture.start``, ``Writer.closed``, the Trainer mixin's
+    ``reserve_checkpoint_memory``/``close_checkpoints``, ``Preemption.enter_call``)."""
+    assert private_attribute_reads() == []
+
+
+def test_the_attribute_walker_sees_a_reach_through(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import os\n\n\ndef f(w, t):\n    return w._state, os._exit, t._replace(), super()._x\n\n\n"
+                              "class C:\n    def g(self):\n        return self._own, self.other._theirs\n")
+    assert private_attribute_reads(str(pkg)) == ["pkg.a:5: w._state", "pkg.a:10: self.other._theirs"]
+
+
 if __name__ == "__main__":  # print the graph (of the package dir given, or this one), one module a line
     import sys
 

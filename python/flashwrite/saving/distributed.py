@@ -167,7 +167,7 @@ class AgreedCommit(Commit):
                 if error is None and sw is not None and manifest is None:
                     done = sw.job.done or sw.job.wait(POLL_S)
                     if self.future is not None:
-                        self.future._release_sources()
+                        self.future.wait_staged(0)  # staged: the caller's tensors are let go of
                     if done:
                         try:
                             manifest = sw.wait_durable()

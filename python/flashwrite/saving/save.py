@@ -318,6 +318,11 @@ class Writer:
                       incremental=wiring)
         return session.launch(block)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has run (a closed Writer refuses new saves)."""
+        return self._closed
+
     def save(self, state_dict: Any, path: str | os.PathLike, **kwargs: Any) -> SaveStats:
         """Blocking save: returns once the checkpoint is durable and committed."""
         return self.save_async(state_dict, path, **kwargs).result()
@@ -383,7 +388,7 @@ def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Wri
     key = tuple(sorted(effective.items()))
     with _default_lock:
         w = _default_writers.get(key)
-        if w is None or w._closed:
+        if w is None or w.closed:
             w = _default_writers[key] = Writer(**options)
         return w
 

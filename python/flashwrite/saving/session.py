@@ -7,7 +7,7 @@ the stripes go and how the checkpoint becomes visible. A single-process save
 renames its own temporary directory into place (``RenameCommit``, here); a
 multi-rank save agrees with every rank, then rank 0 commits
 (``distributed.AgreedCommit``); the DCP writer commits in DCP's ``finish``
-(``dcp/writer.py``). The background part runs through ``SaveFuture._launch``
+(``dcp/writer.py``). The background part runs through ``SaveFuture.start``
 (``future.py``), whose commit gate is where a ``cancel()`` wins or loses.
 """
 
@@ -188,8 +188,8 @@ class SaveSession:
         assert sw is not None
         fut = SaveFuture(sw.stats.path, sw.job, sw.stats, self.t0)
         self.strategy.future = fut
-        fut._launch(self.finish, self.strategy.submit, block=block, cleanup=self.strategy.discard,
-                    abandon=self.strategy.abandon)
+        fut.start(self.finish, self.strategy.submit, block=block, cleanup=self.strategy.discard,
+                  abandon=self.strategy.abandon)
         if self.snapshot is not None and block:
             # Returning "staged" means the snapshot outlives this process from here on.
             self.snapshot.seal()
