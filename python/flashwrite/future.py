@@ -169,6 +169,15 @@ class SaveStats:
         return self.bytes / self.total_s / 1e9 if self.total_s else None
 
 
+def stop_job(job: Any) -> None:
+    """Stop a native job and join it: cancel what it has not done yet, then wait until it
+    has ended (its requests in flight landed, its files closed). Every path that removes,
+    frees or reuses what a job writes into or reads from calls this first."""
+    if not job.done:
+        job.cancel()
+    job.wait()
+
+
 # finish(commit_gate) -> SaveStats: runs on the save's background thread; it calls
 # commit_gate() once every stripe is durable and before anything becomes visible.
 Finish = Callable[[Callable[[], None]], SaveStats]
@@ -203,10 +212,9 @@ class SaveFuture(CheckpointFuture):
                 result = finish(self._commit_gate)
             except BaseException as e:
                 # finish can fail before the job has ended (its checksums report the error
-                # first): stop it and let its writes in flight land and its files close, so
-                # that none of them recreates or holds open what cleanup() removes.
-                self._job.cancel()
-                self._job.wait()
+                # first): stop it, so that none of its writes recreates or holds open what
+                # cleanup() removes.
+                stop_job(self._job)
                 cleanup()
                 self.set_exception(e)
                 return
@@ -218,8 +226,7 @@ class SaveFuture(CheckpointFuture):
             self.set_running_or_notify_cancel()
             submit(run)  # raises if the thread that commits was shut down meanwhile
         except BaseException as e:
-            self._job.cancel()
-            self._job.wait()
+            stop_job(self._job)
             if abandon is not None:
                 abandon(e)
             else:
