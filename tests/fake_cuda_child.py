@@ -18,7 +18,7 @@ import torch
 from flashwrite import _core
 from flashwrite.state.flatten import flatten
 from flashwrite.format import read_manifest
-from flashwrite.saving.plan import plan_files
+from flashwrite.layout.plan import plan_files
 
 fake = ctypes.CDLL(os.environ["FLASHWRITE_CUDA_RUNTIME"])  # the same handle the engine uses
 fake.fake_cudart_enqueue_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int]

@@ -20,7 +20,7 @@ from fake_cuda_child import file_bytes, state, to_device  # noqa: E402  (loads t
 from flashwrite import _core  # noqa: E402
 from flashwrite.state.flatten import flatten  # noqa: E402
 from flashwrite.format import piece_ranges  # noqa: E402
-from flashwrite.saving.plan import plan_files  # noqa: E402
+from flashwrite.layout.plan import plan_files  # noqa: E402
 
 CHUNK = 1 << 20
 GPU_KEYS = {"a", "b", "c", "s"}

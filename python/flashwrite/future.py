@@ -6,7 +6,7 @@ Both are ``CheckpointFuture``s, which are ``concurrent.futures.Future``s (so
 ``stats`` (``SaveStats`` or ``LoadStats``). A save's future tracks it from staging to
 commit (``SaveFuture``); a load's, from its queue to the returned state (``LoadFuture``).
 
-Every save, on one rank or many, is launched the same way (``SaveFuture._launch``):
+Every save, on one rank or many, is launched the same way (``SaveFuture.start``):
 wait for staging if asked, then run the save's ``finish`` on a background thread,
 which waits until the stripes are durable, passes the commit gate, and commits.
 The gate is the one place where a cancel either wins (nothing is committed) or
@@ -169,6 +169,15 @@ class SaveStats:
         return self.bytes / self.total_s / 1e9 if self.total_s else None
 
 
+def stop_job(job: Any) -> None:
+    """Stop a native job and join it: cancel what it has not done yet, then wait until it
+    has ended (its requests in flight landed, its files closed). Every path that removes,
+    frees or reuses what a job writes into or reads from calls this first."""
+    if not job.done:
+        job.cancel()
+    job.wait()
+
+
 # finish(commit_gate) -> SaveStats: runs on the save's background thread; it calls
 # commit_gate() once every stripe is durable and before anything becomes visible.
 Finish = Callable[[Callable[[], None]], SaveStats]
@@ -190,22 +199,22 @@ class SaveFuture(CheckpointFuture):
         self._committing = False
         _IN_FLIGHT.add(self)
 
-    def _launch(self, finish: Finish, submit: Callable[[Callable[[], None]], Any], *, block: bool,
-                cleanup: Callable[[], None], abandon: Callable[[BaseException], None] | None = None) -> SaveFuture:
-        """Start the save's background part: wait for staging if ``block``, then hand
-        ``finish`` to ``submit`` (the thread that commits). Its result, or its exception
-        after ``cleanup()``, completes this future. If the launch itself fails, the job
-        is stopped and ``abandon(error)`` (default: ``cleanup()``) runs before it raises."""
+    def start(self, finish: Finish, submit: Callable[[Callable[[], None]], Any], *, block: bool,
+              cleanup: Callable[[], None], abandon: Callable[[BaseException], None] | None = None) -> SaveFuture:
+        """Start the save's background part (called once, by the save session that made
+        this future, as an executor calls ``set_result``): wait for staging if ``block``,
+        then hand ``finish`` to ``submit`` (the thread that commits). Its result, or its
+        exception after ``cleanup()``, completes this future. If the start itself fails, the
+        job is stopped and ``abandon(error)`` (default: ``cleanup()``) runs before it raises."""
 
         def run() -> None:
             try:
                 result = finish(self._commit_gate)
             except BaseException as e:
                 # finish can fail before the job has ended (its checksums report the error
-                # first): stop it and let its writes in flight land and its files close, so
-                # that none of them recreates or holds open what cleanup() removes.
-                self._job.cancel()
-                self._job.wait()
+                # first): stop it, so that none of its writes recreates or holds open what
+                # cleanup() removes.
+                stop_job(self._job)
                 cleanup()
                 self.set_exception(e)
                 return
@@ -217,8 +226,7 @@ class SaveFuture(CheckpointFuture):
             self.set_running_or_notify_cancel()
             submit(run)  # raises if the thread that commits was shut down meanwhile
         except BaseException as e:
-            self._job.cancel()
-            self._job.wait()
+            stop_job(self._job)
             if abandon is not None:
                 abandon(e)
             else:

@@ -97,12 +97,12 @@ def test_the_cpu_count_rule_is_not_restated():
 
 
 def test_public_signatures_take_their_defaults_from_DEFAULTS():
-    from flashwrite.saving import distributed
+    from flashwrite.loading import load as load_mod
     from flashwrite.loading import read
     from flashwrite.integrations.dcp import FlashwriteStorageReader
 
     d = _core.DEFAULTS
-    for f in (flashwrite.load, read.read_tensors, distributed.load, FlashwriteStorageReader.__init__):
+    for f in (flashwrite.load, read.read_tensors, load_mod.load_rank, FlashwriteStorageReader.__init__):
         assert inspect.signature(f).parameters["queue_depth"].default == d["read_queue_depth"], f
     w = flashwrite.Writer()
     try:

@@ -235,6 +235,90 @@ def test_the_private_walker_sees_each_kind_of_reach_through(tmp_path):
     assert imports_in_functions(str(pkg)) == [("pkg.c", 2, False), ("pkg.c", 8, True)]
 
 
+def folder_graph(graph: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """Which folder of the package imports which other folder (a module at the top, the
+    package's face, is no folder: every folder may use the face, and the face hands
+    every folder's public names on)."""
+    graph = import_graph() if graph is None else graph
+    root = os.path.basename(PKG_DIR)
+
+    def folder(mod: str) -> str | None:
+        parts = mod.split(".")
+        if len(parts) < 2 or parts[0] != root:
+            return None
+        sub = os.path.join(PKG_DIR, parts[1])
+        return parts[1] if os.path.isdir(sub) else None
+
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        a = folder(mod)
+        if a is None:
+            continue
+        for d in deps:
+            b = folder(d)
+            if b is not None and b != a:
+                out.setdefault(a, set()).add(b)
+    return out
+
+
+def test_no_two_folders_import_each_other():
+    """The folders stand in floors: a folder never imports one that imports it back
+    (saving calls incremental and loading, never the reverse; see CONTRIBUTING.md)."""
+    folders = folder_graph()
+    assert "incremental" in folders["saving"] and "layout" in folders["incremental"]
+    mutual = sorted((a, b) for a, bs in folders.items() for b in bs if a < b and a in folders.get(b, ()))
+    assert mutual == []
+
+
+# A namedtuple's own API, and reads inside the module that owns the object's class.
+_PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make"}
+_OWN_MODULE = {("flashwrite.future", "fut._run"): "launch_load and LoadFuture are one module's"}
+
+
+def private_attribute_reads(pkg_dir: str = PKG_DIR) -> list[str]:
+    """Where code reaches into another object's private state: ``obj._x`` with ``obj`` a
+    name other than ``self``/``cls`` and other than an imported module (``private_reads``
+    covers those). ``super()._x`` (a framework's hook being overridden) is no reach-through."""
+    mods = _modules(pkg_dir)
+    out = []
+    for name, path in sorted(mods.items()):
+        with open(path) as fh:
+            tree = ast.parse(fh.read(), path)
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules.update((a.asname or a.name).split(".")[0] for a in node.names)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)) or node.attr in _PUBLIC_UNDERSCORE:
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if not isinstance(root, ast.Name) or root.id in modules:
+                continue  # super()._hook, or a module's name (private_reads' job)
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue  # an object's own state
+            what = ast.unparse(node)
+            if (name, what) not in _OWN_MODULE:
+                out.append(f"{name}:{node.lineno}: {what}")
+    return out
+
+
+def test_no_object_reaches_into_anothers_private_state():
+    """Public hooks instead (``SaveFuture.start``, ``Writer.closed``, the Trainer mixin's
+    ``reserve_checkpoint_memory``/``close_checkpoints``, ``Preemption.enter_call``)."""
+    assert private_attribute_reads() == []
+
+
+def test_the_attribute_walker_sees_a_reach_through(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import os\n\n\ndef f(w, t):\n    return w._state, os._exit, t._replace(), super()._x\n\n\n"
+                              "class C:\n    def g(self):\n        return self._own, self.other._theirs\n")
+    assert private_attribute_reads(str(pkg)) == ["pkg.a:5: w._state", "pkg.a:10: self.other._theirs"]
+
+
 if __name__ == "__main__":  # print the graph (of the package dir given, or this one), one module a line
     import sys
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 import flashwrite as fw
 from flashwrite import _core
 from flashwrite.state.flatten import MAX_DEPTH, flatten, flatten_columns
-from flashwrite.saving.plan import plan_files
+from flashwrite.layout.plan import plan_files
 
 
 def _header(path):

@@ -23,7 +23,7 @@ import flashwrite as fw
 from flashwrite import _core
 from flashwrite.format import dtypes
 from flashwrite.state.flatten import flatten
-from flashwrite.saving.plan import plan_files
+from flashwrite.layout.plan import plan_files
 from flashwrite.format import decode_manifest_json
 
 # This file lives one folder below tests/: its paths are reckoned from there.

@@ -68,11 +68,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import compare, held
-from ..saving.commit import parse_temp_name
+from ..layout.names import parse_temp_name
 from ..errors import CorruptCheckpointError, FlashwriteError
 from ..state.flatten import Columns
 from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, read_manifest, safetensors_header
-from ..saving.plan import PlannedFile, plan_files, stripe_name
+from ..layout.plan import PlannedFile, plan_files, stripe_name
 from ..targets.target import LOCAL, Target
 
 log = logging.getLogger("flashwrite")
@@ -492,8 +492,29 @@ def refusal(*, hf_model: bool) -> str | None:
     return None
 
 
-def planner_for(final: str, target: Target, cache: BaseCache, threads: int, rank: tuple[int, int] | None = None,
-                view: Callable[[Manifest], Manifest | str] | None = None) -> Callable[[str], Planner]:
-    """What a save session calls with its temporary directory, once made: the save's Planner
-    (of rank ``rank`` = (rank, world size) in a multi-rank save; ``view``: see ``Planner``)."""
-    return lambda tmp: Planner(final, tmp, cache, threads, target, rank, view)
+@dataclass(frozen=True)
+class Wiring:
+    """An incremental save asked for, as every save path hands it to its save session
+    (``SaveSession.stage``): the Writer's base cache and copy threads, how the base is seen
+    (``view``, see ``Planner``), or why it cannot apply to this save (``refused``: the
+    save writes every stripe, and ``SaveStats.incremental`` says so). ``rank``: the
+    (rank, world size) a save that drives its own ranks plans for (``flashwrite.dcp``,
+    whose sessions are single-rank); other saves plan for their session's rank."""
+
+    cache: BaseCache | None
+    threads: int = 1
+    view: Callable[[Manifest], Manifest | str] | None = None
+    refused: str = ""
+    rank: tuple[int, int] | None = None
+
+    @classmethod
+    def refuse(cls, why: str) -> "Wiring":
+        return cls(None, refused=why)
+
+    def planner(self, final: str, target: Target, rank: tuple[int, int] | None) -> Callable[[str], Planner] | None:
+        """What the session calls with its temporary directory, once made: the save's Planner
+        (of rank ``rank`` = (rank, world size) in a multi-rank save); None where refused."""
+        if self.refused or self.cache is None:
+            return None
+        rank = self.rank if self.rank is not None else rank
+        return lambda tmp: Planner(final, tmp, self.cache, self.threads, target, rank, self.view)

@@ -258,6 +258,27 @@ class FlashwriteTrainerMixin:
                     or os.path.exists(best_dir):
                 self.state.best_model_checkpoint = best_dir
 
+    def reserve_checkpoint_memory(self) -> None:
+        """Size flashwrite's staging pool for this Trainer's state now, in the background
+        (``Writer.reserve``), unless it is sized already or the Trainer's checkpoints do not
+        go through flashwrite (the callback that calls it runs after the first step)."""
+        if self._fw_unsupported() is not None:
+            return
+        writer = self._fw_writer_for_saves()
+        if writer.pool_bytes == 0:
+            writer.reserve(self._fw_state())
+
+    def close_checkpoints(self) -> None:
+        """Wait for every checkpoint save in flight and close the managers; a save that
+        failed is logged and reported on stderr, not raised (what interpreter exit runs)."""
+        for run_dir, mgr in list(self._fw_managers.items()):
+            try:
+                mgr.close()
+            except Exception as e:
+                log.error("flashwrite.transformers: a checkpoint under %s failed: %s", run_dir, e)
+                print(f"flashwrite: a Trainer checkpoint under {run_dir} failed and was never committed: {e}",
+                      file=sys.stderr)
+
     def wait_for_checkpoints(self) -> None:
         """Block until every checkpoint save in flight has committed (and rotation has
         run); raises the error of a save that failed."""
@@ -361,11 +382,8 @@ class _ReservePool(transformers.TrainerCallback):
         if self._done or trainer is None or control.should_save or not args.should_save:
             return  # a save due now sizes the pool itself
         self._done = True
-        if args.save_strategy == SaveStrategy.NO or trainer._fw_unsupported() is not None:
-            return
-        writer = trainer._fw_writer_for_saves()
-        if writer.pool_bytes == 0:
-            writer.reserve(trainer._fw_state())
+        if args.save_strategy != SaveStrategy.NO:
+            trainer.reserve_checkpoint_memory()
 
 
 def _hf_layout_fits(state: dict) -> bool:
@@ -422,10 +440,4 @@ _exit_lock = threading.Lock()
 def _report_at_exit() -> None:
     with _exit_lock:
         for trainer in list(_LIVE):
-            for run_dir, mgr in list(trainer._fw_managers.items()):
-                try:
-                    mgr.close()
-                except Exception as e:
-                    log.error("flashwrite.transformers: a checkpoint under %s failed: %s", run_dir, e)
-                    print(f"flashwrite: a Trainer checkpoint under {run_dir} failed and was never committed: {e}",
-                          file=sys.stderr)
+            trainer.close_checkpoints()

@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from .. import defaults
-from ..saving import distributed
 from . import foreign
 from ..system import gcpause
 from ..errors import CorruptCheckpointError
@@ -91,8 +90,26 @@ def _load(where: Located, process_group: Any, options: dict) -> Any:
         return load_foreign(os.fspath(path), map_location=map_location, backend=backend, direct=direct,
                             queue_depth=queue_depth)
     if process_group is not None:
-        return distributed.load(path, process_group=process_group, **options)
+        return load_rank(path, process_group=process_group, **options)
     return load_state(path, **options)
+
+
+def load_rank(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cpu", into: Any = None,
+              verify: bool = True, allow_pickle: bool = False, strict: bool = True, backend: str = "auto",
+              direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, zero_copy: bool = False) -> Any:
+    """This rank's state of a multi-rank checkpoint, reading only its own stripes.
+
+    The group must have the world size the checkpoint was saved with (to
+    reshard, save through ``flashwrite.dcp``). A single-process checkpoint is
+    loaded whole on every rank. No collective is issued.
+    """
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group= needs torch.distributed to be initialized (init_process_group)")
+    pg = process_group if process_group is not None else dist.group.WORLD
+    return load_state(path, rank=(dist.get_rank(pg), dist.get_world_size(pg)), map_location=map_location, into=into,
+                      verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend, direct=direct,
+                      queue_depth=queue_depth, zero_copy=zero_copy)
 
 
 _load_pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -44,6 +44,17 @@ class Preemption:
             signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
         self.installed = False
 
+    def enter_call(self) -> None:
+        """A manager call begins (main thread): a SIGTERM now waits for its end."""
+        self._in_call += 1
+
+    def leave_call(self) -> None:
+        """A manager call ends: a SIGTERM that came during it is handled now."""
+        self._in_call -= 1
+        if not self._in_call and self._pending:
+            self._pending = False
+            self.preempt(signal.SIGTERM, None)
+
     def on_signal(self, signum: int, frame: Any) -> None:
         if self._in_call:
             self._pending = True
@@ -78,14 +89,10 @@ class _CallGuard:
         self.p = p
 
     def __enter__(self) -> None:
-        self.p._in_call += 1
+        self.p.enter_call()
 
     def __exit__(self, *exc: Any) -> None:
-        p = self.p
-        p._in_call -= 1
-        if not p._in_call and p._pending:
-            p._pending = False
-            p.preempt(signal.SIGTERM, None)
+        self.p.leave_call()
 
 
 class _NullGuard:

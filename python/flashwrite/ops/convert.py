@@ -27,7 +27,7 @@ from ..format import dtypes
 from ..errors import CorruptCheckpointError
 from ..state.flatten import FlatTensor, referenced_keys, unflatten
 from ..format import build_index, build_manifest, piece_ranges
-from ..saving.plan import PlannedFile, plan_files
+from ..layout.plan import PlannedFile, plan_files
 from ..targets.locate import kind_of, resolve
 from ..targets.target import LOCAL, Target, check_path, shown
 from .common import UsageError

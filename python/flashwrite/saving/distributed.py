@@ -1,6 +1,7 @@
 """Multi-rank checkpoints on torch.distributed.
 
-The commit protocol of a multi-rank save, and the multi-rank load. Every rank
+The commit protocol of a multi-rank save (the multi-rank load is
+``loading.load.load_rank``). Every rank
 stages and writes its own stripes (``model-rank00003-00001-of-00004.safetensors``)
 into one shared temporary directory, at the same time. flashwrite's own gloo
 group (``coord.py``), never the training group, then carries the coordination,
@@ -53,7 +54,6 @@ import torch
 import torch.distributed as dist
 
 from . import commit
-from .. import defaults
 from ..tier import neighbour
 from ..incremental import link as _incremental
 from ..system.coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
@@ -61,8 +61,7 @@ from ..errors import DistributedSaveError, FlashwriteError
 from ..format import build_index, merge_manifests, parse_manifest
 from ..future import SaveFuture, SaveStats
 from ..targets.locate import resolve
-from .plan import rank_prefix
-from ..loading.read import load_state
+from ..layout.plan import rank_prefix
 from .session import Commit, SaveSession
 from ..targets.target import Target
 from ..tier.node import LocalSave, LocalTier
@@ -81,7 +80,7 @@ __all__ = ["DistributedSaveError", "DEFAULT_TIMEOUT_S", "coordinator", "save_asy
 def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                coordination_group: Any = None, timeout: float | None = None, overwrite: bool = False,
                block: bool = True, allow_pickle: bool = False, metadata: dict[str, str] | None = None,
-               tier: LocalTier | None = None, incremental: Callable[..., Any] | None = None,
+               tier: LocalTier | None = None, incremental: _incremental.Wiring | None = None,
                on_committed: Callable[[str], None] | None = None) -> SaveFuture:
     """``Writer.save_async`` for one rank of a multi-rank save (see the module doc).
 
@@ -89,8 +88,7 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     order relative to its other flashwrite saves on that group. tier: the writer's
     local tier (each rank keeps its own part as a local snapshot, whose manifest's
     tree is {rank: state}; with neighbour copies, rank r-1's too).
-    incremental: ``(final, target, (rank, world size)) -> planner factory`` (see
-    ``incremental.planner_for``): this rank compares its state with its own part of the
+    incremental: the Writer's ``incremental.link.Wiring`` (or None): this rank compares its state with its own part of the
     newest committed checkpoint and links its unchanged stripes into the shared temporary
     directory; rank 0's directory fsync before the manifest makes them durable, as it does
     every rank's stripes (where it cannot apply, SaveStats.incremental says why).
@@ -102,12 +100,11 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     seq = coord.next_seq()
     t0 = time.perf_counter()
     target, final = resolve(path, "save")
-    make_planner = incremental(final, target, (coord.rank, coord.size)) if incremental is not None else None
     strategy = AgreedCommit(coord, final, commit.shared_temp_dir_for(final, coord.nonce, seq), overwrite, target,
                             tier, t0, on_committed)
     session = SaveSession(writer, strategy, tier, t0)
     session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
-                  allow_pickle=allow_pickle, metadata=metadata, incremental=make_planner)
+                  allow_pickle=allow_pickle, metadata=metadata, incremental=incremental)
     return session.launch(block)
 
 
@@ -170,7 +167,7 @@ class AgreedCommit(Commit):
                 if error is None and sw is not None and manifest is None:
                     done = sw.job.done or sw.job.wait(POLL_S)
                     if self.future is not None:
-                        self.future._release_sources()
+                        self.future.wait_staged(0)  # staged: the caller's tensors are let go of
                     if done:
                         try:
                             manifest = sw.wait_durable()
@@ -190,22 +187,14 @@ class AgreedCommit(Commit):
         return manifest
 
     def _fail(self, sw: StripeWrite | None, error: BaseException | None) -> None:
-        """2a. someone failed: stop our own writes, learn who failed and why; rank 0 removes
-        the directory once the gather shows that every rank has stopped."""
-        _stop(sw)
-        mine = None if error is None else f"{type(error).__name__}: {error}"[:2000]
-        texts: list = [None] * self.coord.size
-        collective(dist.all_gather_object, texts, mine, group=self.coord.group)
-        if self.coord.rank == 0:
-            commit.discard(self.tmp, self.target)
-        failures = {r: t for r, t in enumerate(texts) if t is not None}
-        summary = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
-        if error is not None:
-            if hasattr(error, "add_note"):
-                error.add_note(f"flashwrite: multi-rank save to {self.final} failed ({summary}); nothing was committed")
-            raise error
-        raise DistributedSaveError(f"multi-rank save to {self.final} failed on {summary}; nothing was committed",
-                                   failures)
+        """2a. someone failed (see ``settle_failure``)."""
+        settle_failure(self._all_gather, self.coord.rank, sw, error, lambda: commit.discard(self.tmp, self.target),
+                       self.final)
+
+    def _all_gather(self, mine: Any) -> list:
+        out: list = [None] * self.coord.size
+        collective(dist.all_gather_object, out, mine, group=self.coord.group)
+        return out
 
     def commit(self, sw: StripeWrite, manifest: dict) -> SaveStats:
         """2b. everyone is durable: gather manifests, rank 0 commits, everyone learns the outcome."""
@@ -251,6 +240,31 @@ class AgreedCommit(Commit):
             f"timeout of {self.coord.timeout_s} s); nothing was committed. {e}")
 
 
+def failure_text(error: BaseException | None) -> str | None:
+    """What a rank tells the others of its failure (None: it did not fail)."""
+    return None if error is None else f"{type(error).__name__}: {error}"[:2000]
+
+
+def settle_failure(exchange: Callable[[str | None], list], rank: int, sw: StripeWrite | None,
+                   error: BaseException | None, discard: Callable[[], None], final: str) -> None:
+    """The failure agreement of every multi-rank save, once some rank failed: stop this
+    rank's writes, learn who failed and why (``exchange``: every rank's failure text, in
+    rank order; also the point after which no rank writes any more), rank 0 removes the
+    temporary directory (``discard``), and every rank raises: its own error, with a note
+    naming the others, or a ``DistributedSaveError`` naming who failed."""
+    _stop(sw)
+    texts = exchange(failure_text(error))
+    if rank == 0:
+        discard()
+    failures = {r: t for r, t in enumerate(texts) if t is not None}
+    summary = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
+    if error is not None:
+        if hasattr(error, "add_note"):
+            error.add_note(f"flashwrite: multi-rank save to {final} failed ({summary}); nothing was committed")
+        raise error
+    raise DistributedSaveError(f"multi-rank save to {final} failed on {summary}; nothing was committed", failures)
+
+
 def _stop(sw: StripeWrite | None) -> None:
     if sw is not None:
         sw.stop()
@@ -261,23 +275,3 @@ def _check_visible(merged: dict, tmp: str, target: Target) -> None:
         if not target.exists(os.path.join(tmp, f["name"])):
             raise FlashwriteError(f"stripe {f['name']} is not visible in {tmp} from rank 0: every rank must write to "
                                   "the same shared file system")
-
-
-# --------------------------------------------------------------------------- load
-
-
-def load(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cpu", into: Any = None,
-         verify: bool = True, allow_pickle: bool = False, strict: bool = True, backend: str = "auto",
-         direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, zero_copy: bool = False) -> Any:
-    """This rank's state of a multi-rank checkpoint, reading only its own stripes.
-
-    The group must have the world size the checkpoint was saved with (to
-    reshard, save through ``flashwrite.dcp``). A single-process checkpoint is
-    loaded whole on every rank. No collective is issued.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("process_group= needs torch.distributed to be initialized (init_process_group)")
-    pg = process_group if process_group is not None else dist.group.WORLD
-    return load_state(path, rank=(dist.get_rank(pg), dist.get_world_size(pg)), map_location=map_location, into=into,
-                      verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend, direct=direct,
-                      queue_depth=queue_depth, zero_copy=zero_copy)

@@ -27,7 +27,7 @@ from . import write as _write
 from ..state.flatten import flatten_columns
 from ..future import SaveFuture, SaveStats
 from ..targets.locate import kind_of, resolve
-from .plan import plan_files
+from ..layout.plan import plan_files
 from .session import RenameCommit, SaveSession
 from ..targets.target import check_path, unsupported
 from ..tier.node import LocalTier
@@ -225,12 +225,15 @@ class Writer:
         sw.stats.settings = settings
         return sw
 
-    def incremental_planner(self, final: str, target: Any, rank: tuple[int, int],
-                            view: Callable[[Any], Any]) -> Callable[[str], Any]:
-        """The incremental planner factory of rank ``rank`` = (rank, world size) of a save
-        to ``final`` (on ``target``) that drives its own steps (``flashwrite.dcp``), with this
-        Writer's cached base, seen through ``view`` (see ``incremental.Planner``)."""
-        return _incremental.planner_for(final, target, self._bases, self.copy_threads, rank, view)
+    def incremental_wiring(self, on: bool = True, *, view: Callable[[Any], Any] | None = None,
+                           refused: str = "", rank: tuple[int, int] | None = None) -> _incremental.Wiring | None:
+        """An incremental save with this Writer's cached base and copy threads, as every save
+        path hands it to its session (None where ``on`` is false); ``view``: how a save that
+        drives its own steps (``flashwrite.dcp``) sees the base, and ``rank`` the rank it plans
+        for; ``refused``: why it cannot apply (see ``incremental.link.Wiring``)."""
+        if not on:
+            return None
+        return _incremental.Wiring(self._bases, self.copy_threads, view, refused, rank)
 
     def _settings_for(self, directory: str) -> dict:
         """Explicit settings, else a saved tuning for directory's file system, else defaults.
@@ -296,33 +299,29 @@ class Writer:
             extra.update(commit.extra_files(extra_files, reserved=tuple(extra)))
         incr = self.incremental if incremental is None else bool(incremental)
         if process_group is not None or coordination_group is not None:
-            bases, threads = self._bases, self.copy_threads
             return distributed.save_async(
                 self, state_dict, path, process_group=process_group, coordination_group=coordination_group,
                 timeout=timeout, overwrite=overwrite, block=block, allow_pickle=allow_pickle, metadata=metadata,
-                tier=self._tier, incremental=(lambda final, target, rank: _incremental.planner_for(
-                    final, target, bases, threads, rank)) if incr else None, on_committed=bases.committed)
+                tier=self._tier, incremental=self.incremental_wiring(incr), on_committed=self._bases.committed)
         if timeout is not None:
             raise ValueError("timeout= applies to multi-rank saves (process_group=)")
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("Writer is closed")
         target, path = resolve(path, "save")
-        planner: Callable[[str], Any] | None = None
-        note = ""
-        if incr:
-            note = _incremental.refusal(hf_model=hf_model is not None) or ""
-            if not note:
-                planner = _incremental.planner_for(path, target, self._bases, self.copy_threads)
+        wiring = self.incremental_wiring(incr, refused=_incremental.refusal(hf_model=hf_model is not None) or "")
         # The next incremental save's base, where directories are not scanned (nfs://).
         strategy = RenameCommit(path, target, overwrite, extra, lambda run: self._committer().submit(run),
                                 on_committed=self._bases.committed)
         session = SaveSession(self, strategy, self._tier, t0)
-        sw = session.stage(state_dict, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model,
-                           incremental=planner)
-        if planner is None:
-            sw.stats.incremental = note
+        session.stage(state_dict, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model,
+                      incremental=wiring)
         return session.launch(block)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has run (a closed Writer refuses new saves)."""
+        return self._closed
 
     def save(self, state_dict: Any, path: str | os.PathLike, **kwargs: Any) -> SaveStats:
         """Blocking save: returns once the checkpoint is durable and committed."""
@@ -389,7 +388,7 @@ def default_writer(path: str | os.PathLike | None = None, **options: Any) -> Wri
     key = tuple(sorted(effective.items()))
     with _default_lock:
         w = _default_writers.get(key)
-        if w is None or w._closed:
+        if w is None or w.closed:
             w = _default_writers[key] = Writer(**options)
         return w
 

@@ -7,7 +7,7 @@ the stripes go and how the checkpoint becomes visible. A single-process save
 renames its own temporary directory into place (``RenameCommit``, here); a
 multi-rank save agrees with every rank, then rank 0 commits
 (``distributed.AgreedCommit``); the DCP writer commits in DCP's ``finish``
-(``dcp/writer.py``). The background part runs through ``SaveFuture._launch``
+(``dcp/writer.py``). The background part runs through ``SaveFuture.start``
 (``future.py``), whose commit gate is where a ``cancel()`` wins or loses.
 """
 
@@ -115,8 +115,9 @@ class SaveSession:
     def stage(self, state_dict: Any, *, rank: tuple[int, int] | None = None, **write_options: Any) -> StripeWrite:
         """Prepare the directory and start staging + writing the stripes. rank: (rank, world
         size) of a multi-rank save. A failure here is the strategy's to clean up, then raised.
-        incremental (a write option): makes the incremental planner for the directory."""
-        make_planner = write_options.pop("incremental", None)
+        incremental (a write option): the save's ``incremental.link.Wiring``, or None."""
+        wiring = write_options.pop("incremental", None)
+        make_planner = wiring.planner(self.strategy.final, self.strategy.target, rank) if wiring is not None else None
         planner = None
         try:
             directory = self.strategy.prepare()
@@ -133,6 +134,8 @@ class SaveSession:
         sw.stats.path = self.strategy.target.show(self.strategy.final)
         if planner is not None:
             sw.stats.incremental = planner.note
+        elif wiring is not None:
+            sw.stats.incremental = wiring.refused
         if rank is not None:
             sw.stats.extra.update(rank=rank[0], world_size=rank[1])
         self.sw = sw
@@ -185,8 +188,8 @@ class SaveSession:
         assert sw is not None
         fut = SaveFuture(sw.stats.path, sw.job, sw.stats, self.t0)
         self.strategy.future = fut
-        fut._launch(self.finish, self.strategy.submit, block=block, cleanup=self.strategy.discard,
-                    abandon=self.strategy.abandon)
+        fut.start(self.finish, self.strategy.submit, block=block, cleanup=self.strategy.discard,
+                  abandon=self.strategy.abandon)
         if self.snapshot is not None and block:
             # Returning "staged" means the snapshot outlives this process from here on.
             self.snapshot.seal()

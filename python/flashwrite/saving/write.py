@@ -24,9 +24,9 @@ from ..system import cuda as _cuda
 from .. import defaults as _defaults
 from ..state.flatten import diagnose, flatten_columns
 from ..format import build_manifest
-from ..future import SaveStats
+from ..future import SaveStats, stop_job
 from ..incremental.link import annotate
-from .plan import PlannedFile, plan_files
+from ..layout.plan import PlannedFile, plan_files
 
 log = logging.getLogger("flashwrite")
 
@@ -234,7 +234,5 @@ class StripeWrite:
             return m
 
     def stop(self) -> None:
-        """Cancel the writes still running and wait for the job to end."""
-        if not self.job.done:
-            self.job.cancel()
-            self.job.wait()
+        """Cancel the writes still running and wait for the job to end (``stop_job``)."""
+        stop_job(self.job)

@@ -27,17 +27,19 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ...saving import commit
+from ...saving.distributed import failure_text, settle_failure
 from ...system.coord import coordinator
 from ...errors import FlashwriteError
 from ...format import build_index, parse_manifest
 from ...future import SaveStats
-from ...saving.plan import rank_prefix
+from ...layout.plan import rank_prefix
 from ...saving.save import default_writer
 from ...saving.session import Commit, SaveSession
 from ...targets.locate import kind_of, resolve
 from ...targets.target import Target, check_path, shown
 from ...saving.write import StripeWrite
 from . import contract
+from ...incremental.link import Wiring
 from .section import InlineItem, StoredChunk, as_ranks_base, build_manifest, item_key, stored_chunks
 
 __all__ = ["FlashwriteStorageWriter"]
@@ -116,19 +118,15 @@ def _stage(session: SaveSession, writer: Any, tensors: dict[str, Any], rank: int
     stripes that did not change since the newest committed DCP checkpoint beside the
     target (saved by as many ranks) are linked from that checkpoint's part of this rank
     (``incremental.Planner``; SaveStats.incremental says what happened)."""
-    planner, note = None, ""
+    wiring = None
     if getattr(writer, "incremental", False):
-        strategy = session.strategy
-        if not strategy.target.scannable:
-            note = "off: DCP saves to nfs:// are not incremental yet (the save writes every stripe)"
-        elif not hasattr(writer, "incremental_planner"):
-            note = f"off: {type(writer).__name__} has no incremental planner (the save writes every stripe)"
+        if not session.strategy.target.scannable:
+            wiring = Wiring.refuse("off: DCP saves to nfs:// are not incremental yet (the save writes every stripe)")
+        elif not hasattr(writer, "incremental_wiring"):
+            wiring = Wiring.refuse(f"off: {type(writer).__name__} has no incremental planner (the save writes every stripe)")
         else:
-            planner = writer.incremental_planner(strategy.final, strategy.target, (rank, size), as_ranks_base)
-    sw = session.stage(tensors, prefix=rank_prefix(rank), incremental=planner)
-    if planner is None:
-        sw.stats.incremental = note
-    return sw
+            wiring = writer.incremental_wiring(view=as_ranks_base, rank=(rank, size))
+    return session.stage(tensors, prefix=rank_prefix(rank), incremental=wiring)
 
 
 def _chunk_bytes(item: Any) -> int:
@@ -269,17 +267,11 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         except BaseException as e:  # noqa: BLE001 - agreed on below, then raised
             error = e
         # Every rank learns whether every rank staged, so a failure raises on all of
-        # them here instead of leaving the others waiting in DCP's collectives.
-        texts = exchange(None if error is None else f"{type(error).__name__}: {error}"[:2000])
-        failed = {r: t for r, t in enumerate(texts) if t is not None}
-        if failed:
-            if sw is not None:
-                sw.stop()
-            if rank == 0:
-                commit.discard(tmp, target)
-            if error is not None:
-                raise error
-            raise FlashwriteError("staging failed on " + "; ".join(f"rank {r}: {t}" for r, t in failed.items()))
+        # them here instead of leaving the others waiting in DCP's collectives; then the
+        # failure agreement of every multi-rank save (whose exchange is also the point after
+        # which no rank writes, so rank 0 removes the directory only then).
+        if any(t is not None for t in exchange(failure_text(error))):
+            settle_failure(exchange, rank, sw, error, lambda: commit.discard(tmp, target), final)
         self._pending.append(_Staged(self._fixed_path, tmp, session, sw, owner, set(tensors), inline, t0))
         return _copy_containers(state_dict)
 
