@@ -39,7 +39,7 @@ from ...targets.locate import kind_of, resolve
 from ...targets.target import Target, check_path, shown
 from ...saving.write import StripeWrite
 from . import contract
-from ...incremental.link import Wiring
+from ...incremental.wiring import Wiring
 from .section import InlineItem, StoredChunk, as_ranks_base, build_manifest, item_key, stored_chunks
 
 __all__ = ["FlashwriteStorageWriter"]
