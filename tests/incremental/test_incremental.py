@@ -152,6 +152,16 @@ def test_off_by_default_on_writer_and_save(tmp_path):
     assert_same(fw.load(str(tmp_path / "c")), lora_state(3, frozen))
 
 
+def test_an_hf_model_save_is_not_incremental_and_says_so(tmp_path):
+    frozen = {"w": torch.arange(4096, dtype=torch.float32)}
+    with fw.Writer(incremental=True) as w:
+        w.save({"model": frozen, "step": 1}, str(tmp_path / "a"))
+        s = w.save({"model": frozen, "step": 2}, str(tmp_path / "b"), hf_model="model")
+    assert s.incremental == "off: hf_model= saves are not incremental yet (the save writes every stripe)"
+    assert s.bytes_linked == 0 and s.bytes_written == s.bytes
+    assert torch.equal(fw.load(str(tmp_path / "b"))["model"]["w"], frozen["w"])
+
+
 def test_link_refused_falls_back_to_writing(tmp_path, monkeypatch):
     frozen = frozen_base()
     save_run(str(tmp_path), 2, frozen)

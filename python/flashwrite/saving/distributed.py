@@ -56,6 +56,7 @@ import torch.distributed as dist
 from . import commit
 from ..tier import neighbour
 from ..incremental import link as _incremental
+from ..incremental.wiring import Wiring
 from ..system.coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
 from ..errors import DistributedSaveError, FlashwriteError
 from ..format import build_index, merge_manifests, parse_manifest
@@ -80,7 +81,7 @@ __all__ = ["DistributedSaveError", "DEFAULT_TIMEOUT_S", "coordinator", "save_asy
 def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                coordination_group: Any = None, timeout: float | None = None, overwrite: bool = False,
                block: bool = True, allow_pickle: bool = False, metadata: dict[str, str] | None = None,
-               tier: LocalTier | None = None, incremental: _incremental.Wiring | None = None,
+               tier: LocalTier | None = None, incremental: Wiring | None = None,
                on_committed: Callable[[str], None] | None = None) -> SaveFuture:
     """``Writer.save_async`` for one rank of a multi-rank save (see the module doc).
 
@@ -88,7 +89,7 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     order relative to its other flashwrite saves on that group. tier: the writer's
     local tier (each rank keeps its own part as a local snapshot, whose manifest's
     tree is {rank: state}; with neighbour copies, rank r-1's too).
-    incremental: the Writer's ``incremental.link.Wiring`` (or None): this rank compares its state with its own part of the
+    incremental: the Writer's ``incremental.wiring.Wiring`` (or None): this rank compares its state with its own part of the
     newest committed checkpoint and links its unchanged stripes into the shared temporary
     directory; rank 0's directory fsync before the manifest makes them durable, as it does
     every rank's stripes (where it cannot apply, SaveStats.incremental says why).

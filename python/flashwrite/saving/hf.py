@@ -20,6 +20,8 @@ from ..state.flatten import FlatTensor
 MODEL_PREFIX = "model"   # stripe names of the group the index lists (what from_pretrained reads)
 STATE_PREFIX = "state"   # stripe names of the rest of the state
 CONFIG_NAME = "config.json"
+# Why an incremental save with hf_model= writes every stripe (SaveStats.incremental).
+NOT_INCREMENTAL = "off: hf_model= saves are not incremental yet (the save writes every stripe)"
 
 
 def split(state: Any, tree: dict, tensors: list[FlatTensor], aliases: dict[str, str],

@@ -23,6 +23,7 @@ from . import commit, distributed
 from . import hf
 from ..targets import tuning
 from ..incremental import link as _incremental
+from ..incremental.wiring import Wiring
 from . import write as _write
 from ..state.flatten import flatten_columns
 from ..future import SaveFuture, SaveStats
@@ -226,14 +227,14 @@ class Writer:
         return sw
 
     def incremental_wiring(self, on: bool = True, *, view: Callable[[Any], Any] | None = None,
-                           refused: str = "", rank: tuple[int, int] | None = None) -> _incremental.Wiring | None:
+                           refused: str = "", rank: tuple[int, int] | None = None) -> Wiring | None:
         """An incremental save with this Writer's cached base and copy threads, as every save
         path hands it to its session (None where ``on`` is false); ``view``: how a save that
         drives its own steps (``flashwrite.dcp``) sees the base, and ``rank`` the rank it plans
-        for; ``refused``: why it cannot apply (see ``incremental.link.Wiring``)."""
+        for; ``refused``: why it cannot apply (see ``incremental.wiring.Wiring``)."""
         if not on:
             return None
-        return _incremental.Wiring(self._bases, self.copy_threads, view, refused, rank)
+        return Wiring(self._bases, self.copy_threads, view, refused, rank)
 
     def _settings_for(self, directory: str) -> dict:
         """Explicit settings, else a saved tuning for directory's file system, else defaults.
@@ -309,7 +310,7 @@ class Writer:
         if self._closed:
             raise RuntimeError("Writer is closed")
         target, path = resolve(path, "save")
-        wiring = self.incremental_wiring(incr, refused=_incremental.refusal(hf_model=hf_model is not None) or "")
+        wiring = self.incremental_wiring(incr, refused=hf.NOT_INCREMENTAL if hf_model is not None else "")
         # The next incremental save's base, where directories are not scanned (nfs://).
         strategy = RenameCommit(path, target, overwrite, extra, lambda run: self._committer().submit(run),
                                 on_committed=self._bases.committed)

@@ -115,7 +115,7 @@ class SaveSession:
     def stage(self, state_dict: Any, *, rank: tuple[int, int] | None = None, **write_options: Any) -> StripeWrite:
         """Prepare the directory and start staging + writing the stripes. rank: (rank, world
         size) of a multi-rank save. A failure here is the strategy's to clean up, then raised.
-        incremental (a write option): the save's ``incremental.link.Wiring``, or None."""
+        incremental (a write option): the save's ``incremental.wiring.Wiring``, or None."""
         wiring = write_options.pop("incremental", None)
         make_planner = wiring.planner(self.strategy.final, self.strategy.target, rank) if wiring is not None else None
         planner = None

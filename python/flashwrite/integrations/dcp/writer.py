@@ -39,7 +39,7 @@ from ...targets.locate import kind_of, resolve
 from ...targets.target import Target, check_path, shown
 from ...saving.write import StripeWrite
 from . import contract
-from ...incremental.link import Wiring
+from ...incremental.wiring import Wiring
 from .section import InlineItem, StoredChunk, as_ranks_base, build_manifest, item_key, stored_chunks
 
 __all__ = ["FlashwriteStorageWriter"]
@@ -127,6 +127,18 @@ def _stage(session: SaveSession, writer: Any, tensors: dict[str, Any], rank: int
         else:
             wiring = writer.incremental_wiring(view=as_ranks_base, rank=(rank, size))
     return session.stage(tensors, prefix=rank_prefix(rank), incremental=wiring)
+
+
+def _resolve_items(planner: SavePlanner, items: list) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """DCP's write items resolved to their data, by item key: (tensors to stage, bytes kept inline)."""
+    tensors, inline = {}, {}
+    for it in items:
+        data = planner.resolve_data(it)
+        if it.type == WriteItemType.BYTE_IO:
+            inline[item_key(it.index)] = data.getvalue()
+        else:
+            tensors[item_key(it.index)] = data
+    return tensors, inline
 
 
 def _chunk_bytes(item: Any) -> int:
@@ -250,14 +262,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         tmp = gathered[0][2]
         sw, tensors, inline, error = None, {}, {}, None
         try:
-            for it in local.items:
-                if owner[it.index] != rank:
-                    continue
-                data = planner.resolve_data(it)
-                if it.type == WriteItemType.BYTE_IO:
-                    inline[item_key(it.index)] = data.getvalue()
-                else:
-                    tensors[item_key(it.index)] = data
+            tensors, inline = _resolve_items(planner, [it for it in local.items if owner[it.index] == rank])
             session = SaveSession(self.writer, DcpCommit(final, tmp, self.overwrite, target), None, t0)
             if tensors:
                 sw = _stage(session, self.writer, tensors, rank, size)
@@ -361,13 +366,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                     raise FlashwriteError(f"rank {self.rank}: DCP's plan differs from what stage() snapshotted "
                                           f"(e.g. {diff}); async_save with this writer needs DCP's default planner")
             else:
-                tensors, inline = {}, {}
-                for it in plan.items:
-                    data = planner.resolve_data(it)
-                    if it.type == WriteItemType.BYTE_IO:
-                        inline[item_key(it.index)] = data.getvalue()
-                    else:
-                        tensors[item_key(it.index)] = data
+                tensors, inline = _resolve_items(planner, plan.items)
                 if tensors:
                     target, final = resolve(self.path, "DCP writer")
                     session = SaveSession(self.writer, DcpCommit(final, g.tmp, self.overwrite, target), None,
