@@ -214,6 +214,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         self.process_group = process_group
         self.coordination_group = coordination_group
         self.save_id = uuid.uuid4().hex
+        self._targets: dict[str, tuple[Target, str]] = {}
         self.rank = 0
         self.is_coordinator = True
         self.last_stats: Any = None
@@ -224,6 +225,12 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         self._use_collectives = True  # set_up_storage_writer says
 
     # ------------------------------------------------------------ AsyncStager
+
+    def _resolved(self, path: str) -> tuple[Target, str]:
+        """(target, the checkpoint's name there) of ``path``, resolved once per path."""
+        if path not in self._targets:
+            self._targets[path] = resolve(path, "DCP writer")
+        return self._targets[path]
 
     def __reduce__(self) -> Any:
         # DCP's process executor pickles the writer; the staged saves and the Writer live in this process.
@@ -239,7 +246,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         if dist.is_available() and dist.is_initialized():
             coord = coordinator(self.process_group, self.timeout, self.coordination_group)
             rank, size = coord.rank, coord.size
-        target, final = resolve(self._fixed_path, "DCP writer")
+        target, final = self._resolved(self._fixed_path)
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict, None, rank == 0)
         local = planner.create_local_plan()
@@ -327,7 +334,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         if len(staged) != 1:
             raise FlashwriteError("some ranks staged this save and others did not")
         tmp = staged.pop()
-        target, final = resolve(self.path, "DCP writer")
+        target, final = self._resolved(self.path)
         with _unfinished_lock:
             for old in _unfinished.pop(self.path, set()) - {tmp}:
                 commit.discard(old, target)
@@ -368,7 +375,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
             else:
                 tensors, inline = _resolve_items(planner, plan.items)
                 if tensors:
-                    target, final = resolve(self.path, "DCP writer")
+                    target, final = self._resolved(self.path)
                     session = SaveSession(self.writer, DcpCommit(final, g.tmp, self.overwrite, target), None,
                                           time.perf_counter())
                     sw = _stage(session, self.writer, tensors, g.rank, g.world_size)
@@ -403,7 +410,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         tmp = self._tmp
         try:
-            target, final = resolve(self.path, "DCP writer")
+            target, final = self._resolved(self.path)
             strategy = DcpCommit(final, tmp, self.overwrite, target)
             try:
                 manifest = build_manifest(metadata, results, self.storage_meta())
