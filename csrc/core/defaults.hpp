@@ -60,6 +60,6 @@ constexpr uint64_t kHostBounceBytes = 128ull << 20;
 constexpr unsigned kThreadBackendMaxThreads = 32;  // pread/pwrite threads at most
 constexpr unsigned kPrefaultMaxThreads = 8;        // threads faulting in a new slab: cpu_threads() of it
 constexpr int kPoolPollMs = 20;                    // acquire() re-checks its cancel flag this often
-constexpr double kWaitSliceS = 0.05;               // binding waits wake this often for Ctrl-C
+constexpr double kWaitSliceS = 0.01;               // binding waits wake this often for Ctrl-C
 
 }  // namespace fw::defaults

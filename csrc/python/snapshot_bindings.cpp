@@ -2,7 +2,12 @@
 // the holes of a pool file, map a snapshot's pages. All without the GIL.
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <condition_variable>
+#include <exception>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -21,8 +26,44 @@ std::vector<std::pair<size_t, uint64_t>> copy_verify_py(const std::vector<PyCopy
   ps.reserve(pieces.size());
   for (auto& [dst, src, len, expected] : pieces)
     ps.push_back(SnapshotPiece{reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), len, expected});
-  py::gil_scoped_release nogil;
-  return copy_verify(ps, verify, threads);
+  // On a thread of its own while this one waits in slices: Ctrl-C sets `stop`,
+  // the copy threads finish the piece they are in (16 MiB at most as saves cut
+  // them) and are joined before KeyboardInterrupt leaves and the caller's frames
+  // free the pool mapping and the destinations (issue 34).
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  bool over = false;
+  std::vector<std::pair<size_t, uint64_t>> bad;
+  std::exception_ptr error;
+  std::thread runner;
+  {
+    py::gil_scoped_release nogil;
+    runner = std::thread([&] {
+      try {
+        bad = copy_verify(ps, verify, threads, &stop);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lk(mu);
+      over = true;
+      cv.notify_all();
+    });
+  }
+  auto finished = [&](double t) {
+    std::unique_lock<std::mutex> lk(mu);
+    return cv.wait_for(lk, std::chrono::duration<double>(t), [&] { return over; });
+  };
+  wait_interruptible(finished, std::nullopt, [&] {
+    stop.store(true);
+    runner.join();
+  });
+  {
+    py::gil_scoped_release nogil;
+    runner.join();
+  }
+  if (error) std::rethrow_exception(error);
+  return bad;
 }
 
 void register_mapping(py::module_& m) {
@@ -50,7 +91,8 @@ void register_snapshot(py::module_& m) {
   m.def("copy_verify", &copy_verify_py, py::arg("pieces"), py::arg("verify") = true, py::arg("threads") = 1,
         "Copy [(dst, src, len, xxh3)] pieces (dst 0: check src in place) on `threads` threads, each piece "
         "checksummed as it is copied, its pages populated first; returns [(index, actual)] of the pieces that "
-        "did not match. The caller keeps every buffer alive for the call (GIL released).");
+        "did not match. The caller keeps every buffer alive for the call (GIL released). Ctrl-C stops it between "
+        "pieces; the copy threads are joined before KeyboardInterrupt leaves.");
   m.def(
       "punch_holes",
       [](int fd, std::vector<std::pair<uint64_t, uint64_t>> keep, uint64_t size) {

@@ -35,12 +35,13 @@ void populate(const void* p, uint64_t len, int advice) noexcept {
 }  // namespace
 
 std::vector<std::pair<size_t, uint64_t>> copy_verify(const std::vector<SnapshotPiece>& pieces, bool verify,
-                                                     unsigned threads) {
+                                                     unsigned threads, const std::atomic<bool>* stop) {
   std::vector<std::pair<size_t, uint64_t>> bad;
   std::mutex mu;
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
+      if (stop && stop->load(std::memory_order_relaxed)) return;
       const SnapshotPiece& p = pieces[i];
       if (!p.len) continue;
       populate(p.src, p.len, MADV_POPULATE_READ);

@@ -7,6 +7,7 @@
 // instead of copying them: the pool pages are mapped copy-on-write, or shared
 // when the restoring process has taken the pool file for itself.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -25,8 +26,12 @@ struct SnapshotPiece {
 // (index, actual checksum) of the pieces that did not match, by index.
 // Destinations are written only by their own piece; their pages are populated
 // with MADV_POPULATE_WRITE, which writes no byte, so neighbours are safe.
+// stop (may be null): checked between pieces; once set, no further piece is
+// started and the call returns (its result meaningless) when every thread has
+// finished the piece it was in, so a caller that sets it and then joins the
+// call may free the buffers (the Python binding's Ctrl-C, issue 34).
 std::vector<std::pair<size_t, uint64_t>> copy_verify(const std::vector<SnapshotPiece>& pieces, bool verify,
-                                                     unsigned threads);
+                                                     unsigned threads, const std::atomic<bool>* stop = nullptr);
 
 // Frees the pages of fd in [0, size) that no range of `keep` covers ((offset,
 // length), whole pages, any order) with FALLOC_FL_PUNCH_HOLE: a taken pool's

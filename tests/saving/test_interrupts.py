@@ -253,3 +253,75 @@ def test_the_next_save_removes_a_killed_saves_temporary_directory(tmp_path):
     fw.save({"x": torch.arange(10)}, root / "e")
     assert sorted(os.listdir(root)) == sorted(["e", live, other_host, old_name]), os.listdir(root)
     assert commit.parse_temp_name(dead[0]).host == commit.HOST_TAG
+
+
+def test_ctrl_c_in_a_snapshot_restore_stops_the_copy(tmp_path):
+    """Restoring a node-local snapshot was one synchronous native call (copy_verify):
+    Ctrl-C landed only once every byte was copied. Now the copy threads stop between
+    pieces and are joined before KeyboardInterrupt leaves: the destinations are left
+    part-written (the interrupt came mid-copy) and never written after the except."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    p = _child("""
+        import signal, sys, threading, time, torch, flashwrite as fw
+        from flashwrite.tier import snapshot as local
+        st = state(256)
+        w = fw.Writer(local_snapshots=True, local_dir=sys.argv[2])
+        w.save(st, sys.argv[1])
+        w.close(keep_local=True)
+        snap = local.scan(sys.argv[2])[0]
+        dst = state(256)
+        sent = []
+        def fire():
+            sent.append(time.monotonic())
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        for trial, delay in enumerate((0.002, 0.01, 0.03, 0.06)):
+            for t in dst.values():
+                t.zero_()
+            timer = threading.Timer(delay, fire)
+            timer.start()
+            try:
+                local.read_snapshot(snap, targets=dst, threads=2)
+                timer.join()
+                time.sleep(0.05)  # a late signal lands here, not in the next trial
+                print(f"trial {trial} done first", flush=True)
+                continue
+            except KeyboardInterrupt:
+                late = time.monotonic() - sent[-1]
+                written = sum(int(t.count_nonzero()) for t in dst.values())
+                time.sleep(0.2)
+                after = sum(int(t.count_nonzero()) for t in dst.values())
+            timer.join()
+            total = sum(t.numel() for t in dst.values())
+            print(f"trial {trial} partial {int(written < total - 8)} moved {after - written} "
+                  f"late_ms {late * 1000:.0f}", flush=True)
+    """, str(tmp_path / "ck"), str(shm))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    trials = [ln.split() for ln in out.split("\n") if ln.startswith("trial") and "partial" in ln]
+    assert trials, out
+    assert all(t[t.index("moved") + 1] == "0" for t in trials), out   # nothing written after the except
+    assert any(t[t.index("partial") + 1] == "1" for t in trials), out  # stopped mid-copy at least once
+    assert all(int(t[t.index("late_ms") + 1]) < 1000 for t in trials), out
+
+
+def test_a_dropped_load_future_keeps_its_destinations(ck256):
+    """A load_async(into=) whose future and destinations are dropped (del + gc) while it
+    runs: the job keeps the destinations alive until it is joined, and the exit waits
+    for it (under ASan: no write into freed memory)."""
+    p = _child("""
+        import gc, sys, torch, flashwrite as fw
+        for _ in range(3):
+            dst = state(256)
+            fut = fw.load_async(sys.argv[1], into=dst)
+            del fut, dst
+            gc.collect()
+            junk = [torch.full((1 << 22,), 7.0) for _ in range(16)]  # reuse the freed memory
+        fut = fw.load_async(sys.argv[1])
+        del fut
+        gc.collect()
+        print("exiting", flush=True)
+    """, str(ck256))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert "exiting" in out, out

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from . import commit
 from ..format import build_index
-from ..future import SaveFuture, SaveStats
+from ..future import SaveFuture, SaveStats, clean_up_later
 from ..targets.target import Target
 from ..tier.node import LocalSave, LocalTier
 from .write import StripeWrite, StripeWriter
@@ -39,8 +39,13 @@ class Commit:
         raise NotImplementedError
 
     def abandon(self, error: BaseException) -> None:
-        """Staging or the launch failed (``error``): nothing will be committed."""
-        self.discard()
+        """Staging or the launch failed (``error``): nothing will be committed. After
+        Ctrl-C the job is already stopped and joined; the removal runs on a thread of its
+        own (joined at exit) so that KeyboardInterrupt lands at once."""
+        if isinstance(error, KeyboardInterrupt):
+            clean_up_later(self.discard, f"the temporary directory of {self.final}")
+        else:
+            self.discard()
 
     def discard(self) -> None:
         """The save failed after its launch: remove what it wrote."""
