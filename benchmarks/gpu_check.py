@@ -1,52 +1,46 @@
 #!/usr/bin/env python3
-"""One script for a short slot on a GPU machine: build flashwrite, run its CUDA tests,
-measure the GPU data path, run the GPU tests last (capped), print a table. One call of
-at most 5 minutes on one H200 (16 cores, 128 GiB RAM, 64 GiB disk): the state is sized
-from free disk, memory and GPU memory (at most 16 GiB), the JSON is rewritten after
-every result, and a watchdog ends the run at --budget (exit 3) with what it has.
-With no GPU it runs its CPU-only checks (fork beside the pool), says what it skipped
-and exits 0.
+"""One script for a short slot on a GPU machine: measure the GPU data path phase by phase,
+run the GPU tests last (capped), print a table. One call of at most 5 minutes on one H200
+(16 cores, 128 GiB RAM, 64 GiB disk); on the lent machine run it through
+benchmarks/gpu_device_run.sh (see benchmarks/README.md for the exact call).
 
-    python benchmarks/gpu_check.py                  # build + tests + measurements
-    python benchmarks/gpu_check.py --gib 8 --dir /nvme/scratch
+    python benchmarks/gpu_check.py                  # build + measurements + GPU tests
+    python benchmarks/gpu_check.py --gib 2 --dir /nvme/scratch
     python benchmarks/gpu_check.py --no-build       # use the flashwrite already importable
 
-Needs: Python with PyTorch (CUDA build), pybind11, scikit-build-core and CMake; no
-network (the build uses --no-build-isolation --no-index --no-deps, falls back to the
-thread-pool I/O backend without liburing and to third_party/xxhash without
-libxxhash-dev). The build goes to build/gpu-check/site (PYTHONPATH for the children),
-so nothing is installed into the system's site-packages.
+The state is sized from free disk (a quarter), available memory (a third) and free GPU
+memory (a half), at most 8 GiB (--gib overrides). Every measurement is a phase (PHASES)
+with a cap of its own; its record in the JSON's "phases" says "measured" (with its
+numbers), "skipped" (with the reason: no GPU, or too little of --budget left), "error"
+or "timed_out". The JSON is replaced whole after every phase, so a kill leaves the
+phases so far. A phase past its cap is interrupted and the run goes on; one stuck in
+native code past cap + 10 s ends the run (exit 3), and so does the --budget watchdog.
+Without a GPU the GPU-only phases are skipped and the others run on CPU tensors.
 
-What it measures, for a state of --gib GiB on cuda:0 (bf16 matrices, fp32 optimizer
-state, --small small tensors of 1-16 KiB):
+The phases, for a state of bf16 matrices, fp32 optimizer state and small tensors:
 
-- reserve(): the pool allocated, faulted in and pinned ahead of the first save, timed;
-  asserts the pool is pinned and that the CUDA runtime flashwrite uses is PyTorch's
-  ("already loaded"); the NUMA nodes of the pool's pages against the GPU's node.
-- H2D limit: pinned host memory ``copy_``'d to the GPU (the baseline for loads).
-- fork: fork() beside the pinned pool (timed), a child that saves on the CPU, and the
-  parent's next save byte-exact; the pool's slabs carry the ``dc`` (MADV_DONTFORK) flag.
-- graph capture: a save inside ``torch.cuda.graph`` is refused with a clear error and
-  the capture still replays; a save on another thread while a global-mode capture is
-  open leaves the capture valid.
-- D2H limit: every tensor ``copy_``'d into preallocated pinned host memory with
-  non_blocking=True, and PyTorch's ``tensor.to("cpu", non_blocking=True)`` (which uses
-  its pinned caching host allocator), each followed by one synchronize; best of 3, on
-  at most --limit-gib GiB of the state (host memory: the pool holds a whole copy too).
-- save_async stall (block=True): how long the training loop is blocked; best and median
-  of --rounds saves after one warm-up save (the warm-up allocates and pins the pool,
-  reported as "first save").
-- save_async(block=False): time to return, then wait_staged().
-- time to durable (every stripe fsync'd) and to committed, with GB/s.
-- incremental: a LoRA-shaped GPU state saved four times with incremental=True; the
-  last save links the frozen base's stripes (held files, gpu_incremental_check.py),
-  loads back byte-exact and verifies.
-- load to the GPU: ``load(map_location="cuda:0")`` and ``load(into=<gpu state>)``;
-  O_DIRECT reads do not go through the page cache, so they are cold reads whenever
-  the file system honours O_DIRECT (the table says whether it did).
+- env: flashwrite/torch versions, backend_info (the CUDA runtime must be PyTorch's).
+- d2h_limit: ``copy_`` into pinned memory and ``.to("cpu", non_blocking=True)``, best of 3.
+- first_save_unprepared: a fresh Writer's first save (no reserve()): every SaveStats
+  field present (pin_s, and the staging-wait fields where this version has them), and
+  fault_s_estimate = stall - pin_s - the D2H-limit time; byte-exact round trip.
+- reserve, prepared_save (--rounds saves after reserve(); stall_x_d2h = best stall over
+  the D2H-limit time of the state), noblock_save (block=False: return, wait_staged()).
+- small_tensors: --small tensors of 1-16 KiB saved with the GPU gather (coalescing) on
+  and off, against a ``.to("cpu", non_blocking=True)`` loop.
+- torch_save; loads: ``torch.load(map_location="cuda")`` and safetensors'
+  ``load_file(device="cuda:0")`` against ``fw.load(map_location="cuda")`` and ``into=``,
+  files evicted from the page cache first.
+- odirect_raw: raw O_DIRECT write (+ fsync) and read, 8 threads, 16 MiB buffers.
+- matmul_during_save: the step time of a matmul loop alone, during a block=False save and
+  during a background reserve().
+- incremental (gpu_incremental_check.py), fork beside the pinned pool, capture (a save
+  inside torch.cuda.graph is refused; one beside a global capture leaves it valid).
+- exit_in_flight: a child process starts a block=False save and exits; it must end by
+  itself and leave a checkpoint that loads, or none.
+- gpu_tests: tests/system/test_cuda*.py with the real runtime, last, capped.
 
-Every checkpoint is checked byte for byte against the GPU state once. A JSON copy of
-the results goes to --json, or to $OUT/gpu_check.json when $OUT is set.
+Results go to --json and --md (default $OUT/gpu_check.json and $OUT/gpu_check.md).
 """
 
 from __future__ import annotations
@@ -104,7 +98,9 @@ def use_site() -> None:
 
 
 def run_tests(timeout: float, all_tests: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/system/test_cuda.py"]
+    import glob
+    files = sorted(os.path.relpath(f, REPO) for f in glob.glob(os.path.join(REPO, "tests", "system", "test_cuda*.py")))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files]
     if not all_tests:  # the stand-in-runtime tests cover the same code without a GPU: not needed here
         cmd += ["-k", "not fake_runtime"]
     log("tests: " + " ".join(cmd))
