@@ -49,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -488,7 +489,12 @@ class Phases:
             fired.set()
             self._record(name, {"status": "timed_out", "cap_s": cap,
                                 "reason": f"still running after its cap of {cap:.0f} s"})
-            _thread.interrupt_main()
+            # a real SIGINT to the main thread: it also wakes a blocking wait (a bare
+            # interrupt_main() is seen only when the next bytecode runs)
+            try:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            except (OSError, ValueError):
+                _thread.interrupt_main()
 
         def stuck():
             self.res["killed_by_budget"] = f"phase {name} still running {self.GRACE_S:.0f} s after its cap"
@@ -501,9 +507,8 @@ class Phases:
             t.start()
         t0 = time.perf_counter()
         try:
-            if self.hang == name:  # the tests' hook: a phase that never ends
-                while True:
-                    time.sleep(0.05)
+            if self.hang == name:  # the tests' hook: a phase blocked for good
+                threading.Event().wait()
             out = fn() or {}
             rec = {"status": "measured", **out}
         except KeyboardInterrupt:
@@ -559,7 +564,7 @@ def timed_save(writer, state, path: str, dev, block: bool = True) -> dict:
     ret = time.perf_counter() - t0
     wait = None
     if not block:
-        fut.wait_staged()
+        fut.wait_staged(timeout=600)
         wait = time.perf_counter() - t0
     st = fut.result(timeout=600)
     return {"return_s": ret, "staged_wait_s": wait, **stats_dict(st)}

@@ -19,6 +19,7 @@ OUT=${OUT:-$REPO/build/gpu-device-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/device_run.log") 2>&1
 PY=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
 
 echo "== machine ($(date -u +%FT%TZ))"
