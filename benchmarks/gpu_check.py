@@ -1,52 +1,46 @@
 #!/usr/bin/env python3
-"""One script for a short slot on a GPU machine: build flashwrite, run its CUDA tests,
-measure the GPU data path, run the GPU tests last (capped), print a table. One call of
-at most 5 minutes on one H200 (16 cores, 128 GiB RAM, 64 GiB disk): the state is sized
-from free disk, memory and GPU memory (at most 16 GiB), the JSON is rewritten after
-every result, and a watchdog ends the run at --budget (exit 3) with what it has.
-With no GPU it runs its CPU-only checks (fork beside the pool), says what it skipped
-and exits 0.
+"""One script for a short slot on a GPU machine: measure the GPU data path phase by phase,
+run the GPU tests last (capped), print a table. One call of at most 5 minutes on one H200
+(16 cores, 128 GiB RAM, 64 GiB disk); on the lent machine run it through
+benchmarks/gpu_device_run.sh (see benchmarks/README.md for the exact call).
 
-    python benchmarks/gpu_check.py                  # build + tests + measurements
-    python benchmarks/gpu_check.py --gib 8 --dir /nvme/scratch
+    python benchmarks/gpu_check.py                  # build + measurements + GPU tests
+    python benchmarks/gpu_check.py --gib 2 --dir /nvme/scratch
     python benchmarks/gpu_check.py --no-build       # use the flashwrite already importable
 
-Needs: Python with PyTorch (CUDA build), pybind11, scikit-build-core and CMake; no
-network (the build uses --no-build-isolation --no-index --no-deps, falls back to the
-thread-pool I/O backend without liburing and to third_party/xxhash without
-libxxhash-dev). The build goes to build/gpu-check/site (PYTHONPATH for the children),
-so nothing is installed into the system's site-packages.
+The state is sized from free disk (a quarter), available memory (a third) and free GPU
+memory (a half), at most 8 GiB (--gib overrides). Every measurement is a phase (PHASES)
+with a cap of its own; its record in the JSON's "phases" says "measured" (with its
+numbers), "skipped" (with the reason: no GPU, or too little of --budget left), "error"
+or "timed_out". The JSON is replaced whole after every phase, so a kill leaves the
+phases so far. A phase past its cap is interrupted and the run goes on; one stuck in
+native code past cap + 10 s ends the run (exit 3), and so does the --budget watchdog.
+Without a GPU the GPU-only phases are skipped and the others run on CPU tensors.
 
-What it measures, for a state of --gib GiB on cuda:0 (bf16 matrices, fp32 optimizer
-state, --small small tensors of 1-16 KiB):
+The phases, for a state of bf16 matrices, fp32 optimizer state and small tensors:
 
-- reserve(): the pool allocated, faulted in and pinned ahead of the first save, timed;
-  asserts the pool is pinned and that the CUDA runtime flashwrite uses is PyTorch's
-  ("already loaded"); the NUMA nodes of the pool's pages against the GPU's node.
-- H2D limit: pinned host memory ``copy_``'d to the GPU (the baseline for loads).
-- fork: fork() beside the pinned pool (timed), a child that saves on the CPU, and the
-  parent's next save byte-exact; the pool's slabs carry the ``dc`` (MADV_DONTFORK) flag.
-- graph capture: a save inside ``torch.cuda.graph`` is refused with a clear error and
-  the capture still replays; a save on another thread while a global-mode capture is
-  open leaves the capture valid.
-- D2H limit: every tensor ``copy_``'d into preallocated pinned host memory with
-  non_blocking=True, and PyTorch's ``tensor.to("cpu", non_blocking=True)`` (which uses
-  its pinned caching host allocator), each followed by one synchronize; best of 3, on
-  at most --limit-gib GiB of the state (host memory: the pool holds a whole copy too).
-- save_async stall (block=True): how long the training loop is blocked; best and median
-  of --rounds saves after one warm-up save (the warm-up allocates and pins the pool,
-  reported as "first save").
-- save_async(block=False): time to return, then wait_staged().
-- time to durable (every stripe fsync'd) and to committed, with GB/s.
-- incremental: a LoRA-shaped GPU state saved four times with incremental=True; the
-  last save links the frozen base's stripes (held files, gpu_incremental_check.py),
-  loads back byte-exact and verifies.
-- load to the GPU: ``load(map_location="cuda:0")`` and ``load(into=<gpu state>)``;
-  O_DIRECT reads do not go through the page cache, so they are cold reads whenever
-  the file system honours O_DIRECT (the table says whether it did).
+- env: flashwrite/torch versions, backend_info (the CUDA runtime must be PyTorch's).
+- d2h_limit: ``copy_`` into pinned memory and ``.to("cpu", non_blocking=True)``, best of 3.
+- first_save_unprepared: a fresh Writer's first save (no reserve()): every SaveStats
+  field present (pin_s, and the staging-wait fields where this version has them), and
+  fault_s_estimate = stall - pin_s - the D2H-limit time; byte-exact round trip.
+- reserve, prepared_save (--rounds saves after reserve(); stall_x_d2h = best stall over
+  the D2H-limit time of the state), noblock_save (block=False: return, wait_staged()).
+- small_tensors: --small tensors of 1-16 KiB saved with the GPU gather (coalescing) on
+  and off, against a ``.to("cpu", non_blocking=True)`` loop.
+- torch_save; loads: ``torch.load(map_location="cuda")`` and safetensors'
+  ``load_file(device="cuda:0")`` against ``fw.load(map_location="cuda")`` and ``into=``,
+  files evicted from the page cache first.
+- odirect_raw: raw O_DIRECT write (+ fsync) and read, 8 threads, 16 MiB buffers.
+- matmul_during_save: the step time of a matmul loop alone, during a block=False save and
+  during a background reserve().
+- incremental (gpu_incremental_check.py), fork beside the pinned pool, capture (a save
+  inside torch.cuda.graph is refused; one beside a global capture leaves it valid).
+- exit_in_flight: a child process starts a block=False save and exits; it must end by
+  itself and leave a checkpoint that loads, or none.
+- gpu_tests: tests/system/test_cuda*.py with the real runtime, last, capped.
 
-Every checkpoint is checked byte for byte against the GPU state once. A JSON copy of
-the results goes to --json, or to $OUT/gpu_check.json when $OUT is set.
+Results go to --json and --md (default $OUT/gpu_check.json and $OUT/gpu_check.md).
 """
 
 from __future__ import annotations
@@ -55,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -104,7 +99,9 @@ def use_site() -> None:
 
 
 def run_tests(timeout: float, all_tests: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/system/test_cuda.py"]
+    import glob
+    files = sorted(os.path.relpath(f, REPO) for f in glob.glob(os.path.join(REPO, "tests", "system", "test_cuda*.py")))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files]
     if not all_tests:  # the stand-in-runtime tests cover the same code without a GPU: not needed here
         cmd += ["-k", "not fake_runtime"]
     log("tests: " + " ".join(cmd))
@@ -162,7 +159,7 @@ def make_state(gib: float, device, small: int = 256):
     per = max(1, rest // 4 // n_mat)  # the other half: fp32 optimizer state
     for i in range(n_mat):
         state["optim"]["exp_avg"][i] = torch.randn(per, device=device, generator=g)
-    torch.cuda.synchronize(device)
+    sync(device)
     return state
 
 
@@ -412,16 +409,6 @@ def capture_check(dev, base: str) -> dict:
     return res
 
 
-def cpu_checks(base: str) -> dict:
-    """What runs without a GPU: fork() beside a reserved (unpinned) pool."""
-    import flashwrite as fw
-    w = fw.Writer()
-    w.reserve(256 << 20, block=True)
-    res = fork_check(w, None, base, None)
-    w.close()
-    return res
-
-
 class Results(dict):
     """The results, written to the JSON file at every change: a kill loses nothing."""
 
@@ -449,7 +436,7 @@ class Results(dict):
 def auto_gib(base: str, gpu_free: int | None = None) -> float:
     """The state size that fits: a quarter of the free disk (a checkpoint, the next one being
     written, the load's copy), a third of the available memory (the pool holds a whole copy,
-    torch.load another), half of the GPU's free memory; at most 16 GiB, at least 0.25."""
+    torch.load another), half of the GPU's free memory; at most 8 GiB (the 5-minute slot), at least 0.25."""
     os.makedirs(base, exist_ok=True)
     disk = shutil.disk_usage(base).free / 4
     mem = 0
@@ -458,263 +445,647 @@ def auto_gib(base: str, gpu_free: int | None = None) -> float:
             if line.startswith("MemAvailable:"):
                 mem = int(line.split()[1]) * 1024 / 3
     limits = [disk, mem or disk] + ([gpu_free / 2] if gpu_free else [])
-    return max(0.25, min(16.0, min(limits) / 2**30))
+    return max(0.25, min(8.0, min(limits) / 2**30))
 
 
-def measure(args, res: dict | None = None) -> dict:
+# ------------------------------------------------------------------------ phases
+
+
+class Phases:
+    """Every measurement is a phase: skipped with a reason (no GPU, not enough budget
+    left), measured, failed with its error, or ended by its own cap. Its record goes into
+    res["phases"][name] and the JSON is rewritten as it ends. A phase over its cap gets a
+    KeyboardInterrupt in the main thread; one stuck in native code past cap + grace ends
+    the run (exit 3) with the JSON saying which phase hung."""
+
+    GRACE_S = 10.0
+
+    def __init__(self, res: "Results", budget: float, reserve_s: float, hang: str | None = None,
+                 caps: dict | None = None):
+        self.res, self.budget, self.reserve_s = res, budget, reserve_s
+        self.hang, self.caps = hang, caps or {}
+        res["phases"] = {}
+        self.current: str | None = None
+
+    def _record(self, name: str, rec: dict) -> None:
+        self.res["phases"][name] = rec
+        self.res.flush()
+
+    def run(self, name: str, cap: float, fn, skip: str | None = None) -> dict:
+        import _thread
+        cap = float(self.caps.get(name, cap))
+        left = self.budget - elapsed() - self.reserve_s
+        if skip is None and left < min(cap, 10.0):
+            skip = f"budget: {left:.0f} s left before the tests' share, the phase may take {cap:.0f} s"
+        if skip is not None:
+            log(f"{name}: skipped ({skip})")
+            self._record(name, {"status": "skipped", "reason": skip})
+            return self.res["phases"][name]
+        cap = min(cap, max(left, 5.0))
+        self._record(name, {"status": "running", "cap_s": cap, "started_s": elapsed()})
+        fired = threading.Event()
+
+        def over():
+            fired.set()
+            self._record(name, {"status": "timed_out", "cap_s": cap,
+                                "reason": f"still running after its cap of {cap:.0f} s"})
+            # a real SIGINT to the main thread: it also wakes a blocking wait (a bare
+            # interrupt_main() is seen only when the next bytecode runs)
+            try:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            except (OSError, ValueError):
+                _thread.interrupt_main()
+
+        def stuck():
+            self.res["killed_by_budget"] = f"phase {name} still running {self.GRACE_S:.0f} s after its cap"
+            log(self.res["killed_by_budget"])
+            os._exit(3)
+
+        timers = [threading.Timer(cap, over), threading.Timer(cap + self.GRACE_S, stuck)]
+        for t in timers:
+            t.daemon = True
+            t.start()
+        t0 = time.perf_counter()
+        try:
+            if self.hang == name:  # the tests' hook: a phase blocked for good
+                threading.Event().wait()
+            out = fn() or {}
+            rec = {"status": "measured", **out}
+        except KeyboardInterrupt:
+            if not fired.is_set():
+                raise
+            rec = {"status": "timed_out", "reason": f"ended at its cap of {cap:.0f} s"}
+        except Exception as e:  # noqa: BLE001 - the error is the result; the next phases still run
+            rec = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            for t in timers:
+                t.cancel()
+        rec["s"] = time.perf_counter() - t0
+        rec["cap_s"] = cap
+        self._record(name, rec)
+        log(f"{name}: {rec['status']} in {rec['s']:.1f} s " + json.dumps(
+            {k: v for k, v in rec.items() if k not in ("status", "s", "cap_s")}, default=str)[:400])
+        return rec
+
+
+# Every phase, in the order run (the tests check each appears in the JSON).
+PHASES = ["env", "state", "d2h_limit", "first_save_unprepared", "reserve", "prepared_save", "noblock_save",
+          "small_tensors", "torch_save", "loads", "odirect_raw", "matmul_during_save", "incremental", "fork",
+          "capture", "exit_in_flight", "gpu_tests"]
+GPU_ONLY = {"d2h_limit", "incremental", "capture"}
+
+
+def stats_dict(st) -> dict:
+    """Every field SaveStats has (the first save's wait fields are being added: pin_s,
+    a staging wait and its reason; whatever this version has is recorded)."""
+    import dataclasses
+    if dataclasses.is_dataclass(st):
+        out = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
+    else:
+        out = {k: v for k, v in vars(st).items() if not k.startswith("_")}
+    for k in ("pin_s", "fault_s", "staging_wait_s", "staging_wait_reason", "pool_wait_s", "first_save_wait_s",
+              "first_save_wait_reason"):
+        if hasattr(st, k):
+            out[k] = getattr(st, k)
+    out.pop("settings", None)
+    return {k: v for k, v in out.items() if isinstance(v, (int, float, str, bool, type(None), dict))}
+
+
+def sync(dev) -> None:
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed_save(writer, state, path: str, dev, block: bool = True) -> dict:
+    sync(dev)
+    t0 = time.perf_counter()
+    fut = writer.save_async(state, path, block=block)
+    ret = time.perf_counter() - t0
+    wait = None
+    if not block:
+        fut.wait_staged(timeout=600)
+        wait = time.perf_counter() - t0
+    st = fut.result(timeout=600)
+    return {"return_s": ret, "staged_wait_s": wait, **stats_dict(st)}
+
+
+def small_state(n: int, dev):
+    import torch
+    g = torch.Generator(device=dev).manual_seed(2)
+    return {f"s{i}": torch.randn(256 * (1 + (i * 37) % 16), device=dev, generator=g) for i in range(n)}
+
+
+def phase_small_tensors(n: int, dev, base: str) -> dict:
+    """n small tensors (1-16 KiB): fw.save with the GPU gather (coalescing) on and off,
+    against a ``.to("cpu", non_blocking=True)`` loop and one synchronize."""
+    import flashwrite as fw
+    import flashwrite.defaults as fwd
+    sd = small_state(n, dev)
+    ts = list(sd.values())
+    out: dict = {"tensors": n, "bytes": nbytes(ts), "device": str(dev)}
+    if dev.type == "cuda":
+        best = float("inf")
+        for _ in range(3):
+            sync(dev)
+            t0 = time.perf_counter()
+            outs = [t.to("cpu", non_blocking=True) for t in ts]
+            sync(dev)
+            best = min(best, time.perf_counter() - t0)
+            del outs
+        out["to_cpu_loop_s"] = best
+    else:
+        out["to_cpu_loop_s"] = None
+        out["to_cpu_loop_note"] = "no GPU: .to('cpu') of a CPU tensor is no copy"
+    keep = fwd.GATHER_TENSOR_BYTES
+    with fw.Writer() as w:
+        w.save(sd, os.path.join(base, "small-warm"))
+        shutil.rmtree(os.path.join(base, "small-warm"), ignore_errors=True)
+        for label, gather in (("coalesce_on", keep), ("coalesce_off", 0)):
+            fwd.GATHER_TENSOR_BYTES = gather
+            try:
+                p = os.path.join(base, "small-" + label)
+                r = timed_save(w, sd, p, dev)
+                out[label] = {k: r.get(k) for k in ("stall_s", "staged_s", "total_s", "pin_s")}
+                shutil.rmtree(p, ignore_errors=True)
+            finally:
+                fwd.GATHER_TENSOR_BYTES = keep
+    return out
+
+
+def phase_torch_save(state, base: str) -> dict:
+    import torch
+    path = os.path.join(base, "torch_save.pt")
+    t0 = time.perf_counter()
+    torch.save(state, path)
+    saved = time.perf_counter() - t0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    size = os.path.getsize(path)
+    return {"path": path, "bytes": size, "save_s": saved, "durable_s": time.perf_counter() - t0,
+            "gbps": size / (time.perf_counter() - t0) / 1e9}
+
+
+def _flat(state, prefix: str = "") -> dict:
+    import torch
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out[prefix + str(k)] = v
+        elif isinstance(v, dict):
+            out.update(_flat(v, prefix + str(k) + "."))
+    return out
+
+
+def drop_page_cache(path: str) -> bool:
+    """Evict path's pages (posix_fadvise DONTNEED after fsync): the buffered loads read cold too."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+
+
+def phase_loads(state, dev, base: str, fw_path: str, pt_path: str | None) -> dict:
+    """torch.load(map_location=dev) and safetensors' load_file(device=dev) against
+    fw.load(map_location=dev) and fw.load(into=state), each file evicted from the page cache first."""
     import torch
 
     import flashwrite as fw
-    res = {} if res is None else res
+    target = "cuda:0" if dev.type == "cuda" else "cpu"
+    out: dict = {"device": target}
+    if pt_path and os.path.exists(pt_path):
+        out["torch_load_cold"] = drop_page_cache(pt_path)
+        sync(dev)
+        t0 = time.perf_counter()
+        back = torch.load(pt_path, map_location="cuda" if dev.type == "cuda" else "cpu", weights_only=True)
+        sync(dev)
+        out["torch_load_s"] = time.perf_counter() - t0
+        del back
+    else:
+        out["torch_load_s"] = None
+        out["torch_load_note"] = "no torch.save file (its phase did not run)"
+    try:
+        import safetensors.torch as st
+        flat = {k: v.contiguous() for k, v in _flat(state).items()}
+        sf = os.path.join(base, "state.safetensors")
+        st.save_file(flat, sf)
+        del flat
+        out["safetensors_load_cold"] = drop_page_cache(sf)
+        sync(dev)
+        t0 = time.perf_counter()
+        back = st.load_file(sf, device=target)
+        sync(dev)
+        out["safetensors_load_s"] = time.perf_counter() - t0
+        del back
+        os.unlink(sf)
+    except ImportError as e:
+        out["safetensors_load_s"] = None
+        out["safetensors_note"] = f"safetensors not importable: {e}"
+    sync(dev)
+    t0 = time.perf_counter()
+    back = fw.load(fw_path, map_location="cuda" if dev.type == "cuda" else "cpu")
+    sync(dev)
+    out["fw_load_s"] = time.perf_counter() - t0
+    out["fw_load_exact"] = check_equal(state, back)
+    del back
+    t0 = time.perf_counter()
+    fw.load(fw_path, into=state)
+    sync(dev)
+    out["fw_load_into_s"] = time.perf_counter() - t0
+    size = nbytes(tensors_of(state))
+    for k in ("torch_load_s", "safetensors_load_s", "fw_load_s", "fw_load_into_s"):
+        if out.get(k):
+            out[k.replace("_s", "_gbps")] = size / out[k] / 1e9
+    return out
+
+
+def phase_odirect_raw(base: str, nbytes_total: int, threads: int = 8, chunk: int = 16 << 20) -> dict:
+    """Raw O_DIRECT write (+ fsync) and read of nbytes_total, threads files, one aligned
+    buffer each: what the disk gives without flashwrite."""
+    import mmap
+    nbytes_total = max(chunk * threads, nbytes_total // (chunk * threads) * chunk * threads)
+    per = nbytes_total // threads
+    paths = [os.path.join(base, f"raw{i}") for i in range(threads)]
+    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
+    for b in bufs:
+        b.write(os.urandom(4096) * (chunk // 4096))
+    errors: list[str] = []
+
+    def work(i: int, write: bool):
+        flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
+        try:
+            fd = os.open(paths[i], flags | os.O_DIRECT, 0o644)
+        except OSError as e:
+            errors.append(f"open O_DIRECT {paths[i]}: {e}")
+            return
+        try:
+            view = memoryview(bufs[i])
+            for off in range(0, per, chunk):
+                n = os.pwritev(fd, [view], off) if write else os.preadv(fd, [bufs[i]], off)
+                if n != chunk:
+                    errors.append(f"short {'write' if write else 'read'} {n} at {off} of {paths[i]}")
+                    return
+            if write:
+                os.fsync(fd)
+        except OSError as e:
+            errors.append(f"{'write' if write else 'read'} {paths[i]}: {e}")
+        finally:
+            os.close(fd)
+
+    out: dict = {"bytes": per * threads, "threads": threads, "chunk": chunk}
+    for write in (True, False):
+        t0 = time.perf_counter()
+        ths = [threading.Thread(target=work, args=(i, write), daemon=True) for i in range(threads)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(120)
+        took = time.perf_counter() - t0
+        out["write_s" if write else "read_s"] = took
+        out["write_gbps" if write else "read_gbps"] = per * threads / took / 1e9
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+    if errors:
+        out["errors"] = errors[:4]
+    return out
+
+
+def phase_matmul(writer_opts: dict, state, dev, base: str, steps: int = 20) -> dict:
+    """Median step time of a matmul loop alone, during a block=False save (from return
+    to committed) and during a background reserve() of a new Writer."""
+    import torch
+
+    import flashwrite as fw
+    n = 8192 if dev.type == "cuda" else 256
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+
+    def step():
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            (a @ a).sum()
+        sync(dev)
+        return time.perf_counter() - t0
+
+    def loop(done=lambda: False, most=steps):
+        times = []
+        while len(times) < most and not (times and done()):
+            times.append(step())
+        return times
+
+    for _ in range(3):
+        step()  # warm up (cuBLAS handles, clocks)
+    alone = loop()
+    out: dict = {"device": str(dev), "matmul_n": n, "alone_step_s": statistics.median(alone)}
+    with fw.Writer(**writer_opts) as w:
+        w.reserve(state, block=True)
+        path = os.path.join(base, "matmul-save")
+        fut = w.save_async(state, path, block=False)
+        during = loop(fut.done, most=100_000)
+        fut.result(timeout=600)
+        out["during_save_steps"] = len(during)
+        out["during_save_step_s"] = statistics.median(during)
+        shutil.rmtree(path, ignore_errors=True)
+    with fw.Writer(**writer_opts) as w:
+        fut = w.reserve(state, block=False)
+        during = loop(fut.done, most=100_000)
+        fut.result(timeout=600)
+        out["during_reserve_steps"] = len(during)
+        out["during_reserve_step_s"] = statistics.median(during)
+    out["save_slowdown"] = out["during_save_step_s"] / out["alone_step_s"]
+    out["reserve_slowdown"] = out["during_reserve_step_s"] / out["alone_step_s"]
+    return out
+
+
+EXIT_CHILD = r"""
+import json, os, sys, time, torch, flashwrite as fw
+dev, mib, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+sd = {f"t{i}": torch.randn(mib << 16, device=dev) for i in range(4)}  # 4 x mib MiB of fp32
+w = fw.Writer()
+fut = w.save_async(sd, path, block=False)
+print(json.dumps({"started": time.time()}), flush=True)
+sys.exit(0)  # the save is in flight: interpreter exit must finish or abandon it cleanly, not hang
+"""
+
+
+def phase_exit_in_flight(dev, base: str, mib: int, cap: float) -> dict:
+    """A child process starts a block=False save and exits at once; it must end (by
+    itself) within the cap, and its checkpoint either load or not exist (never half)."""
+    import flashwrite as fw
+    path = os.path.join(base, "exit-in-flight")
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-c", EXIT_CHILD, str(dev), str(mib), path], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        so, se = p.communicate(timeout=max(5.0, cap - 10))
+        hung = False
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        so, se = p.communicate(timeout=10)
+        hung = True
+    out: dict = {"child_rc": p.returncode, "child_hung": hung, "exit_s": time.perf_counter() - t0,
+                 "bytes": 4 * (mib << 20), "stderr_tail": se[-600:]}
+    if os.path.exists(path):
+        try:
+            back = fw.load(path)
+            out["checkpoint"] = "committed"
+            out["checkpoint_tensors"] = len(back)
+        except Exception as e:  # noqa: BLE001
+            out["checkpoint"] = f"present but does not load: {type(e).__name__}: {e}"[:300]
+    else:
+        out["checkpoint"] = "absent"
+    leftovers = [n for n in os.listdir(base) if n.startswith("exit-in-flight") and n != "exit-in-flight"]
+    out["leftovers"] = leftovers
+    out["ok"] = (not hung and p.returncode == 0 and out["checkpoint"] in ("committed", "absent"))
+    shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def measure(args, res: "Results", ph: Phases) -> None:
+    import torch
+
+    import flashwrite as fw
     base = os.path.abspath(args.dir or os.path.join(REPO, "build", "gpu-check", "ckpt"))
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
-    if not torch.cuda.is_available():
-        res["skipped"] = (f"no CUDA GPU visible to PyTorch {torch.__version__} (CUDA {torch.version.cuda}): "
-                          "GPU measurements skipped")
+    gpu = torch.cuda.is_available() and not args.cpu
+    dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    no_gpu = None if gpu else (f"no CUDA GPU visible to PyTorch {torch.__version__} (CUDA {torch.version.cuda})"
+                               if not args.cpu else "--cpu given")
+    res["device"] = str(dev)
+    if no_gpu:
+        res["skipped"] = no_gpu + ": GPU-only phases skipped, the others run on CPU tensors"
         log(res["skipped"])
-        res["cpu_fork"] = cpu_checks(base)
-        log(f"CPU-only: fork beside a 256 MiB pool {res['cpu_fork']['fork_s'] * 1e3:.2f} ms, "
-            f"child save exit {res['cpu_fork']['child_exit']}, dont-fork bytes {res['cpu_fork']['dont_fork_bytes']}")
-        shutil.rmtree(base, ignore_errors=True)
-        return res
-    dev = torch.device("cuda", 0)
-    torch.cuda.init()
-    res["flashwrite_file"] = fw.__file__
-    if args.built and not os.path.realpath(fw.__file__).startswith(os.path.realpath(SITE)):
-        log(f"WARNING: an installed flashwrite ({fw.__file__}) shadows the fresh build in {SITE}")
-    res["gpu"] = torch.cuda.get_device_name(dev)
-    res["torch"] = torch.__version__
-    res["torch_cuda"] = torch.version.cuda
-    info = fw.backend_info(base, initialize_cuda=True)
-    res["backend_info"] = info
-    res["fs"] = fs_of(base)
-    log(f"flashwrite {fw.__version__} from {fw.__file__}; cuda={json.dumps(info['cuda'])}")
-    log(f"io backend={info['backend']} direct_io={info['direct_io']} dir={base} fs={res['fs']}")
-    if not info["cuda"]["available"]:
-        raise SystemExit(f"flashwrite cannot use CUDA here: {info['cuda']['reason']}")
-    res["runtime_already_loaded"] = info["cuda"]["via"] == "already loaded"
-    log(f"runtime found already loaded (PyTorch's): {res['runtime_already_loaded']}")
+    ctx: dict = {}
+    wopts = json.loads(args.writer_options)
 
-    if args.gib is None:
-        args.gib = auto_gib(base, torch.cuda.mem_get_info(dev)[0])
-    res["gib"] = args.gib
-    state = make_state(args.gib, dev, args.small)
-    ts = tensors_of(state)
-    size = nbytes(ts)
-    res["state_bytes"], res["state_tensors"] = size, len(ts)
-    log(f"state: {size / 2**30:.2f} GiB in {len(ts)} tensors on {res['gpu']}")
-    res.update(d2h_limits(ts, dev, int(args.limit_gib * (1 << 30))))
-    log(f"D2H limit: copy_ into pinned {res['d2h_copy_pinned_gbps']:.1f} GB/s, .to(cpu, non_blocking) "
-        f"{res['d2h_to_cpu_gbps']:.1f} GB/s; H2D from pinned {res['h2d_copy_pinned_gbps']:.1f} GB/s "
-        f"(on {res['limit_bytes'] / 2**30:.1f} GiB)")
+    def env():
+        out = {"flashwrite_file": fw.__file__, "flashwrite_version": fw.__version__, "torch": torch.__version__,
+               "torch_cuda": torch.version.cuda, "fs": fs_of(base), "dir": base}
+        if gpu:
+            torch.cuda.init()
+            out["gpu"] = torch.cuda.get_device_name(dev)
+        if args.built and not os.path.realpath(fw.__file__).startswith(os.path.realpath(SITE)):
+            out["warning"] = f"an installed flashwrite ({fw.__file__}) shadows the fresh build in {SITE}"
+        info = fw.backend_info(base, initialize_cuda=gpu)
+        out["backend_info"] = info
+        out["runtime_already_loaded"] = info["cuda"].get("via") == "already loaded"
+        if gpu and not info["cuda"]["available"]:
+            raise RuntimeError(f"flashwrite cannot use CUDA here: {info['cuda']['reason']}")
+        return out
 
-    writer = fw.Writer(**json.loads(args.writer_options))
-    res["writer"] = repr(writer)
-    before = {lo for lo, _, _ in _vmas()}
-    t0 = time.perf_counter()
-    writer.reserve(state, block=True)
-    res["reserve_s"] = time.perf_counter() - t0
-    res["pool_pinned"] = writer._engine.pool_pinned
-    res["pin_error"] = writer._engine.pin_error
-    new = [(lo, hi) for lo, hi, _ in _vmas() if lo not in before and hi - lo >= 64 << 20]
-    res["pool_numa_pages"] = _numa_nodes(new)
-    res["gpu_numa_node"] = _gpu_numa_node(dev)
-    res["pool_numa_node"] = writer._engine.pool_numa_node      # the node flashwrite asked for (mbind)
-    res["pool_numa_error"] = writer._engine.pool_numa_error
-    log(f"reserve(): {res['reserve_s']:.2f} s for {writer.pool_bytes / 2**30:.2f} GiB, pinned={res['pool_pinned']} "
-        f"{res['pin_error'] or ''}; pool pages per NUMA node {res['pool_numa_pages']}, GPU on node "
-        f"{res['gpu_numa_node']} (pool asked for node {res['pool_numa_node']}: {res['pool_numa_error'] or 'placed'})")
-    rounds = []
+    ph.run("env", 30, env)
 
-    def one_save(name: str, block: bool = True) -> dict:
-        path = os.path.join(base, name)
-        torch.cuda.synchronize(dev)
+    def state():
+        gib = args.gib if args.gib is not None else auto_gib(base, torch.cuda.mem_get_info(dev)[0] if gpu else None)
+        ctx["state"] = make_state(gib, dev, min(args.small, 256))
+        ts = tensors_of(ctx["state"])
+        ctx["bytes"] = nbytes(ts)
+        return {"gib": gib, "bytes": ctx["bytes"], "tensors": len(ts), "device": str(dev)}
+
+    if ph.run("state", 60, state)["status"] != "measured":
+        for name in PHASES[2:-1]:
+            ph.run(name, 1, None, skip="no state (the state phase did not finish)")
+        return
+    st = ctx["state"]
+
+    def d2h():
+        return d2h_limits(tensors_of(st), dev, int(args.limit_gib * (1 << 30)))
+
+    r = ph.run("d2h_limit", 40, d2h, skip=no_gpu)
+    d2h_gbps = max(r.get("d2h_copy_pinned_gbps", 0), r.get("d2h_to_cpu_gbps", 0)) or None
+
+    def first():
+        w = fw.Writer(**wopts)  # unprepared: no reserve(), the pool is allocated, faulted and pinned in the save
+        try:
+            p = os.path.join(base, "first")
+            out = timed_save(w, st, p, dev)
+            out["roundtrip_ok"] = check_equal(st, fw.load(p, map_location=None))
+            stall, pin = out.get("stall_s") or 0.0, out.get("pin_s") or 0.0
+            out["fault_s_estimate"] = stall - pin - (ctx["bytes"] / d2h_gbps / 1e9 if d2h_gbps else 0.0)
+            shutil.rmtree(p, ignore_errors=True)
+            return out
+        finally:
+            w.close()
+
+    ph.run("first_save_unprepared", 60, first)
+    ctx["writer"] = fw.Writer(**wopts)
+    w = ctx["writer"]
+
+    def reserve():
+        before = {lo for lo, _, _ in _vmas()}
         t0 = time.perf_counter()
-        fut = writer.save_async(state, path, block=block)
-        ret = time.perf_counter() - t0
-        wait = None
-        if not block:
-            fut.wait_staged()
-            wait = time.perf_counter() - t0
-        st = fut.result()
-        return {"path": path, "return_s": ret, "staged_wait_s": wait, "stall_s": st.stall_s, "staged_s": st.staged_s,
-                "durable_s": st.durable_s, "total_s": st.total_s, "backend": st.backend, "direct": st.direct,
-                "pinned": st.pinned, "pool_bytes": st.pool_bytes, "pin_s": st.pin_s}
+        w.reserve(st, block=True)
+        out = {"reserve_s": time.perf_counter() - t0, "pool_bytes": w.pool_bytes,
+               "pool_pinned": w._engine.pool_pinned, "pin_error": w._engine.pin_error}
+        new = [(lo, hi) for lo, hi, _ in _vmas() if lo not in before and hi - lo >= 64 << 20]
+        out["pool_numa_pages"] = _numa_nodes(new)
+        if gpu:
+            out["gpu_numa_node"] = _gpu_numa_node(dev)
+        out["pool_numa_node"] = w._engine.pool_numa_node
+        out["pool_numa_error"] = w._engine.pool_numa_error
+        return out
 
-    first = one_save("first")
-    res["first_save"] = first
-    log(f"first save (after reserve): stall {first['stall_s']:.3f} s, committed {first['total_s']:.2f} s, "
-        f"pinned={first['pinned']}")
-    back = fw.load(first["path"], map_location=None)
-    res["roundtrip_ok"] = check_equal(state, back)
-    del back
-    log(f"round trip byte-exact on the GPU: {res['roundtrip_ok']}")
-    shutil.rmtree(first["path"])
+    ph.run("reserve", 60, reserve)
 
-    res["fork"] = fork_check(writer, state, base, "yes")
-    log(f"fork beside the pinned pool: {res['fork']['fork_s'] * 1e3:.2f} ms; child save exit "
-        f"{res['fork']['child_exit']}; parent byte-exact after: {res['fork'].get('parent_roundtrip_ok')}; "
-        f"dont-fork bytes {res['fork']['dont_fork_bytes'] / 2**30:.2f} GiB")
+    def prepared():
+        rounds = []
+        for i in range(args.rounds):
+            p = os.path.join(base, f"r{i}")
+            rounds.append(timed_save(w, st, p, dev))
+            shutil.rmtree(p, ignore_errors=True)  # one checkpoint on disk at a time
+        stalls = [x["stall_s"] for x in rounds]
+        out = {"rounds": rounds, "stall_best_s": min(stalls), "stall_median_s": statistics.median(stalls),
+               "durable_best_s": min(x["durable_s"] for x in rounds),
+               "total_best_s": min(x["total_s"] for x in rounds)}
+        if d2h_gbps:
+            limit_s = ctx["bytes"] / d2h_gbps / 1e9
+            out["d2h_limit_s"] = limit_s
+            out["stall_x_d2h"] = out["stall_best_s"] / limit_s
+        else:
+            out["stall_x_d2h"] = None
+            out["stall_x_d2h_note"] = "no D2H limit measured"
+        out["write_gbps"] = ctx["bytes"] / out["total_best_s"] / 1e9
+        return out
 
-    for i in range(args.rounds):
-        if elapsed() > args.budget - 150:
-            log("time budget: fewer save rounds")
-            break
-        r = one_save(f"r{i}")
-        rounds.append(r)
-        log(f"save {i}: stall {r['stall_s']:.3f} s, durable {r['durable_s']:.2f} s, committed {r['total_s']:.2f} s")
-        shutil.rmtree(r["path"])  # one checkpoint on disk at a time: 32 GiB twice may not fit
-    res["rounds"] = rounds
+    ph.run("prepared_save", 60, prepared)
 
-    nb = one_save("noblock", block=False)
-    res["noblock"] = nb
-    log(f"block=False: returned in {nb['return_s'] * 1e3:.1f} ms, wait_staged after {nb['staged_wait_s']:.3f} s")
-    keep = nb["path"]
+    def noblock():
+        p = os.path.join(base, "keep")
+        out = timed_save(w, st, p, dev, block=False)
+        ctx["fw_path"] = p
+        return out
 
-    loads, intos, hosts = [], [], []
-    for i in range(2):
-        if elapsed() > args.budget - 90 and loads:
-            break
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        out = fw.load(keep, map_location="cuda:0")
-        torch.cuda.synchronize(dev)
-        loads.append(time.perf_counter() - t0)
-        del out
-        t0 = time.perf_counter()
-        fw.load(keep, into=state)
-        torch.cuda.synchronize(dev)
-        intos.append(time.perf_counter() - t0)
-        # The host load beside them: the same reader, the same bounce path (issue 23).
-        t0 = time.perf_counter()
-        out = fw.load(keep)
-        hosts.append(time.perf_counter() - t0)
-        del out
-    res["load_map_location_s"], res["load_into_s"], res["load_host_s"] = loads, intos, hosts
-    log(f"load to cuda:0: {min(loads):.2f} s; into= the GPU state: {min(intos):.2f} s; "
-        f"to the host: {min(hosts):.2f} s")
-    shutil.rmtree(keep, ignore_errors=True)
-    writer.close()
-    state = ts = None  # freed before the capture check; one_save still closes over the name
-    torch.cuda.empty_cache()
-    try:
-        res["incremental"] = incremental_check(dev, base)
-    except Exception as e:  # reported in the table, the other checks still run
-        res["incremental"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-    log(f"incremental: {res['incremental']}")
-    torch.cuda.empty_cache()
-    res["capture"] = capture_check(dev, base)
-    log(f"capture: save inside torch.cuda.graph refused={res['capture']['refusal_ok']}; save beside a global "
-        f"capture ok={res['capture']['beside_ok']} {res['capture'].get('beside_capture_error', '')}")
+    ph.run("noblock_save", 40, noblock)
+    ph.run("small_tensors", 40, lambda: phase_small_tensors(args.small, dev, base))
+    ph.run("torch_save", 40, lambda: phase_torch_save(st, base))
+    pt = os.path.join(base, "torch_save.pt")
+    ph.run("loads", 60, lambda: phase_loads(st, dev, base, ctx["fw_path"], pt),
+           skip=None if "fw_path" in ctx else "no flashwrite checkpoint (noblock_save did not finish)")
+    for p in (pt, ctx.get("fw_path")):
+        if p:
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.unlink(p))
+    ph.run("odirect_raw", 30, lambda: phase_odirect_raw(base, min(ctx["bytes"], 4 << 30)))
+    ph.run("matmul_during_save", 60, lambda: phase_matmul(wopts, st, dev, base))
+
+    def incremental():
+        torch.cuda.empty_cache()
+        out = incremental_check(dev, base)
+        if not out.get("ok"):
+            raise RuntimeError(f"incremental check failed: {json.dumps(out, default=str)[:300]}")
+        return out
+
+    ph.run("incremental", 40, incremental, skip=no_gpu)
+    ph.run("fork", 40, lambda: fork_check(w, st, base, "yes"))
+    w.close()
+    ctx.pop("state", None)
+    st = None
+    if gpu:
+        torch.cuda.empty_cache()
+    ph.run("capture", 40, lambda: capture_check(dev, base), skip=no_gpu)
+    ph.run("exit_in_flight", 40, lambda: phase_exit_in_flight(dev, base, 256 if gpu else 4, 40))
     shutil.rmtree(base, ignore_errors=True)
-    return res
 
 
 # ------------------------------------------------------------------------ table
 
 
+def _summary(name: str, r: dict) -> str:
+    keys = {"env": ("gpu", "runtime_already_loaded", "fs"), "state": ("gib", "tensors", "device"),
+            "d2h_limit": ("d2h_copy_pinned_gbps", "d2h_to_cpu_gbps", "h2d_copy_pinned_gbps"),
+            "first_save_unprepared": ("stall_s", "pin_s", "fault_s_estimate", "staging_wait_s",
+                                      "staging_wait_reason", "pinned", "roundtrip_ok"),
+            "reserve": ("reserve_s", "pool_pinned", "pool_numa_pages"),
+            "prepared_save": ("stall_best_s", "stall_x_d2h", "total_best_s", "write_gbps"),
+            "noblock_save": ("return_s", "staged_wait_s", "total_s"),
+            "small_tensors": ("tensors", "to_cpu_loop_s", "coalesce_on", "coalesce_off"),
+            "torch_save": ("durable_s", "gbps"),
+            "loads": ("torch_load_s", "safetensors_load_s", "fw_load_s", "fw_load_into_s", "fw_load_exact"),
+            "odirect_raw": ("write_gbps", "read_gbps", "errors"),
+            "matmul_during_save": ("alone_step_s", "save_slowdown", "reserve_slowdown"),
+            "incremental": ("ok", "roundtrip_ok"), "fork": ("fork_s", "child_exit", "ok"),
+            "capture": ("refusal_ok", "beside_ok"), "exit_in_flight": ("child_rc", "exit_s", "checkpoint", "ok"),
+            "gpu_tests": ("tests_summary", "tests_rc")}.get(name, ())
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k}={fmt(x)}" for k, x in v.items() if x is not None) + "}"
+        return str(v)
+    if r.get("status") != "measured":
+        return (r.get("reason") or r.get("error") or "")[:160]
+    return ", ".join(f"{k}={fmt(r[k])}" for k in keys if r.get(k) is not None)[:300]
+
+
 def table(res: dict) -> str:
-    rows = []
-    if "skipped" in res:
-        f = res["cpu_fork"]
-        rows.append(("GPU measurements", "skipped", res["skipped"]))
-        rows.append(("fork beside a 256 MiB pool", f"{f['fork_s'] * 1e3:.2f} ms",
-                     f"child save exit {f['child_exit']}, dont-fork {f['dont_fork_bytes'] >> 20} MiB"))
-    else:
-        gb = res["state_bytes"] / 1e9
-        rows.append(("state", f"{res['state_bytes'] / 2**30:.2f} GiB, {res['state_tensors']} tensors", res["gpu"]))
-
-        def speed(s):
-            return f"{gb / s:.1f} GB/s" if s else ""
-
-        lim = gb / max(res["d2h_copy_pinned_gbps"], res["d2h_to_cpu_gbps"])  # seconds at the D2H limit
-        rows.append(("D2H limit: copy_ into pinned", f"{res['d2h_copy_pinned_gbps']:.1f} GB/s",
-                     f".to('cpu', non_blocking) {res['d2h_to_cpu_gbps']:.1f} GB/s"))
-        rows.append(("H2D limit: copy_ from pinned", f"{res['h2d_copy_pinned_gbps']:.1f} GB/s", "the loads' baseline"))
-        rows.append(("reserve()", f"{res['reserve_s']:.2f} s", f"pinned={res['pool_pinned']} {res['pin_error'] or ''}"))
-        rows.append(("runtime", "already loaded" if res["runtime_already_loaded"] else "NOT PyTorch's",
-                     str(res["backend_info"]["cuda"]["library"])))
-        rows.append(("NUMA", f"pool pages {res['pool_numa_pages']}", f"GPU node {res['gpu_numa_node']}"))
-        stalls = [r["stall_s"] for r in res["rounds"]] or [res["first_save"]["stall_s"]]
-        rows.append(("save_async stall (block=True)", f"{min(stalls):.3f} s best, {statistics.median(stalls):.3f} med",
-                     f"{min(stalls) / lim:.2f}x D2H limit (goal <= 1.5x)"))
-        nb = res["noblock"]
-        rows.append(("save_async(block=False) return", f"{nb['return_s'] * 1e3:.1f} ms",
-                     f"wait_staged() after {nb['staged_wait_s']:.3f} s"))
-        rows.append(("first save stall (after reserve)", f"{res['first_save']['stall_s']:.3f} s",
-                     f"pool {res['first_save']['pool_bytes'] / 2**30:.2f} GiB, pin_s={res['first_save']['pin_s']}"))
-        durable = [r["durable_s"] for r in res["rounds"]] or [res["first_save"]["durable_s"]]
-        total = [r["total_s"] for r in res["rounds"]] or [res["first_save"]["total_s"]]
-        last = (res["rounds"] or [res["first_save"]])[-1]
-        rows.append(("time to durable", f"{min(durable):.2f} s best", speed(min(durable))))
-        rows.append(("time to committed", f"{min(total):.2f} s best", f"{speed(min(total))}, {last['backend']}, "
-                     f"direct={last['direct']}"))
-        rows.append(("load map_location='cuda:0'", f"{min(res['load_map_location_s']):.2f} s",
-                     speed(min(res["load_map_location_s"]))))
-        rows.append(("load into= GPU state", f"{min(res['load_into_s']):.2f} s", speed(min(res["load_into_s"]))))
-        if res.get("load_host_s"):
-            rows.append(("load to the host (owned)", f"{min(res['load_host_s']):.2f} s", speed(min(res["load_host_s"]))))
-        rows.append(("round trip byte-exact", str(res["roundtrip_ok"]), ""))
-        f = res["fork"]
-        rows.append(("fork beside the pinned pool", f"{f['fork_s'] * 1e3:.2f} ms",
-                     f"child save exit {f['child_exit']}, parent exact after {f.get('parent_roundtrip_ok')}, "
-                     f"dont-fork {f['dont_fork_bytes'] / 2**30:.1f} GiB"))
-        c = res["capture"]
-        rows.append(("save inside torch.cuda.graph", "refused" if c["refusal_ok"] else "NOT REFUSED",
-                     (c.get("refused") or c.get("capture_error") or "")[:60]))
-        rows.append(("save beside a global capture", "capture valid" if c["beside_ok"] else "FAILED",
-                     str(c.get("beside_capture_error") or c.get("beside_capture_save"))[:60]))
-        inc = res.get("incremental", {})
-        last = (inc.get("saves") or [{}])[-1]
-        rows.append(("incremental GPU save (4th)", "linked" if inc.get("ok") else "FAILED",
-                     inc.get("error") or f"{last.get('bytes_linked', 0) >> 20} MiB linked, "
-                     f"{last.get('bytes_written', 0) >> 20} MiB written, exact={inc.get('roundtrip_ok')}"))
-        rows.append(("storage", res["fs"], f"io={res['backend_info']['backend']}"))
-    if "tests_summary" in res:
-        rows.append(("tests/system/test_cuda.py", res["tests_summary"], f"rc={res['tests_rc']}"))
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows)
-    lines = [f"{'what'.ljust(w0)} | {'value'.ljust(w1)} | note", f"{'-' * w0}-|-{'-' * w1}-|-----"]
-    lines += [f"{a.ljust(w0)} | {b.ljust(w1)} | {c}" for a, b, c in rows]
+    rows = [(name, r.get("status", "?"), f"{r.get('s', 0):.1f}", _summary(name, r))
+            for name, r in res.get("phases", {}).items()]
+    lines = ["| phase | status | s | result |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d.replace('|', '/')} |" for a, b, c, d in rows]
     return "\n".join(lines)
 
 
 def verdict(res: dict) -> bool:
-    if res.get("tests_rc", 0) != 0:
-        return False
-    if "skipped" in res:
-        return res["cpu_fork"]["ok"]
-    return bool(res["roundtrip_ok"] and res["pool_pinned"] and res["runtime_already_loaded"] and res["fork"]["ok"]
-                and res["capture"]["refusal_ok"] and res["capture"]["beside_ok"]
-                and res.get("incremental", {}).get("ok", False))
+    ph = res.get("phases", {})
+    bad = [n for n, r in ph.items() if r.get("status") in ("error", "timed_out", "running")]
+    if ph.get("gpu_tests", {}).get("tests_rc", 0) not in (0, None):
+        bad.append("gpu_tests")
+    for n, key in (("first_save_unprepared", "roundtrip_ok"), ("fork", "ok"), ("capture", "refusal_ok"),
+                   ("capture", "beside_ok"), ("exit_in_flight", "ok"), ("loads", "fw_load_exact")):
+        if ph.get(n, {}).get("status") == "measured" and not ph[n].get(key):
+            bad.append(f"{n}.{key}")
+    res["failed"] = bad
+    return not bad
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=None,
-                    help="size of the GPU state (default: what free disk, memory and GPU memory allow, <= 16)")
-    ap.add_argument("--small", type=int, default=50_000, help="small tensors (1-16 KiB) in it (default 50000)")
+                    help="size of the state (default: what free disk, memory and GPU memory allow, <= 8)")
+    ap.add_argument("--small", type=int, default=50_000, help="small tensors (1-16 KiB) of the small_tensors phase")
     ap.add_argument("--limit-gib", type=float, default=4.0, help="GiB of the state the D2H/H2D limits copy")
-    ap.add_argument("--rounds", type=int, default=3, help="timed saves after the warm-up (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed prepared saves (default 3)")
     ap.add_argument("--dir", help="where checkpoints go (default build/gpu-check/ckpt in the repo; not tmpfs)")
     ap.add_argument("--writer-options", default="{}", help='JSON for fw.Writer, e.g. \'{"stripes": 8}\'')
     ap.add_argument("--no-build", action="store_true", help="use the flashwrite already importable")
+    ap.add_argument("--cpu", action="store_true", help="run the phases on CPU tensors even with a GPU")
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--all-tests", action="store_true", help="also the stand-in CUDA runtime tests of test_cuda.py")
+    ap.add_argument("--all-tests", action="store_true", help="also the stand-in CUDA runtime tests")
     ap.add_argument("--test-timeout", type=float, default=90, help="cap on the GPU tests, run last (default 90)")
     ap.add_argument("--budget", type=float, default=290,
                     help="seconds the whole run may take (default 290); then it writes what it has and exits 3")
+    ap.add_argument("--caps", default="{}", help='JSON {phase: seconds} overriding phase caps')
+    ap.add_argument("--hang", help=argparse.SUPPRESS)  # tests: this phase never ends (its cap must end it)
     ap.add_argument("--json", help="write the results here (default $OUT/gpu_check.json when $OUT is set)")
+    ap.add_argument("--md", help="write the table here (default $OUT/gpu_check.md when $OUT is set)")
     args = ap.parse_args()
 
-    out = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
+    outdir = os.environ.get("OUT")
+    out = args.json or (os.path.join(outdir, "gpu_check.json") if outdir else None)
+    md = args.md or (os.path.join(outdir, "gpu_check.md") if outdir else None)
     res = Results(out)
     res["budget_s"] = args.budget
+    res["phase_names"] = PHASES
 
     def over_budget():  # never hangs: whatever is stuck, the results so far are kept
         res["killed_by_budget"] = f"still running after {args.budget:.0f} s"
         log(res["killed_by_budget"] + "; results so far in " + str(out))
+        if md:
+            with open(md, "w") as f:
+                f.write(table(res) + f"\n\nkilled: {res['killed_by_budget']}\n")
         os._exit(3)
 
     watchdog = threading.Timer(args.budget, over_budget)
@@ -724,20 +1095,30 @@ def main() -> int:
     if args.built:
         res.update(build())
         use_site()
-    measure(args, res)
-    if not args.skip_tests:  # last, capped by what is left of the budget
-        left = args.budget - elapsed() - 15
-        if left > 20:
-            res.update(run_tests(min(args.test_timeout, left), args.all_tests))
-        else:
-            res["tests_skipped"] = f"no time left ({left:.0f} s)"
+    tests_share = 0 if args.skip_tests else min(args.test_timeout, 60)
+    ph = Phases(res, args.budget, tests_share + 5, hang=args.hang, caps=json.loads(args.caps))
+    measure(args, res, ph)
+    ph.reserve_s = 5
+    if args.skip_tests:
+        ph.run("gpu_tests", 1, None, skip="--skip-tests")
+    else:  # last, capped by what is left of the budget
+        left = args.budget - elapsed() - 10
+        ph.run("gpu_tests", min(args.test_timeout, max(left, 1)) + 5,
+               lambda: run_tests(min(args.test_timeout, left), args.all_tests),
+               skip=None if left > 20 else f"no time left ({left:.0f} s)")
     watchdog.cancel()
     res["wall_s"] = elapsed()
-    print()
-    print(table(res), flush=True)
     ok = verdict(res)
-    print(f"\ngpu_check: {'OK' if ok else 'FAILED'} in {res['wall_s']:.0f} s"
-          + (" (CPU-only checks: no GPU)" if "skipped" in res else ""))
+    res.flush()
+    text = table(res)
+    print()
+    print(text, flush=True)
+    if md:
+        with open(md, "w") as f:
+            f.write(f"# gpu_check ({res.get('device')}, {res['wall_s']:.0f} s)\n\n{text}\n\n"
+                    f"failed: {res['failed'] or 'none'}\n")
+    print(f"\ngpu_check: {'OK' if ok else 'FAILED ' + str(res['failed'])} in {res['wall_s']:.0f} s"
+          + (" (no GPU: GPU-only phases skipped)" if "skipped" in res else ""))
     return 0 if ok else 1
 
 
