@@ -76,10 +76,13 @@ void register_load_job(py::module_& m) {
   py::class_<PyLoadJob>(m, "LoadJob")
       .def("wait",
            [](PyLoadJob& l, std::optional<double> timeout) {
-             // Interrupted: cancel and join, then raise, so no placement lands in freed memory.
+             // Interrupted: cancel, and raise once no destination is written any more (the
+             // reads in flight go to the job's own buffers; keepalive holds the destinations
+             // until the job is joined, by whoever holds it last: loading/read.py hands it to
+             // a thread that joins it, so the caller need not wait for those reads).
              auto stop = [&l] {
                l.job->cancel();
-               l.job->wait(-1);
+               l.job->wait_quiet(-1);
              };
              return wait_interruptible([&](double t) { return l.job->wait(t); }, timeout, stop);
            },

@@ -30,6 +30,9 @@ class ChunkPlacer {
   virtual void place(uint32_t file, uint64_t offset, uint64_t len, char* slot, char* host_dst, bool ok) = 0;
   virtual void discard(char* slot) = 0;  // the read into this slot failed
   virtual void finish() = 0;  // waits until every placed byte has landed; rethrows
+  // Whether a placement may still be landing after place() returned (GPU copies on
+  // streams): then only finish() says the destinations are written no more.
+  virtual bool copies_async() const { return false; }
 };
 
 }  // namespace fw

@@ -33,6 +33,7 @@ class DevicePlacer final : public ChunkPlacer {
   void place(uint32_t file, uint64_t offset, uint64_t len, char* slot, char* host_dst, bool ok) override;
   void discard(char* slot) override;
   void finish() override;
+  bool copies_async() const override { return true; }
 
  private:
   const PlacementMap map_;

@@ -220,6 +220,13 @@ void LoadJob::verify_worker() {
       // Verified before it is copied: damaged bytes never reach a tensor.
       uint32_t f = file_of_request_[ci];
       char* host_dst = buffers_[f] ? buffers_[f]->data() + r.offset : nullptr;
+      // Counted before the cancel flag is read (both sequentially consistent): once
+      // wait_quiet has seen no copy under way after a cancel, none starts.
+      placing_.fetch_add(1);
+      struct Placed {
+        std::atomic<unsigned>& n;
+        ~Placed() { n.fetch_sub(1); }
+      } placed{placing_};
       opt_.placer->place(f, r.offset, r.want, r.buf, host_dst, ok && !ctl_.cancelled());
     }
   }
@@ -294,6 +301,19 @@ void LoadJob::run() {
 }
 
 bool LoadJob::wait(double timeout_s) { return ctl_.wait(timeout_s); }
+
+bool LoadJob::wait_quiet(double timeout_s) {
+  if (opt_.placer && opt_.placer->copies_async()) return wait(timeout_s);
+  const auto start = std::chrono::steady_clock::now();
+  while (placing_.load() != 0) {
+    if (ctl_.done()) return true;
+    if (timeout_s >= 0 &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >= timeout_s)
+      return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
 
 void LoadJob::rethrow() const { ctl_.rethrow(); }
 

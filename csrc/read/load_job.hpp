@@ -66,6 +66,12 @@ class LoadJob {
   void start();
   bool wait(double timeout_s);
   void cancel();  // no-op once the load is done
+  // After cancel(): wait until no destination is written any more (no chunk is being
+  // copied out; later chunks are not placed), true then, false at the timeout. Reads
+  // still in flight go to the job's own buffers and slots, so the caller may go on
+  // while they drain; the job itself must still be joined (wait) before it is freed.
+  // With a placer whose copies land asynchronously (GPUs), it waits for the whole job.
+  bool wait_quiet(double timeout_s);
   void rethrow() const;
   // Per file: its whole-file buffer, or nullptr for a file wholly placed.
   std::vector<std::shared_ptr<AlignedBuffer>> buffers() const { return buffers_; }
@@ -102,6 +108,7 @@ class LoadJob {
   std::vector<std::vector<uint32_t>> chunk_pieces_;  // per request: pieces inside it
   std::unique_ptr<std::atomic<uint8_t>[]> fault_state_;  // per request, see claim_fault
   std::atomic<size_t> fault_next_{0};  // requests below it are claimed by someone
+  std::atomic<unsigned> placing_{0};  // chunks being copied out to their destinations now
   std::unique_ptr<IoBackend> backend_;
   std::string backend_name_;
   std::atomic<unsigned> files_direct_{0};

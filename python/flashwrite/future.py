@@ -313,13 +313,20 @@ def clean_up_later(cleanup: Callable[[], None], what: str) -> None:
             cleanup()
         except Exception as e:  # noqa: BLE001 - nobody waits for it; clean_dead_saves is the backstop
             import logging
-            logging.getLogger("flashwrite").warning("flashwrite: cannot remove %s: %s", what, e)
+            logging.getLogger("flashwrite").warning("flashwrite: cannot clean up %s: %s", what, e)
 
     t = threading.Thread(target=run, name="flashwrite-cleanup", daemon=False)
     with _CLEANUPS_LOCK:
         _CLEANUPS[:] = [c for c in _CLEANUPS if c.is_alive()]
         _CLEANUPS.append(t)
     t.start()
+
+
+def reap_later(job: Any) -> None:
+    """Join a cancelled native job on a thread of its own (``clean_up_later``), holding
+    it, and what it keeps alive, until it has ended: for a caller that must not wait for
+    the requests it still has in flight (an interrupted load)."""
+    clean_up_later(lambda: job.wait(), "a cancelled job")
 
 
 def join_cleanups() -> None:

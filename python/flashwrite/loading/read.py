@@ -37,6 +37,7 @@ from ..errors import CorruptCheckpointError
 from ..state.flatten import FlatTensor, flatten, unflatten
 from ..format import Manifest, TensorEntry, read_manifest, select_rank
 from ..format.hints import not_a_checkpoint
+from ..future import reap_later
 from .read_plan import stored_dtype
 from ..targets.locate import Located
 from ..targets.target import local_path
@@ -178,7 +179,15 @@ class CheckpointDir:
                                    defaults.VERIFY_THREADS, direct, placements=placements,
                                    streams=streams, remote=self.files,  # the target's native_files()
                                    keepalive=(targets, hosted, owned, headers, stripes))
-        job.wait()
+        try:
+            job.wait()
+        except BaseException:
+            # Interrupted: the wait raised once no destination is written any more, but
+            # reads may still be in flight into the job's own buffers. A thread joins the
+            # job (and only then lets go of it and of the destinations it holds), so the
+            # caller need not wait for them; the interpreter's exit waits for that thread.
+            reap_later(job)
+            raise
         with gcpause.paused():
             job.rethrow()
             bad = job.mismatches()
