@@ -196,6 +196,9 @@ class StripeWrite:
         stats.pool_bytes = self.engine.pool_bytes
         stats.pinned = self.engine.pool_pinned
         stats.pin_s = native["pin_s"]
+        stats.staging_wait_s = native["staging_wait_s"]
+        stats.staging_wait_reason = native["staging_wait_reason"]
+        stats.unpinned_bytes = native["unpinned_bytes"]
         if native["backend"] == "nfs":  # chunks sent again: a COMMIT came back under another write verifier
             stats.extra["nfs_rewrites"] = native["rewrites"]
         return self.manifest()
