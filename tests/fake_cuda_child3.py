@@ -89,6 +89,34 @@ def scenario_one_register_fails(d):
             "same_files": file_bytes(d + "/gpu", files) == file_bytes(d + "/cpu", ref_files)}
 
 
+def scenario_bounce_alternating(d):
+    """Loads to cuda:0, cuda:1, cuda:0, cuda:1 (FAKE_CUDART_DEVICES=2): the bounce pool,
+    registered portable, is pinned once, not again at each change of GPU."""
+    import os
+    import flashwrite as fw
+    from flashwrite import _core
+    from flashwrite.format import piece_ranges, read_manifest
+    from fake_cuda_child import device_zeros, from_device
+    sd = state()
+    with fw.Writer(stripes=2, chunk_bytes=1 << 20) as w:
+        w.save(sd, d + "/ck")
+    m = read_manifest(d + "/ck")
+    specs = [(os.path.join(d, "ck", fe.name), fe.size) for fe in m.files]
+    pieces = [(e.file, off, n, int(h, 16)) for e in m.tensors.values()
+              for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, m.block_bytes), e.checksums)]
+    ok = True
+    for dev in (0, 1, 0, 1):
+        addrs = {k: device_zeros(m.tensors[k].nbytes) for k in ("a", "b")}
+        placements = [(m.tensors[k].file, m.tensors[k].offset, m.tensors[k].nbytes, dev, a) for k, a in addrs.items()]
+        job = _core.start_load(specs, pieces, "auto", 4, 1 << 20, 2, True, placements=placements, streams=[(dev, 0)])
+        job.wait()
+        job.rethrow()
+        ok &= all(torch.equal(from_device(a, m.tensors[k].nbytes), sd[k].reshape(-1).view(torch.uint8))
+                  for k, a in addrs.items())
+        del job
+    return {"placed_ok": bool(ok), "registers": sum(e[0] == "register" for e in call_log())}
+
+
 if __name__ == "__main__":
     name, d = sys.argv[1], sys.argv[2]
     print(json.dumps(globals()["scenario_" + name](d)))

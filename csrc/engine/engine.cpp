@@ -146,8 +146,9 @@ std::shared_ptr<StagingPool> bounce_pool(uint64_t slot_bytes, size_t slots, int 
   BounceCache& c = bounce_cache();
   std::shared_ptr<StagingPool> old;  // freed after the lock is released (unpinning takes time)
   std::lock_guard<std::mutex> lk(c.mu);
-  if (c.pool && c.slot_bytes == slot_bytes && c.slots == slots && c.device == device && c.pid == ::getpid())
-    return c.pool;
+  // Not keyed on the device: the slabs are registered portable (cudaHostRegisterPortable),
+  // pinned for every GPU, so loads alternating between GPUs do not re-pin it each time.
+  if (c.pool && c.slot_bytes == slot_bytes && c.slots == slots && c.pid == ::getpid()) return c.pool;
   old = std::move(c.pool);
   auto p = std::make_shared<StagingPool>(slot_bytes, slot_bytes * slots);
   p->set_numa_node(cuda::numa_node(device));

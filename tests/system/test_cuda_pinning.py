@@ -56,3 +56,9 @@ def test_one_failed_registration_leaves_only_its_slab_pageable(fake_cudart, tmp_
     assert out["registers"].count(0) == len(out["registers"]) - 1 and out["live"] == len(out["registers"]) - 1, out
     assert out["pinned"] is False and out["unpinned_bytes"] == SLAB == out["stats_unpinned_bytes"], out
     assert "cudaHostRegister of 4194304 bytes" in out["pin_error"], out
+
+
+def test_load_bounce_pool_is_not_repinned_when_loads_alternate_gpus(fake_cudart, tmp_path):
+    # Issue 37 item 6: the pool was keyed on the first device, so each change re-pinned it.
+    out = _fake(fake_cudart, "bounce_alternating", tmp_path, FAKE_CUDART_DEVICES=2, FLASHWRITE_PIN_SLAB_BYTES=1 << 30)
+    assert out["placed_ok"] is True and out["registers"] == 1, out

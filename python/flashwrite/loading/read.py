@@ -54,6 +54,15 @@ def _device_for(entry_device: str, map_location: Any) -> torch.device:
         return torch.device(entry_device)
     if isinstance(map_location, dict):
         return torch.device(map_location.get(entry_device, entry_device))
+    if callable(map_location):
+        # torch.load's convention: map_location(storage, location) returns the storage where
+        # it is to live, or None for where it was saved. Asked with an empty CPU storage,
+        # once per saved device (the callers cache the answer): where that storage lives.
+        moved = map_location(torch.UntypedStorage(0), entry_device)
+        if moved is None:
+            return torch.device(entry_device)
+        dev = getattr(moved, "device", moved)
+        return torch.device(dev)
     return torch.device(map_location)
 
 
@@ -284,8 +293,11 @@ def _device_empty(e: TensorEntry, device: torch.device) -> torch.Tensor:
 def _map_targets(entries: list[TensorEntry], map_location: Any) -> dict[str, torch.Tensor]:
     """New tensors for every stored tensor (of those read) that map_location sends to a CUDA device."""
     out = {}
+    devices: dict[str, torch.device] = {}  # saved device -> where it goes (a callable is asked once)
     for e in entries:  # empty ones too: no dtype kernel is needed to make them
-        dev = _device_for(e.device, map_location)
+        dev = devices.get(e.device)
+        if dev is None:
+            dev = devices[e.device] = _device_for(e.device, map_location)
         if _cuda.uses_native(dev):
             out[e.key] = _device_empty(e, dev)
     return out

@@ -156,7 +156,7 @@ def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int,
         keepalive.append(srcs)
         columns.sources = None  # from here on only the job's keepalive holds them
     if on_gpu:
-        _cuda.refuse_capture("a save of GPU tensors")
+        _cuda.refuse_capture("a save of GPU tensors", {it[4] for it in on_gpu})
         # Small GPU tensors side by side in a stripe: gathered on the current stream
         # (before the streams below are read), one copy per chunk instead of one each.
         addresses, buffers = _cuda.gather(on_gpu, _defaults.GATHER_TENSOR_BYTES, _defaults.GATHER_RUN_BYTES)
