@@ -159,6 +159,13 @@ class Scatter:
             members = [items[i] for i in group]
             if len(members) > 1:
                 sizes = [n for _, n, *_ in members]
+                ptrs = [t.data_ptr() for t, *_ in members]
+                if all(ptrs[k] + sizes[k] == ptrs[k + 1] for k in range(len(members) - 1)):
+                    # Laid out in memory as in the stripe (a map_location load's targets,
+                    # read.run_targets): placed straight there, no buffer beside them.
+                    _, _, fi, off, dev = members[0]
+                    self.placements.append((fi, off, sum(sizes), dev, ptrs[0]))
+                    continue
                 try:
                     buf = torch.empty(sum(sizes), dtype=torch.uint8, device=members[0][0].device)
                 except torch.OutOfMemoryError:
