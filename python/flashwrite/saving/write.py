@@ -86,13 +86,15 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                             hold_slots=hold_slots, host_files=host_files,
                             remote=remote,  # the target's native_files(): nfs://, straight to the server
                             held=held.specs(iplan) if iplan is not None else [])
-    if streams and engine.pin_error:
+    pin_warned = bool(streams and engine.pin_error)
+    if pin_warned:
         _warn_unpinned(engine.pin_error)
     stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(columns.keys),
                       stripes=len(files), pool_wait_s=job.pool_wait_s)
     stats.bytes_written = sum(f.size for f in written)
     sw = StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
     sw.hf_section = hf_section
+    sw.pin_warned = pin_warned  # a GPU save pins on its own thread: a failure there is warned of once durable
     if iplan is not None:
         sw.incremental = iplan
         _incremental_stats(stats, iplan)
@@ -199,6 +201,8 @@ class StripeWrite:
         stats.staging_wait_s = native["staging_wait_s"]
         stats.staging_wait_reason = native["staging_wait_reason"]
         stats.unpinned_bytes = native["unpinned_bytes"]
+        if stats.unpinned_bytes and native["device_bytes"] and not getattr(self, "pin_warned", True) and self.engine.pin_error:
+            _warn_unpinned(self.engine.pin_error)
         if native["backend"] == "nfs":  # chunks sent again: a COMMIT came back under another write verifier
             stats.extra["nfs_rewrites"] = native["rewrites"]
         return self.manifest()
