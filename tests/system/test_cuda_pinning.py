@@ -45,7 +45,7 @@ def test_slabs_a_cpu_save_made_are_pinned_by_the_gpu_save_not_its_caller(fake_cu
     out = _fake(fake_cudart, "existing_slabs", tmp_path, FAKE_CUDART_REGISTER_DELAY_MS=200)
     assert out["same_files"] is True and out["pinned"] is True, out
     assert out["registers"] == 1 and out["caller_registered"] is False, out
-    assert 0.15 < out["pin_s"] < 0.35, out  # counted once
+    assert 0.15 < out["pin_s"] < 0.38, out  # counted once (0.4 if counted twice)
 
 
 def test_one_failed_registration_leaves_only_its_slab_pageable(fake_cudart, tmp_path):
