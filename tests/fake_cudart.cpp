@@ -43,6 +43,7 @@
 // copy), FAKE_CUDART_FAIL_COPY (the N-th cudaMemcpyAsync returns
 // cudaErrorIllegalAddress), FAKE_CUDART_FAIL_RECORD (the N-th cudaEventRecord
 // fails likewise), FAKE_CUDART_FAIL_REGISTER=1 (cudaHostRegister fails),
+// FAKE_CUDART_FAIL_REGISTER_NTH=N (only the N-th cudaHostRegister call fails),
 // FAKE_CUDART_FAIL_CODE (what those failures return, default 700; a sticky code
 // (700, 710, 714-719) makes every later call that needs the context, and
 // cudaGetLastError, return it for the rest of the process, as CUDA does; 1,
@@ -287,6 +288,16 @@ std::atomic<int> exchange_without_device{0};  // capture-mode exchanges before i
 std::mutex g_mu;
 std::map<int, Stream*> legacy;  // per-device legacy default stream (handle 0)
 std::atomic<int> copies{0}, registered{0}, events_live{0}, streams_live{0};
+// The call log for the tests (fake_cudart_log): "register <tid> <bytes> <rc>;"
+// for every cudaHostRegister as it returns, "d2h <tid>;" for every
+// device-to-host cudaMemcpyAsync as it is called, in the order they happened.
+std::mutex log_mu;
+std::string call_log;
+std::atomic<int> register_calls{0};
+void log_call(const std::string& what) {
+  std::lock_guard<std::mutex> lk(log_mu);
+  call_log += what + " " + std::to_string(static_cast<long>(::syscall(SYS_gettid))) + ";";
+}
 
 Stream* S(void* s) {
   if (s) return static_cast<Stream*>(s);
@@ -323,10 +334,20 @@ int cudaSetDevice(int d) {
   device_set = true;
   return 0;
 }
-int cudaHostRegister(void* p, size_t n, unsigned) {
+int cudaHostRegister(void* p, size_t n, unsigned flags);
+int host_register(void* p, size_t n, unsigned);
+int cudaHostRegister(void* p, size_t n, unsigned flags) {
+  const int rc = host_register(p, n, flags);
+  std::lock_guard<std::mutex> lk(log_mu);
+  call_log += "register " + std::to_string(static_cast<long>(::syscall(SYS_gettid))) + " " + std::to_string(n) + " " +
+              std::to_string(rc) + ";";
+  return rc;
+}
+int host_register(void* p, size_t n, unsigned) {
   if (int err = gate()) return err;
   if (!capture_allows_unsafe_call()) return kErrCaptureUnsupported;
   if (env_int("FAKE_CUDART_FAIL_REGISTER", 0)) return 2;  // cudaErrorMemoryAllocation
+  if (++register_calls == env_int("FAKE_CUDART_FAIL_REGISTER_NTH", 0)) return 2;
   // Pinning tens of GiB takes seconds on real hardware.
   if (int ms = env_int("FAKE_CUDART_REGISTER_DELAY_MS", 0)) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   if (!p || !n || is_device(p)) return kErrInvalidValue;
@@ -379,6 +400,7 @@ int cudaMemcpyAsync(void* dst, const void* src, size_t n, int kind, void* stream
     from = static_cast<const char*>(src);
     host = src;
   } else if (kind == 2) {  // cudaMemcpyDeviceToHost
+    log_call("d2h");
     if (is_device(dst)) return refuse("DeviceToHost to a device pointer", dst, src, n);
     if (!(from = device_alias(src, n)))
       return refuse(is_device(src) ? "past the end of a device allocation" : "DeviceToHost from host memory", dst, src, n);
@@ -576,6 +598,13 @@ int cudaDriverGetVersion(int* v) {
 void fake_cudart_fault(int code) {
   int zero = 0;
   if (is_sticky(code)) sticky.compare_exchange_strong(zero, code);
+}
+// For the tests: the call log (see log_call), copied into buf (NUL-terminated);
+// returns its full length.
+int fake_cudart_log(char* buf, int len) {
+  std::lock_guard<std::mutex> lk(log_mu);
+  if (buf && len > 0) std::snprintf(buf, static_cast<size_t>(len), "%s", call_log.c_str());
+  return static_cast<int>(call_log.size());
 }
 // For the tests: what the engine did with the runtime.
 int fake_cudart_registered() { return registered.load(); }

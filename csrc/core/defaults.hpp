@@ -59,6 +59,7 @@ constexpr uint64_t kGatherRunBytes = 64ull << 20;  // one gather buffer at most 
 constexpr uint64_t kHostBounceBytes = 128ull << 20;
 constexpr unsigned kThreadBackendMaxThreads = 32;  // pread/pwrite threads at most
 constexpr unsigned kPrefaultMaxThreads = 8;        // threads faulting in a new slab: cpu_threads() of it
+constexpr uint64_t kPinSlabBytes = uint64_t{1} << 30;  // with pinning, a slab holds at most this (FLASHWRITE_PIN_SLAB_BYTES)
 constexpr int kPoolPollMs = 20;                    // acquire() re-checks its cancel flag this often
 constexpr double kWaitSliceS = 0.01;               // binding waits wake this often for Ctrl-C
 

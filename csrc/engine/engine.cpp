@@ -57,7 +57,7 @@ std::unique_ptr<SaveJob> Engine::start_save(std::vector<FileSpec> files, std::ve
     opt.wait_streams = wait_streams(streams, devices);
     check_not_capturing(opt.wait_streams, "a save of GPU tensors was started");
     opt.copy_streams = copy_streams();
-    pin_pool(devices.front());
+    pin_pool(devices.front(), /*now=*/false);
   }
   auto job = std::make_unique<SaveJob>(pool_, std::move(files), std::move(segments), std::move(opt));
   job->start();
@@ -71,6 +71,7 @@ void Engine::reserve(uint64_t bytes, int device) {
   if (device >= 0) {
     cuda::require("pinning the staging pool");
     pin_pool(device);
+    pool_->pin_existing();  // what a save left unpinned (a preparation waits for it)
   }
   const uint64_t slot = pool_->slot_bytes();
   const auto slots = static_cast<size_t>((bytes + slot - 1) / slot);
@@ -89,7 +90,7 @@ void Engine::adopt_after_fork() {
   cuda_pid_ = pid;
 }
 
-void Engine::pin_pool(int device) {
+void Engine::pin_pool(int device, bool now) {
   std::lock_guard<std::mutex> lk(cuda_mu_);
   adopt_after_fork();
   if (pinning_) return;
@@ -97,7 +98,7 @@ void Engine::pin_pool(int device) {
   // Slabs made from now on are faulted in on the GPU's node: DMA from memory
   // on the other socket crosses the link between them.
   if (!numa_given_) pool_->set_numa_node(cuda::numa_node(device));
-  pool_->set_pin_hooks(cuda_pin_hooks(device, pin_error_));
+  pool_->set_pin_hooks(cuda_pin_hooks(device, pin_error_), now);
 }
 
 std::shared_ptr<CopyStreams> Engine::copy_streams() {
@@ -145,8 +146,9 @@ std::shared_ptr<StagingPool> bounce_pool(uint64_t slot_bytes, size_t slots, int 
   BounceCache& c = bounce_cache();
   std::shared_ptr<StagingPool> old;  // freed after the lock is released (unpinning takes time)
   std::lock_guard<std::mutex> lk(c.mu);
-  if (c.pool && c.slot_bytes == slot_bytes && c.slots == slots && c.device == device && c.pid == ::getpid())
-    return c.pool;
+  // Not keyed on the device: the slabs are registered portable (cudaHostRegisterPortable),
+  // pinned for every GPU, so loads alternating between GPUs do not re-pin it each time.
+  if (c.pool && c.slot_bytes == slot_bytes && c.slots == slots && c.pid == ::getpid()) return c.pool;
   old = std::move(c.pool);
   auto p = std::make_shared<StagingPool>(slot_bytes, slot_bytes * slots);
   p->set_numa_node(cuda::numa_node(device));

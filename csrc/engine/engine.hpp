@@ -53,6 +53,7 @@ class Engine {
   uint64_t pool_bytes() const { return pool_->capacity_bytes(); }
   uint64_t max_staging_bytes() const { return pool_->max_slots() * pool_->slot_bytes(); }
   bool pool_pinned() const { return pool_->pinned(); }
+  uint64_t pool_unpinned_bytes() const { return pool_->unpinned_bytes(); }
   // The NUMA node the pool's new slabs prefer (-1: the kernel's default), and
   // why placing the last one failed (empty if it did not).
   int pool_numa_node() const { return pool_->numa_node(); }
@@ -62,7 +63,9 @@ class Engine {
   uint64_t trim() { return pool_->trim(); }
 
  private:
-  void pin_pool(int device);
+  // now=false: the slabs already made are pinned later, by the save's own
+  // thread (StagingPool::pin_existing), not by the caller's.
+  void pin_pool(int device, bool now = true);
   std::shared_ptr<CopyStreams> copy_streams();
 
   std::shared_ptr<StagingPool> pool_;

@@ -172,6 +172,9 @@ py::dict save_stats(const SaveJob& j) {
   d["files_buffered"] = s.files_buffered;
   d["device_bytes"] = s.device_bytes;
   d["pin_s"] = s.pin_s;
+  d["staging_wait_s"] = s.staging_wait_s;
+  d["staging_wait_reason"] = s.staging_wait_reason;
+  d["unpinned_bytes"] = s.unpinned_bytes;
   d["rewrites"] = s.rewrites;
   return d;
 }
@@ -312,6 +315,7 @@ void register_engine(py::module_& m) {
       .def_property_readonly("pool_bytes", without_gil(&Engine::pool_bytes))
       .def_property_readonly("max_staging_bytes", &Engine::max_staging_bytes)
       .def_property_readonly("pool_pinned", without_gil(&Engine::pool_pinned))
+      .def_property_readonly("pool_unpinned_bytes", without_gil(&Engine::pool_unpinned_bytes))
       .def_property_readonly("pool_numa_node", without_gil(&Engine::pool_numa_node),
                              "The NUMA node the pool's new slabs prefer (the first GPU's, or "
                              "FLASHWRITE_STAGING_NUMA_NODE), or -1 for the kernel's default.")

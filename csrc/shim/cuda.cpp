@@ -17,21 +17,44 @@
 namespace fw::cuda {
 namespace {
 
-// Finds a libcudart that is already mapped (e.g. by `import torch` on a CUDA
-// build), so we use the same runtime instance as PyTorch.
-std::string mapped_cudart() {
-  std::string found;
+// The path of the first mapped object whose name contains `part`, or "".
+std::string mapped(const char* part) {
+  struct Find {
+    const char* part;
+    std::string found;
+  } f{part, {}};
   dl_iterate_phdr(
       [](dl_phdr_info* info, size_t, void* data) {
+        auto* f = static_cast<Find*>(data);
         const char* name = info->dlpi_name;
-        if (name && std::strstr(name, "libcudart.so")) {
-          *static_cast<std::string*>(data) = name;
+        if (name && std::strstr(name, f->part)) {
+          f->found = name;
           return 1;
         }
         return 0;
       },
-      &found);
-  return found;
+      &f);
+  return f.found;
+}
+
+// Finds a libcudart that is already mapped (e.g. by `import torch` on a CUDA
+// build), so we use the same runtime instance as PyTorch. PyTorch's is the one
+// libtorch_cuda resolves cudaGetDeviceCount to (its own handle searches its
+// dependencies): the first mapping named libcudart.so may be another
+// framework's (CuPy, JAX) loaded before torch, with a runtime of its own.
+std::string mapped_cudart() {
+  const std::string torch_cuda = mapped("libtorch_cuda.so");
+  if (!torch_cuda.empty()) {
+    if (void* h = dlopen(torch_cuda.c_str(), RTLD_NOW | RTLD_NOLOAD)) {
+      Dl_info info{};
+      void* sym = dlsym(h, "cudaGetDeviceCount");
+      std::string found;
+      if (sym && dladdr(sym, &info) && info.dli_fname && std::strstr(info.dli_fname, "libcudart.so")) found = info.dli_fname;
+      dlclose(h);  // only drops the reference RTLD_NOLOAD took
+      if (!found.empty()) return found;
+    }
+  }
+  return mapped("libcudart.so");
 }
 
 template <typename F>

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
@@ -50,9 +51,21 @@ void StagingPool::after_fork() {
 }
 
 StagingPool::StagingPool(size_t slot_bytes, size_t max_bytes)
-    : slot_bytes_(slot_bytes), max_slots_(max_bytes ? std::max<size_t>(2, max_bytes / slot_bytes) : 0), owner_pid_(::getpid()) {
+    : slot_bytes_(slot_bytes),
+      max_slots_(max_bytes ? std::max<size_t>(2, max_bytes / slot_bytes) : 0),
+      slab_bytes_(defaults::kPinSlabBytes),
+      owner_pid_(::getpid()) {
   if (slot_bytes == 0 || slot_bytes % kAlign) throw std::invalid_argument("chunk_bytes must be a positive multiple of 4096");
   if (const char* h = std::getenv("FLASHWRITE_TEST_POOL_LOCK_HOLD_US")) test_hold_us_ = std::atoi(h);
+  uint64_t slab = defaults::kPinSlabBytes;
+  if (const char* v = std::getenv("FLASHWRITE_PIN_SLAB_BYTES"); v && *v) {
+    char* end = nullptr;
+    const unsigned long long n = std::strtoull(v, &end, 10);
+    if (*end || n == 0)
+      throw std::invalid_argument(std::string("FLASHWRITE_PIN_SLAB_BYTES=") + v + ": expected a positive number of bytes");
+    slab = n;
+  }
+  slab_bytes_ = static_cast<size_t>(slab);
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(&StagingPool::before_fork, &StagingPool::after_fork, &StagingPool::after_fork); });
   std::lock_guard<std::mutex> lk(registry().mu);
@@ -80,6 +93,7 @@ bool StagingPool::adopt_after_fork() {
   free_.clear();
   total_slots_ = reservations_ = reserved_slots_ = 0;  // the parent's jobs do not run here
   busy_ = false;  // a growth in a thread of the parent's does not continue here
+  growing_slots_ = pinning_slabs_ = 0;
   if (backing_fd_ >= 0) {
     ::close(backing_fd_);  // the parent's descriptor keeps its lock
     backing_fd_ = -1;
@@ -197,11 +211,6 @@ std::string StagingPool::pages() const {
   return pages_;
 }
 
-double StagingPool::pin_seconds() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return pin_s_;
-}
-
 namespace {
 
 // A slab is faulted in in steps of this size, each thread checking for an abort
@@ -261,14 +270,17 @@ double StagingPool::fill_slab(Slab& s, const PinHooks& hooks, int node, std::str
   if (abort && abort->load()) return 0;
   if (watch) pages = watch->why();
   if (!hooks.pin) return 0;
+  phase_ = "pin";
   const auto t0 = std::chrono::steady_clock::now();
+  s.pin_tried = true;
   s.pinned = hooks.pin(s.mem.data(), s.mem.capacity());
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-bool StagingPool::reserve(size_t slots, bool hold, const std::atomic<bool>* abort) {
+bool StagingPool::reserve(size_t slots, bool hold, const std::atomic<bool>* abort, size_t* grow_later) {
   std::unique_lock<std::mutex> lk(mu_);
   adopt_after_fork();
+  if (!hold) grow_later = nullptr;
   // Not held: the pool is to hold `slots` for a save to come, or what the
   // reservations held now need if that is more (never the sum of the two).
   const size_t held = hold ? 0 : slots;
@@ -282,50 +294,90 @@ bool StagingPool::reserve(size_t slots, bool hold, const std::atomic<bool>* abor
     }
   } undo{hold ? this : nullptr, slots};
   // A growth under way may already hold what this reservation needs (waited
-  // for in slices, to see abort).
+  // for in slices, to see abort). A growth left to grow() is counted instead.
   auto aborted = [&] { return abort && abort->load(); };
-  while (!cv_.wait_for(lk, std::chrono::milliseconds(20), [&] { return !busy_; }))
-    if (aborted()) throw std::runtime_error("save cancelled");
+  if (!grow_later)
+    while (!cv_.wait_for(lk, std::chrono::milliseconds(20), [&] { return !busy_ && !growing_slots_; }))
+      if (aborted()) throw std::runtime_error("save cancelled");
   size_t want = std::max(reserved_slots_, held);
   if (max_slots_) want = std::min(want, max_slots_);
-  if (want <= total_slots_) {
+  const size_t have = total_slots_ + growing_slots_;
+  const size_t add = want > have ? want - have : 0;
+  const bool whole = std::max(have, want) >= reserved_slots_;
+  growing_slots_ += add;
+  if (grow_later) {
+    *grow_later = add;
     undo.pool = nullptr;
-    return total_slots_ >= reserved_slots_;
+    return whole;
   }
-  size_t add = want - total_slots_;
-  auto slab = std::make_unique<Slab>();
-  slab->mem = new_slab_memory(add * slot_bytes_, slab->file_offset);  // under mu_: it may grow the backing file
-  // Before it is faulted in or pinned: a fork from then on leaves it out.
-  if (slab->file_offset < 0) slab->dont_fork = slab->mem.dont_fork();
-  // Faulting and pinning tens of GiB take seconds: not under the lock, so the
-  // jobs running on this pool acquire and release their slots meanwhile.
-  const PinHooks hooks = hooks_;
-  const int node = numa_node_;
-  std::string numa_err, pages;
-  double pin_s = 0;
-  busy_ = true;
-  lk.unlock();
-  try {
-    // A slab of the pool's file is faulted in whole: its offset in the file is spent.
-    pin_s = fill_slab(*slab, hooks, node, numa_err, pages, slab->file_offset < 0 ? abort : nullptr);
-  } catch (...) {
-    lk.lock();
-    busy_ = false;
-    cv_.notify_all();
-    throw;
-  }
-  lk.lock();
-  busy_ = false;
-  pin_s_ += pin_s;
-  if (node >= 0) numa_error_ = numa_err;
-  if (!pages.empty()) pages_ = pages;
-  for (size_t i = 0; i < add; ++i) free_.push_back(slab->mem.data() + i * slot_bytes_);
-  total_slots_ += add;
-  slabs_.push_back(std::move(slab));
-  cv_.notify_all();
+  if (add) grow_locked(lk, add, abort);
   if (aborted()) throw std::runtime_error("save cancelled");  // the reservation is undone (undo)
   undo.pool = nullptr;
   return total_slots_ >= reserved_slots_;
+}
+
+double StagingPool::grow(size_t slots, const std::atomic<bool>* abort) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (adopt_after_fork() || !slots) return 0;
+  return grow_locked(lk, slots, abort);
+}
+
+double StagingPool::grow_locked(std::unique_lock<std::mutex>& lk, size_t add, const std::atomic<bool>* abort) {
+  struct Left {  // the slots not grown (an abort, a failure) are given up (runs with mu_ held)
+    StagingPool* pool;
+    size_t n;
+    ~Left() {
+      pool->growing_slots_ -= std::min(n, pool->growing_slots_);
+      pool->cv_.notify_all();
+    }
+  } left{this, add};
+  auto aborted = [&] { return abort && abort->load(); };
+  double pin_total = 0;
+  while (left.n) {
+    // One slab at a time changes (another growth, a pinning, a trim).
+    while (!cv_.wait_for(lk, std::chrono::milliseconds(20), [&] { return !busy_; }))
+      if (aborted()) throw std::runtime_error("save cancelled");
+    if (aborted()) throw std::runtime_error("save cancelled");
+    // Pinned slabs are bounded: each is registered on its own (a failure leaves
+    // only it pageable), and copies start into the first while the next pins.
+    const size_t per = hooks_.pin ? std::max<size_t>(1, slab_bytes_ / slot_bytes_) : left.n;
+    const size_t n = std::min(per, left.n);
+    auto slab = std::make_unique<Slab>();
+    slab->mem = new_slab_memory(n * slot_bytes_, slab->file_offset);  // under mu_: it may grow the backing file
+    // Before it is faulted in or pinned: a fork from then on leaves it out.
+    if (slab->file_offset < 0) slab->dont_fork = slab->mem.dont_fork();
+    // Faulting and pinning tens of GiB take seconds: not under the lock, so the
+    // jobs running on this pool acquire and release their slots meanwhile.
+    const PinHooks hooks = hooks_;
+    const int node = numa_node_;
+    std::string numa_err, pages;
+    double pin_s = 0;
+    busy_ = true;
+    phase_ = "fault-in";
+    lk.unlock();
+    try {
+      // A slab of the pool's file is faulted in whole: its offset in the file is spent.
+      pin_s = fill_slab(*slab, hooks, node, numa_err, pages, slab->file_offset < 0 ? abort : nullptr);
+    } catch (...) {
+      lk.lock();
+      busy_ = false;
+      throw;
+    }
+    lk.lock();
+    busy_ = false;
+    pin_s_ += pin_s;
+    pin_total += pin_s;
+    if (node >= 0) numa_error_ = numa_err;
+    if (!pages.empty()) pages_ = pages;
+    for (size_t i = 0; i < n; ++i) free_.push_back(slab->mem.data() + i * slot_bytes_);
+    total_slots_ += n;
+    growing_slots_ -= n;
+    left.n -= n;
+    slabs_.push_back(std::move(slab));
+    cv_.notify_all();
+    if (aborted()) throw std::runtime_error("save cancelled");
+  }
+  return pin_total;
 }
 
 void StagingPool::set_numa_node(int node) {
@@ -350,7 +402,8 @@ void StagingPool::unreserve(size_t slots) {
   reserved_slots_ -= std::min(slots, reserved_slots_);
 }
 
-char* StagingPool::acquire(const std::atomic<bool>* cancel, const std::function<bool()>& interrupt) {
+char* StagingPool::acquire(const std::atomic<bool>* cancel, const std::function<bool()>& interrupt,
+                           StagingWait* wait) {
   std::unique_lock<std::mutex> lk(mu_);
   adopt_after_fork();
   for (;;) {
@@ -362,7 +415,9 @@ char* StagingPool::acquire(const std::atomic<bool>* cancel, const std::function<
     }
     if (interrupt && interrupt()) return nullptr;
     // Poll the cancel flag too: it is set without a wake() by some callers.
+    if (wait) wait->begin(wait_reason());
     cv_.wait_for(lk, std::chrono::milliseconds(defaults::kPoolPollMs));
+    if (wait) wait->end();
   }
 }
 
@@ -370,7 +425,14 @@ void StagingPool::release(char* slot) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if ((adopt_after_fork() || forked_) && !owns(slot)) return;  // a slot of the parent's
-    free_.push_back(slot);
+    bool parked = false;
+    if (pinning_slabs_)  // a slot of a slab being registered waits for the registration
+      for (auto& s : slabs_)
+        if (s->pinning && slot >= s->mem.data() && slot < s->mem.data() + s->mem.capacity()) {
+          s->parked.push_back(slot);
+          parked = true;
+        }
+    if (!parked) free_.push_back(slot);
     // Test only: the lock is held a while, so a fork from another thread finds it taken.
     if (test_hold_us_) std::this_thread::sleep_for(std::chrono::microseconds(test_hold_us_));
   }
@@ -387,7 +449,7 @@ void StagingPool::wake() {
 size_t StagingPool::trim() {
   std::unique_lock<std::mutex> lk(mu_);
   adopt_after_fork();
-  if (busy_ || reservations_ || free_.size() != total_slots_) return 0;  // slots reserved, in use or growing
+  if (busy_ || growing_slots_ || reservations_ || free_.size() != total_slots_) return 0;  // reserved, in use or growing
   size_t freed = total_slots_ * slot_bytes_;
   std::vector<std::unique_ptr<Slab>> gone = std::move(slabs_);
   slabs_.clear();
@@ -412,42 +474,6 @@ bool StagingPool::owns(const char* slot) const {
   for (auto& s : slabs_)
     if (slot >= s->mem.data() && slot < s->mem.data() + s->mem.capacity()) return true;
   return false;
-}
-
-void StagingPool::set_pin_hooks(PinHooks hooks) {
-  std::unique_lock<std::mutex> lk(mu_);
-  adopt_after_fork();
-  cv_.wait(lk, [&] { return !busy_; });
-  hooks_ = std::move(hooks);
-  std::vector<Slab*> todo;
-  for (auto& s : slabs_)
-    if (!s->pinned) todo.push_back(s.get());
-  if (todo.empty() || !hooks_.pin) return;
-  // Pinning the slabs made before (seconds for tens of GiB) is not done under
-  // the lock: running jobs acquire and release slots meanwhile.
-  const PinHooks pin = hooks_;
-  busy_ = true;
-  lk.unlock();
-  double secs = 0;
-  std::vector<bool> done(todo.size(), false);
-  try {
-    for (size_t i = 0; i < todo.size(); ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      done[i] = pin.pin(todo[i]->mem.data(), todo[i]->mem.capacity());
-      secs += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-  } catch (...) {
-    lk.lock();
-    for (size_t i = 0; i < todo.size(); ++i) todo[i]->pinned = done[i];
-    busy_ = false;
-    cv_.notify_all();
-    throw;
-  }
-  lk.lock();
-  for (size_t i = 0; i < todo.size(); ++i) todo[i]->pinned = done[i];
-  pin_s_ += secs;
-  busy_ = false;
-  cv_.notify_all();
 }
 
 }  // namespace fw

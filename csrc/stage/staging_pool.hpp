@@ -14,6 +14,11 @@
 //
 // Thread-safe. Slabs can be page-locked through a hook (the CUDA runtime's
 // cudaHostRegister) once, when they are created or when pinning is enabled.
+// With a pin hook set, the pool grows in slabs of at most slab_bytes()
+// (FLASHWRITE_PIN_SLAB_BYTES, default 1 GiB), each faulted in and registered
+// on its own: a slab's slots are handed out as soon as it is ready (copies
+// start while later slabs are still being pinned), and a failed registration
+// leaves only that slab pageable (unpinned_bytes()).
 //
 // fork(): private slabs are MADV_DONTFORK (see AlignedBuffer::dont_fork), so a
 // child process does not have them. The first call on the pool in a child
@@ -25,7 +30,9 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -38,6 +45,27 @@ namespace fw {
 struct PinHooks {
   std::function<bool(void*, size_t)> pin;  // returns true when the range is now page-locked
   std::function<void(void*)> unpin;
+};
+
+// How long a save waited for staging memory: the union of the waits of its
+// threads (two threads waiting at once count once), by reason ("fault-in": a
+// slab being faulted in; "pin": a slab being page-locked; "pool busy": every
+// slot in use, by this save's writes or another save's).
+class StagingWait {
+ public:
+  void begin(const char* reason);  // a thread starts waiting
+  void end();                      // ... and stops
+  void add(const char* reason, double seconds);  // a wait timed by the caller
+  double seconds() const;
+  std::string reason() const;  // the reason that took longest; "" when it never waited
+
+ private:
+  mutable std::mutex mu_;
+  int waiters_ = 0;
+  std::chrono::steady_clock::time_point since_;
+  std::string reason_now_;
+  std::map<std::string, double> by_;
+  double total_ = 0;
 };
 
 class StagingPool {
@@ -66,7 +94,23 @@ class StagingPool {
   // or faulting in its own slab of private memory, stops and throws ("save
   // cancelled"), the reservation undone; a slab it had begun joins the pool
   // unpinned, faulted in as far as it got (the rest faults in when used).
-  bool reserve(size_t slots, bool hold = true, const std::atomic<bool>* abort = nullptr);
+  // grow_later (hold only): the growth is not done here; *grow_later says how
+  // many slots are to be added, by grow() on another thread (a GPU save's own
+  // thread, so that its caller neither faults in nor pins). acquire() hands
+  // out each slab's slots as it becomes ready. The return value is the same.
+  bool reserve(size_t slots, bool hold = true, const std::atomic<bool>* abort = nullptr, size_t* grow_later = nullptr);
+  // Adds the `slots` a reserve(grow_later) left to grow, slab by slab; returns
+  // the seconds spent pinning. Aborted: throws ("save cancelled"), the slots
+  // not yet grown given up.
+  double grow(size_t slots, const std::atomic<bool>* abort);
+  // Pins the slabs made before the pin hooks were set (set_pin_hooks(.., false)),
+  // one at a time; a slab's free slots are not handed out while it is being
+  // registered. Returns the seconds spent pinning.
+  // Aborted (or the hooks gone), the slabs kept back are handed out unpinned.
+  double pin_existing(const std::atomic<bool>* abort = nullptr);
+  // Cheap (no pinning): keeps the free slots of the slabs pin_existing() is to
+  // pin from being handed out until it has; called before the copies start.
+  void claim_unpinned();
   void unreserve(size_t slots);
   // Blocks until a slot is free (returns it), *cancel becomes true or
   // interrupt() returns true (returns nullptr). interrupt is checked under the
@@ -74,14 +118,21 @@ class StagingPool {
   // time wake() or release() is called and every 20 ms: a waiter that has
   // other work which would free slots (a landed chunk to write) gets back to
   // it instead of starving the pool.
-  char* acquire(const std::atomic<bool>* cancel, const std::function<bool()>& interrupt = {});
+  // wait (optional): the time acquire() waits is added to it, with its reason.
+  char* acquire(const std::atomic<bool>* cancel, const std::function<bool()>& interrupt = {},
+                StagingWait* wait = nullptr);
   void release(char* slot);
   // Wakes every acquire() to re-check its cancel flag and interrupt.
   void wake();
   // Frees every slab (only when no slot is in use or reserved). Returns bytes freed.
   size_t trim();
 
-  void set_pin_hooks(PinHooks hooks);
+  // pin_now=false: the slabs made before are pinned later, by pin_existing().
+  void set_pin_hooks(PinHooks hooks, bool pin_now = true);
+  size_t slab_bytes() const noexcept { return slab_bytes_; }
+  // Bytes of slabs whose registration failed (they stay pageable; copies to
+  // them are slower, not wrong).
+  uint64_t unpinned_bytes() const;
   // Seconds spent page-locking slabs so far (the pin hook's calls).
   double pin_seconds() const;
   // The page size the newest private slab got, and why (AlignedBuffer::
@@ -109,7 +160,16 @@ class StagingPool {
     bool pinned = false;
     int64_t file_offset = -1;  // -1: private memory
     bool dont_fork = false;    // absent from a forked child
+    bool pin_tried = false;    // the pin hook was called for it
+    bool pinning = false;      // being registered by pin_existing(): its slots wait in `parked`
+    std::vector<char*> parked;
   };
+  // Grows `add` slots (already counted in growing_slots_), one slab at a time;
+  // called and returns with lk held. Returns the seconds spent pinning.
+  double grow_locked(std::unique_lock<std::mutex>& lk, size_t add, const std::atomic<bool>* abort);
+  const char* wait_reason() const;  // under mu_
+  void park(Slab& s);    // under mu_
+  void unpark(Slab& s);  // under mu_
   // Called under mu_ by every entry point: in a forked child, drops what the
   // parent made. Returns true when it did so now.
   bool adopt_after_fork();
@@ -143,6 +203,10 @@ class StagingPool {
   // reserve(), set_pin_hooks() and trim() wait for it (cv_), so one slab at a
   // time changes and a reserve() finds the slots the growth made.
   bool busy_ = false;
+  size_t growing_slots_ = 0;  // reserved for growth, not yet in the pool
+  size_t pinning_slabs_ = 0;  // slabs being registered by pin_existing()
+  std::atomic<const char*> phase_{"fault-in"};  // what the slab being grown is at
+  size_t slab_bytes_;  // with pin hooks: the most one slab may hold
   // pthread_atfork handlers: every live pool's lock is held across fork().
   static void before_fork();
   static void after_fork();

@@ -1,5 +1,6 @@
 #include "write/save_job.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstdint>
@@ -102,10 +103,22 @@ void SaveJob::start() {
     // pool reserved: then no copy waits for another chunk's checksum, and the
     // checksums can wait until staging is over (each chunk keeps its slot until
     // then). Else each chunk is checksummed as it is copied, and slots recycle.
+    // A GPU save leaves the growth (faulting in, pinning) to a thread of its
+    // own (run()): its caller does neither, and the D2H copies start into the
+    // first slab while the next ones are still being pinned.
     const auto wait0 = std::chrono::steady_clock::now();
-    defer_hash_ = pool_->reserve(plan_.chunks.size(), /*hold=*/true, opt_.abort.get());
+    const double pin0 = pool_->pin_seconds();
+    const uint64_t cap0 = pool_->capacity_bytes();
+    grow_later_ = !device_chunks_.empty();
+    defer_hash_ = pool_->reserve(plan_.chunks.size(), /*hold=*/true, opt_.abort.get(), grow_later_ ? &grow_slots_ : nullptr);
     reserved_ = true;
+    // Slabs still to be pinned (made by CPU saves) are kept from the copies
+    // until the grower has pinned them.
+    if (grow_later_) pool_->claim_unpinned();
     pool_wait_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
+    const double pinned_s = std::min(pool_wait_s_, pool_->pin_seconds() - pin0);
+    staging_wait_.add("pin", pinned_s);
+    staging_wait_.add(pool_->capacity_bytes() > cap0 ? "fault-in" : "pool busy", pool_wait_s_ - pinned_s);
     // A held file keeps its slots until all of its chunks are staged: only safe
     // when the pool has a slot for every chunk of the save.
     holding_ = defer_hash_;
@@ -113,6 +126,15 @@ void SaveJob::start() {
     slot_refs_.reset(new std::atomic<uint8_t>[plan_.chunks.size()]());
     ctl_.start([this] { run(); });
   } catch (...) {
+    if (reserved_ && grow_later_) {
+      // The growth and the pinning left to run() are given up.
+      std::atomic<bool> stop{true};
+      pool_->pin_existing(&stop);
+      try {
+        pool_->grow(grow_slots_, &stop);
+      } catch (...) {
+      }
+    }
     if (reserved_) pool_->unreserve(plan_.chunks.size());
     reserved_ = false;
     backend_.reset();
@@ -263,6 +285,25 @@ void SaveJob::run() {
       d2h_done_ = true;
     }
   }
+  // The pool's growth for a GPU save: slabs made before pinning was on are
+  // pinned, then the new ones grown, each handed out as soon as it is ready.
+  std::thread grower;
+  if (grow_later_) {
+    auto grow = [this] {
+      try {
+        double p = pool_->pin_existing(&ctl_.cancel_flag());
+        p += pool_->grow(grow_slots_, &ctl_.cancel_flag());
+        grow_pin_s_ = p;
+      } catch (...) {
+        fail(std::current_exception());  // no slot will come: the copy threads stop
+      }
+    };
+    try {
+      grower = std::thread(grow);
+    } catch (...) {
+      grow();  // no thread to spare: grown here, before the copies
+    }
+  }
   std::vector<std::thread> workers;
   try {
     for (unsigned i = 0; i < opt_.copy_threads; ++i) workers.emplace_back([this] { copy_worker(); });
@@ -272,6 +313,7 @@ void SaveJob::run() {
   if (workers.empty()) copy_worker();  // returns at once after a failure
   if (d2h.joinable()) d2h.join();  // every GPU copy has landed or failed
   for (auto& t : workers) t.join();
+  if (grower.joinable()) grower.join();
   {
     // Chunks that landed after a failure stopped the workers give their slots back.
     std::lock_guard<std::mutex> lk(ctl_.mutex());
@@ -334,7 +376,10 @@ SaveStats SaveJob::stats() const {
     s.staged_s = staged_s_;
     s.done_s = done_s_;
   }
-  s.pin_s = pin_s_;
+  s.pin_s = grow_later_ ? grow_pin_s_.load() : pin_s_;  // a GPU save pins on its grower thread only
+  s.staging_wait_s = staging_wait_.seconds();
+  s.staging_wait_reason = staging_wait_.reason();
+  s.unpinned_bytes = pool_->unpinned_bytes();
   s.backend = backend_name_;
   s.rewrites = opt_.files->rewrites();
   for (auto& f : files_)

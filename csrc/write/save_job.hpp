@@ -103,7 +103,13 @@ struct SaveStats {
   uint64_t bytes_total = 0, bytes_written = 0;
   uint64_t device_bytes = 0;  // copied from GPUs
   double staged_s = -1, done_s = -1;
-  double pin_s = 0;  // page-locking the pool while this save started (Engine::start_save)
+  double pin_s = 0;  // page-locking the pool for this save: at its start, and by its grower thread (GPU saves)
+  // How long the save waited for staging memory (the caller's reserve and its
+  // copy threads' waits for a slot, as wall time), and the reason that took
+  // longest: "fault-in", "pin" or "pool busy" (StagingWait); "" when it never waited.
+  double staging_wait_s = 0;
+  std::string staging_wait_reason;
+  uint64_t unpinned_bytes = 0;  // bytes of the pool left pageable by failed registrations
   std::string backend;
   unsigned files_direct = 0, files_buffered = 0;
   uint64_t rewrites = 0;  // chunks written again (JobFiles::rewrites)
@@ -249,6 +255,12 @@ class SaveJob {
   double staged_s_ = -1, done_s_ = -1;
   double pin_s_ = 0;
   double pool_wait_s_ = 0;
+  // A GPU save grows (and pins) the pool on a thread of its own (grower in
+  // run()): the slots its reserve() left to grow, and the seconds it pinned.
+  size_t grow_slots_ = 0;
+  bool grow_later_ = false;
+  std::atomic<double> grow_pin_s_{0};
+  StagingWait staging_wait_;
   std::chrono::steady_clock::time_point t0_;
 
   std::mutex fallback_mu_;

@@ -128,7 +128,7 @@ void SaveJob::stage_host_chunk(size_t& claimed, const std::function<bool()>& int
       return;
     }
   }
-  char* slot = pool_->acquire(&ctl_.cancel_flag(), interrupt);
+  char* slot = pool_->acquire(&ctl_.cancel_flag(), interrupt, &staging_wait_);
   if (!slot) return;
   const size_t ci = host_chunks_[claimed];
   claimed = SIZE_MAX;
@@ -185,7 +185,7 @@ void SaveJob::stage_device_chunks() {
       std::vector<DeviceCopy> copies;
       for (size_t ci : device_chunks_) {
         if (ctl_.cancelled() || pipe->failed()) break;
-        char* slot = pool_->acquire(&ctl_.cancel_flag());
+        char* slot = pool_->acquire(&ctl_.cancel_flag(), {}, &staging_wait_);
         if (!slot) break;
         const Chunk& c = plan_.chunks[ci];
         zero_unfilled(c, slot);

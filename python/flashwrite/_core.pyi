@@ -82,7 +82,10 @@ class _SaveStats(TypedDict):
     files_direct: int
     files_buffered: int
     device_bytes: int  # bytes copied from GPUs
-    pin_s: float  # seconds this save waited for the staging pool to be page-locked
+    pin_s: float  # seconds spent page-locking the staging pool for this save
+    staging_wait_s: float  # seconds the save waited for staging memory (wall time of its threads' waits)
+    staging_wait_reason: str  # "fault-in", "pin", "pool busy" or "" (never waited)
+    unpinned_bytes: int  # bytes of the pool whose registration failed
 
 class _CudaInfo(TypedDict):
     available: bool | None  # None: found, not initialised (cuda_info(initialize=False))
@@ -175,6 +178,8 @@ class Engine:
     def max_staging_bytes(self) -> int: ...  # 0: unbounded
     @property
     def pool_pinned(self) -> bool: ...
+    @property
+    def pool_unpinned_bytes(self) -> int: ...
     @property
     def pool_numa_node(self) -> int: ...  # -1: the kernel's default
     @property

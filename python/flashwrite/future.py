@@ -141,7 +141,15 @@ class SaveStats:
     # ~0 once the pool is ready, as for every save after the first.
     pool_wait_s: float = 0.0
     pinned: bool = False
-    pin_s: float = 0.0              # of the stall: page-locking the staging pool (GPU saves; 0 once pinned)
+    pin_s: float = 0.0              # page-locking the staging pool for this save (GPU saves; 0 once pinned)
+    # How long this save waited for staging memory, on the caller's thread or on the save's
+    # own threads (a GPU save grows and pins its pool there, in slabs of at most
+    # FLASHWRITE_PIN_SLAB_BYTES, its copies starting into the slabs already pinned), and why:
+    # "fault-in" (a new slab being faulted in), "pin" (a slab being page-locked), "pool busy"
+    # (every slot in use, by this save's writes or another save's); "" when it never waited.
+    staging_wait_s: float = 0.0
+    staging_wait_reason: str = ""
+    unpinned_bytes: int = 0         # of the pool, left pageable because their registration failed
     settings: dict = field(default_factory=dict)  # stripes/queue_depth/chunk_bytes used, and where each came from
     # Incremental saves (incremental=True): bytes is the checkpoint's size, bytes_written what
     # this save wrote, bytes_linked what it hard-linked from the earlier checkpoint;

@@ -39,8 +39,10 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     dict ``safetensors.torch.load_file`` would (merged across shards), read by the same
     engine (to CPU, or straight to a GPU with map_location).
 
-    map_location: "cpu" (default), a device, a {saved_device: device} dict, or None
-    for the devices they were saved from.
+    map_location: "cpu" (default), a device, a {saved_device: device} dict, None
+    for the devices they were saved from, or a callable as torch.load takes:
+    ``map_location(storage, location)`` returning the storage moved where it is to
+    live (or None: where it was saved), asked once per saved device.
     zero_copy: CPU tensors are views of one buffer per stripe file instead of
     owning their memory: fewer allocations, but any one tensor keeps its whole stripe
     file's buffer alive, and offset views upset APIs that ignore storage offsets

@@ -55,6 +55,15 @@ def _device_for(entry_device: str, map_location: Any) -> torch.device:
         return torch.device(entry_device)
     if isinstance(map_location, dict):
         return torch.device(map_location.get(entry_device, entry_device))
+    if callable(map_location):
+        # torch.load's convention: map_location(storage, location) returns the storage where
+        # it is to live, or None for where it was saved. Asked with an empty CPU storage,
+        # once per saved device (the callers cache the answer): where that storage lives.
+        moved = map_location(torch.UntypedStorage(0), entry_device)
+        if moved is None:
+            return torch.device(entry_device)
+        dev = getattr(moved, "device", moved)
+        return torch.device(dev)
     return torch.device(map_location)
 
 
@@ -309,10 +318,43 @@ def _device_empty(e: TensorEntry, device: torch.device) -> torch.Tensor:
 
 def _map_targets(entries: list[TensorEntry], map_location: Any) -> dict[str, torch.Tensor]:
     """New tensors for every stored tensor (of those read) that map_location sends to a CUDA device."""
-    out = {}
+    devices: dict[str, torch.device] = {}  # saved device -> where it goes (a callable is asked once)
+    sent: list[tuple[TensorEntry, torch.device]] = []
     for e in entries:  # empty ones too: no dtype kernel is needed to make them
-        dev = _device_for(e.device, map_location)
+        dev = devices.get(e.device)
+        if dev is None:
+            dev = devices[e.device] = _device_for(e.device, map_location)
         if _cuda.uses_native(dev):
+            sent.append((e, dev))
+    return run_targets(sent, defaults.GATHER_TENSOR_BYTES, defaults.GATHER_RUN_BYTES)
+
+
+def run_targets(sent: list[tuple[TensorEntry, torch.device]], max_tensor: int, max_run: int) -> dict[str, torch.Tensor]:
+    """New tensors for ``sent`` (entry, device): small ones that lie back to back in a
+    stripe (the gather's runs) are views of one allocation laid out as the stripe is, so
+    the load places each run straight into it (``Scatter`` sees them contiguous) instead
+    of through a gather buffer as large beside them; every other one is its own."""
+    out: dict[str, torch.Tensor] = {}
+    ids: dict[torch.device, int] = {}  # the gather's device key: one per device as given
+    items = [(None, e.nbytes, e.file, e.offset, ids.setdefault(dev, len(ids))) for e, dev in sent if e.nbytes]
+    big = [(e, dev) for e, dev in sent if e.nbytes]
+    for group in _cuda.gather_runs(items, max_tensor, max_run) if items else []:
+        if len(group) < 2:
+            continue
+        first, dev = big[group[0]]
+        total = sum(big[i][0].nbytes for i in group)
+        try:
+            buf = torch.empty(total, dtype=torch.uint8, device=dev)
+        except torch.OutOfMemoryError:
+            continue  # each on its own, below
+        for i in group:
+            e = big[i][0]
+            at = e.offset - first.offset
+            dt = dtypes.dtype_from_name(e.dtype)
+            if at % max(1, dtypes.itemsize(dt)) == 0:
+                out[e.key] = buf[at:at + e.nbytes].view(dt).view(e.shape)
+    for e, dev in sent:
+        if e.key not in out:
             out[e.key] = _device_empty(e, dev)
     return out
 

@@ -93,7 +93,7 @@ def target_placements(m: Manifest, slot: dict[int, int], targets: dict[str, torc
     # Small targets side by side in a stripe land in one device buffer each run
     # (one copy per chunk), scattered into them once the load is verified.
     if on_gpu:
-        _cuda.refuse_capture("a load to GPU tensors")
+        _cuda.refuse_capture("a load to GPU tensors", {it[4] for it in on_gpu})
     scatter = _cuda.Scatter(on_gpu, defaults.GATHER_TENSOR_BYTES, defaults.GATHER_RUN_BYTES)
     placements.extend(scatter.placements)
     for k, t in hosted.items():

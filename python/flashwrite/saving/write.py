@@ -86,13 +86,15 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                             hold_slots=hold_slots, host_files=host_files,
                             remote=remote,  # the target's native_files(): nfs://, straight to the server
                             held=held.specs(iplan) if iplan is not None else [])
-    if streams and engine.pin_error:
+    pin_warned = bool(streams and engine.pin_error)
+    if pin_warned:
         _warn_unpinned(engine.pin_error)
     stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(columns.keys),
                       stripes=len(files), pool_wait_s=job.pool_wait_s)
     stats.bytes_written = sum(f.size for f in written)
     sw = StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
     sw.hf_section = hf_section
+    sw.pin_warned = pin_warned  # a GPU save pins on its own thread: a failure there is warned of once durable
     if iplan is not None:
         sw.incremental = iplan
         _incremental_stats(stats, iplan)
@@ -156,7 +158,7 @@ def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int,
         keepalive.append(srcs)
         columns.sources = None  # from here on only the job's keepalive holds them
     if on_gpu:
-        _cuda.refuse_capture("a save of GPU tensors")
+        _cuda.refuse_capture("a save of GPU tensors", {it[4] for it in on_gpu})
         # Small GPU tensors side by side in a stripe: gathered on the current stream
         # (before the streams below are read), one copy per chunk instead of one each.
         addresses, buffers = _cuda.gather(on_gpu, _defaults.GATHER_TENSOR_BYTES, _defaults.GATHER_RUN_BYTES)
@@ -196,6 +198,11 @@ class StripeWrite:
         stats.pool_bytes = self.engine.pool_bytes
         stats.pinned = self.engine.pool_pinned
         stats.pin_s = native["pin_s"]
+        stats.staging_wait_s = native["staging_wait_s"]
+        stats.staging_wait_reason = native["staging_wait_reason"]
+        stats.unpinned_bytes = native["unpinned_bytes"]
+        if stats.unpinned_bytes and native["device_bytes"] and not getattr(self, "pin_warned", True) and self.engine.pin_error:
+            _warn_unpinned(self.engine.pin_error)
         if native["backend"] == "nfs":  # chunks sent again: a COMMIT came back under another write verifier
             stats.extra["nfs_rewrites"] = native["rewrites"]
         return self.manifest()

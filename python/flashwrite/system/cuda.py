@@ -66,14 +66,19 @@ def mark_written(t: torch.Tensor) -> None:
         bump(t)
 
 
-def refuse_capture(what: str) -> None:
-    """Raise before any GPU work of ``what`` is queued when the current stream is being
-    captured into a CUDA graph (the native engine refuses too, but a gather queued first
-    would already be in the user's graph)."""
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{what} was started while the current stream of cuda:{torch.cuda.current_device()} is "
-                           "being captured into a CUDA graph: flashwrite's copies would become part of the graph. "
-                           "Save or load outside torch.cuda.graph() (or the stream capture), e.g. before or after it.")
+def refuse_capture(what: str, devices: Iterable[int] = ()) -> None:
+    """Raise before any GPU work of ``what`` is queued when the current stream of the
+    current device, or of any of ``devices`` (those of the tensors), is being captured
+    into a CUDA graph (the native engine refuses too, but a gather queued first would
+    already be in the user's graph)."""
+    current = torch.cuda.current_device()
+    for d in sorted(set(devices) | {current}):
+        with torch.cuda.device(d):
+            capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            raise RuntimeError(f"{what} was started while the current stream of cuda:{d} is "
+                               "being captured into a CUDA graph: flashwrite's copies would become part of the graph. "
+                               "Save or load outside torch.cuda.graph() (or the stream capture), e.g. before or after it.")
 
 
 # (source tensor or destination, nbytes, file, offset, device) of one GPU tensor's
@@ -154,6 +159,13 @@ class Scatter:
             members = [items[i] for i in group]
             if len(members) > 1:
                 sizes = [n for _, n, *_ in members]
+                ptrs = [t.data_ptr() for t, *_ in members]
+                if all(ptrs[k] + sizes[k] == ptrs[k + 1] for k in range(len(members) - 1)):
+                    # Laid out in memory as in the stripe (a map_location load's targets,
+                    # read.run_targets): placed straight there, no buffer beside them.
+                    _, _, fi, off, dev = members[0]
+                    self.placements.append((fi, off, sum(sizes), dev, ptrs[0]))
+                    continue
                 try:
                     buf = torch.empty(sum(sizes), dtype=torch.uint8, device=members[0][0].device)
                 except torch.OutOfMemoryError:
