@@ -334,6 +334,14 @@ def cuda_info(initialize: bool = True) -> _CudaInfo:
     """The CUDA runtime flashwrite uses. initialize=False never initialises CUDA
     (dlopen, symbols and versions only), unless it already was."""
 # ---- nfs:// (csrc/io/nfs_client, csrc/python/nfs_bindings.cpp): libnfs loaded at run time
+def zstd_support() -> dict[str, Any]:
+    """{'usable': bool, 'version': str | None, 'error': str | None}: libzstd, loaded at run time."""
+def codec_compress(data: _BufferLike, width: int, level: int = 1) -> bytes:
+    """One frame (codec.hpp): ``data`` split into ``width``-byte planes, each zstd'd or stored."""
+def codec_decompress(data: _BufferLike, raw_len: int) -> bytes:
+    """The ``raw_len`` bytes a frame holds; CorruptCheckpointError when malformed or short."""
+def codec_rate(data: _BufferLike, width: int, level: int = 1, repeat: int = 1) -> tuple[int, float, float]:
+    """(frame bytes, compress s, decompress s) per pass on one thread, round trip checked."""
 def nfs_support() -> dict[str, Any]:
     """{'compiled', 'usable', 'reason' (why not, or None), 'headers', 'library' (the libnfs loaded)}."""
 def nfs_available() -> bool:
