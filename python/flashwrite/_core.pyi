@@ -83,6 +83,8 @@ class _SaveStats(TypedDict):
     files_buffered: int
     device_bytes: int  # bytes copied from GPUs
     pin_s: float  # seconds this save waited for the staging pool to be page-locked
+    bytes_stored: int
+    compress_s: float
 
 class _CudaInfo(TypedDict):
     available: bool | None  # None: found, not initialised (cuda_info(initialize=False))
@@ -148,6 +150,8 @@ class SaveJob:
     def held_results(self) -> list[tuple[int, int]]:
         """(outcome, errno) per file: 0 not held, 1 linked, 2 changed (written), 3 link
         refused (written), 4 pool too small to hold (written), 5 undecided (failed)."""
+    def chunk_frames(self) -> list[list[int]]:
+        """Per file, per chunk in file order: its frame's length, 0 written as staged."""
     def release_slots(self) -> None:
         """Give a held save's slots back to the pool (after the job is done)."""
 
@@ -160,7 +164,8 @@ class Engine:
                    backend: str = "auto", queue_depth: int = ..., copy_threads: int = ...,
                    direct: bool = True, streams: Sequence[Stream] = ..., hold_slots: bool = False,
                    host_files: Sequence[HostFile] = ..., remote: Any = None,
-                   held: Sequence[HeldFile] = ...) -> SaveJob:
+                   held: Sequence[HeldFile] = ..., planes: Sequence[Sequence[tuple[int, int]]] = ...,
+                   compress_level: int = 1) -> SaveJob:
         """Open the stripes and start staging + writing; keepalive must own every
         segment address until staged. host_files: more host-memory segments as a
         plan's columns (no tuple per tensor). Returns once the GPU copies are ordered after
@@ -217,7 +222,7 @@ def start_load(files: Sequence[LoadFile], pieces: Sequence[Piece], backend: str 
                queue_depth: int = ..., chunk_bytes: int = ..., verify_threads: int = ...,
                direct: bool = True, placements: Sequence[Placement] = ...,
                streams: Sequence[Stream] = ..., remote: object = None,
-               keepalive: object = None) -> LoadJob:
+               keepalive: object = None, frames: Sequence[Sequence[int]] = ...) -> LoadJob:
     """Read files, verifying pieces as chunks arrive. Placed bytes go through bounce
     buffers (pinned when some go to a GPU): each chunk is verified, then copied out on
     the job's threads; the rest of a file is read whole into an aligned buffer.
