@@ -114,3 +114,10 @@ def refusal(incremental: bool, hf_model: bool, distributed: bool) -> str | None:
     if distributed:
         return "multi-rank saves (process_group=) cannot be compressed yet (compress=None)"
     return None
+
+
+def check_save(mode: str | None, incremental: bool, hf_model: bool, distributed: bool) -> None:
+    """compress="zstd" on a save that cannot be compressed: a clear error ("auto" turns off)."""
+    refused = refusal(incremental, hf_model, distributed) if mode == "zstd" else None
+    if refused:
+        raise ValueError(refused)

@@ -315,10 +315,7 @@ class Writer:
         if extra_files is not None:
             extra.update(commit.extra_files(extra_files, reserved=tuple(extra)))
         incr = self.incremental if incremental is None else bool(incremental)
-        if self.compress is not None and (incr or process_group is not None or hf_model is not None):
-            refused = _compress.refusal(incr, hf_model is not None, process_group is not None)
-            if self.compress == "zstd":
-                raise ValueError(refused)
+        _compress.check_save(self.compress, incr, hf_model is not None, process_group is not None)
         if process_group is not None or coordination_group is not None:
             bases, threads = self._bases, self.copy_threads
             return distributed.save_async(
