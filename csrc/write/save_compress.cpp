@@ -34,6 +34,8 @@ void SaveJob::init_compress() {
     const FileSpec& s = specs_[c.file];
     if (s.planes.empty()) continue;
     if (!s.link_from.empty()) throw std::invalid_argument("a held file cannot be compressed: " + s.path);
+    // Where the writes set the size, the file's last chunk is written whole (plain).
+    if (opt_.files->sized_by_writes() && c.file_offset + c.data_len >= s.size) continue;
     // Bytes of each width inside [file_offset, file_offset + data_len).
     uint64_t by_width[9] = {};
     const uint64_t lo = c.file_offset, hi = c.file_offset + c.data_len;
@@ -99,6 +101,7 @@ bool SaveJob::compress_chunk(size_t ci) {
       return true;
     }
     std::memset(frame->data() + n, 0, len - n);
+    opt_.files->leave_holes(files_[c.file]->fd.load(), c.data_len - len);
     zframe_[ci] = n;
     zslot_[ci] = requests_[ci].buf;
     requests_[ci].buf = frame->data();

@@ -35,9 +35,10 @@ def check_mode(mode: Any) -> str | None:
 
 
 def place_of(directory: str) -> str:
-    """Where a save goes, for the rate table: the checkpoint's parent directory."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(directory)) if "://" not in directory else
-                           os.path.dirname(directory.rstrip("/")))
+    """Where a save goes, for the rate table: the directory a checkpoint (or its
+    temporary sibling, which is what the writer sees) lies in."""
+    d = directory.rstrip("/")
+    return os.path.dirname(d if "://" in d else os.path.abspath(d))
 
 
 def core_gbps() -> float:
