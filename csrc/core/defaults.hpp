@@ -27,7 +27,11 @@ inline unsigned cpu_threads(unsigned most) {
 // -- exported to Python (_core.DEFAULTS) --
 constexpr unsigned kStripes = 4;
 constexpr uint64_t kChunkBytes = 16ull << 20;      // 16 MiB beat 1-8 and 32 MiB (to durable and stall)
-constexpr unsigned kWriteQueueDepth = 32;          // 32-64 beat 2-16; 32 keeps in-flight memory at half of 64's
+constexpr unsigned kWriteQueueDepth = 32;
+// Compressed saves: frames queued or in flight at once (each a chunk's bound), beyond
+// one per copy thread. Enough to keep a link of a few Gbit/s busy; bounds the memory.
+constexpr unsigned kCompressFramesInFlight = 8;
+constexpr int kCompressLevel = 1;  // zstd level of compress="zstd" (1-3 measured alike on byte planes)          // 32-64 beat 2-16; 32 keeps in-flight memory at half of 64's
 constexpr unsigned kReadQueueDepth = 32;           // matched or beat 16 in both load sweeps
 constexpr uint64_t kReadChunkBytes = 8ull << 20;
 // Host memcpy + checksum threads per save (and per local snapshot restore):

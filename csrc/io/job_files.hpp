@@ -54,6 +54,11 @@ class JobFiles {
   // Requests written again because the target may have lost them (a remote
   // server that restarted before committing them); 0 for local files.
   virtual uint64_t rewrites() const { return 0; }
+  // Compressed saves: a file's size is set by its writes only (no truncate: the
+  // last chunk of a file is then never framed), and `bytes` of its span will stay
+  // holes (finish() must not wait for them).
+  virtual bool sized_by_writes() const { return false; }
+  virtual void leave_holes(int /*handle*/, uint64_t /*bytes*/) {}
 };
 
 // Files on the local file systems: `direct` opens them with O_DIRECT where the

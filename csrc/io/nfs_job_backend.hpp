@@ -64,6 +64,7 @@ struct WFile {
   std::vector<WReq*> uncommitted;
   uint64_t uncommitted_bytes = 0;
   uint64_t durable = 0;
+  uint64_t holes = 0;  // of size, left unwritten by a compressed save (frames shorter than their chunks)
 };
 
 struct SubOp {
@@ -201,9 +202,15 @@ class NfsFiles : public JobFiles {
   void finish(int h, const std::string&, uint64_t) override {
     WFile& f = file(h);
     std::lock_guard<std::mutex> g(mu_);
-    if (f.durable != f.size)
+    if (f.durable + f.holes != f.size)
       throw IoError(EIO, "NFS COMMIT: " + std::to_string(f.durable) + " of " + std::to_string(f.size) +
                     " bytes committed (server " + client_->options().server + ")", client_->url(f.path));
+  }
+  bool sized_by_writes() const override { return true; }  // no SETATTR here: the last write sets the size
+  void leave_holes(int h, uint64_t n) override {
+    WFile& f = file(h);
+    std::lock_guard<std::mutex> g(mu_);
+    f.holes += n;
   }
   void close(int) override {}  // file handles need no closing in NFSv3
   std::exception_ptr error(const IoRequest* r, int64_t res, const std::string&) override {

@@ -78,5 +78,6 @@ PYBIND11_MODULE(_core, m) {
   register_walk(m);
   register_plan(m);
   register_system(m);
+  register_codec(m);
   register_remote(m);
 }

@@ -27,6 +27,7 @@ void register_load(py::module_& m);      // load_bindings.cpp: start_load, LoadJ
 void register_snapshot(py::module_& m);  // snapshot_bindings.cpp: copy_verify, punch_holes, SnapshotMapping
 void register_walk(py::module_& m);      // plan_bindings.cpp: walk_state and its WalkResult
 void register_plan(py::module_& m);      // plan_bindings.cpp: plan_chunks, layout_stripes
+void register_codec(py::module_& m);     // codec_bindings.cpp: zstd_support, codec_compress/decompress/rate
 void register_system(py::module_& m);    // system_bindings.cpp: checksum, directory ops, io_uring and CUDA probes
 // The remote target's client and its support, defined beside that client in io/
 // (which alone names the target).

@@ -38,7 +38,8 @@ std::unique_ptr<PyLoadJob> start_load_py(const std::vector<std::pair<std::string
                                          unsigned verify_threads, bool direct,
                                          const std::vector<PyPlacement>& placements,
                                          const std::vector<std::pair<int, uintptr_t>>& streams,
-                                         const py::object& remote, py::object keepalive) {
+                                         const py::object& remote, py::object keepalive,
+                                         const std::vector<std::vector<uint64_t>>& frames) {
   std::vector<ReadFileSpec> fs;
   for (auto& [p, n] : files) fs.push_back(ReadFileSpec{p, n});
   std::vector<VerifyPiece> ps;
@@ -49,6 +50,7 @@ std::unique_ptr<PyLoadJob> start_load_py(const std::vector<std::pair<std::string
   opt.queue_depth = queue_depth;
   opt.chunk_bytes = chunk_bytes;
   opt.verify_threads = verify_threads;
+  opt.frames = frames;
   std::vector<Placement> pl;
   for (auto& [f, off, len, dev, ptr] : placements) {
     if (f >= fs.size() || dev < -1 || (len && !ptr))
@@ -111,7 +113,7 @@ void register_load(py::module_& m) {
         py::arg("verify_threads") = defaults::verify_threads(), py::arg("direct") = true,
         py::arg("placements") = std::vector<PyPlacement>{},
         py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{}, py::arg("remote") = py::none(),
-        py::arg("keepalive") = py::none(),
+        py::arg("keepalive") = py::none(), py::arg("frames") = std::vector<std::vector<uint64_t>>{},
         "Read files [(path, size)], verifying [(file, offset, len, xxh3)] pieces. placements: [(file, offset, "
         "nbytes, device, address)] byte ranges copied to GPU memory (device >= 0) or host memory (device -1) "
         "instead, through bounce buffers, each chunk verified before it is copied; the destinations must stay "
@@ -120,7 +122,8 @@ void register_load(py::module_& m) {
         "ordered after. remote: None (local files), or (a remote target's client, directory on its "
         "server): the files are read from there, by their names (the paths given are local placeholders of "
         "the same names). keepalive: owners of the "
-        "placements' destinations, released only once the job is joined.");
+        "placements' destinations, released only once the job is joined. frames: [] or per file [] (plain) or "
+        "each chunk's frame length (0: stored plain), chunk_bytes being the save's: decoded before verifying.");
   m.def(
       "bounce_pool_bytes",
       [] {

@@ -132,14 +132,27 @@ std::unique_ptr<SaveJob> start_interruptible(Engine& eng, std::vector<FileSpec> 
 // A held file: (index into files, the base stripe to link from, [(offset, len, checksum)]).
 using HeldSpec = std::tuple<size_t, std::string, std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>>;
 
+// Per file: (offset, element width) runs for a compressed file, or none.
+using PlaneRuns = std::vector<std::pair<uint64_t, unsigned>>;
+
 // Engine.start_save's arguments, parsed with the GIL held.
 std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<std::string, py::object, uint64_t>>& files,
                                       const py::sequence& segments, py::object keepalive, const std::string& backend,
                                       unsigned queue_depth, unsigned copy_threads, bool direct, const GivenStreams& streams,
                                       bool hold_slots, const py::sequence& host_files, const py::object& remote,
-                                      const std::vector<HeldSpec>& held) {
+                                      const std::vector<HeldSpec>& held, const std::vector<PlaneRuns>& planes,
+                                      int compress_level) {
   std::vector<FileSpec> fs;
   for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
+  if (!planes.empty() && planes.size() != fs.size()) throw py::value_error("planes: one list per file");
+  for (size_t f = 0; f < planes.size(); ++f) {
+    for (size_t i = 0; i < planes[f].size(); ++i) {
+      const auto& [off, width] = planes[f][i];
+      if (width != 1 && width != 2 && width != 4 && width != 8) throw py::value_error("planes: width must be 1, 2, 4 or 8");
+      if (off > fs[f].size || (i && off < planes[f][i - 1].first)) throw py::value_error("planes: offsets out of order");
+    }
+    fs[f].planes = planes[f];
+  }
   for (auto& [file, link_from, expected] : held) {
     if (file >= fs.size()) throw py::index_error("held: no such file");
     if (link_from.empty()) throw py::value_error("held: a held file needs the path of its base stripe");
@@ -154,6 +167,7 @@ std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<
   opt.queue_depth = queue_depth;
   opt.copy_threads = copy_threads;
   opt.hold_slots = hold_slots;
+  opt.compress_level = compress_level;
   auto out = std::make_unique<PySaveJob>();
   out->keepalive = std::move(keepalive);
   out->job = start_interruptible(eng, std::move(fs), std::move(segs), std::move(opt), devices, streams);
@@ -176,6 +190,8 @@ py::dict save_stats(const SaveJob& j) {
   d["staging_wait_reason"] = s.staging_wait_reason;
   d["unpinned_bytes"] = s.unpinned_bytes;
   d["rewrites"] = s.rewrites;
+  d["bytes_stored"] = s.bytes_stored;
+  d["compress_s"] = s.compress_s;
   return d;
 }
 
@@ -274,6 +290,8 @@ void register_save(py::module_& m) {
            "[(outcome, errno)] per file: 0 not held, 1 linked, 2 changed (written), 3 link refused "
            "(written; errno), 4 pool too small to hold (written), 5 undecided (the job failed). "
            "Final once checksummed.")
+      .def("chunk_frames", [](const PySaveJob& s) { return s.job->chunk_frames(); },
+           "Per file, per chunk in file order: its frame's length, 0 where written as staged. Final once done.")
       .def("progress", [](const PySaveJob& s) { return std::make_pair(s.job->bytes_done(), s.job->bytes_total()); })
       .def("stats", [](const PySaveJob& s) { return save_stats(*s.job); });
 }
@@ -286,7 +304,8 @@ void register_engine(py::module_& m) {
            py::arg("copy_threads") = defaults::copy_threads(),
            py::arg("direct") = true, py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
            py::arg("hold_slots") = false, py::arg("host_files") = py::list(), py::arg("remote") = py::none(),
-           py::arg("held") = std::vector<HeldSpec>{},
+           py::arg("held") = std::vector<HeldSpec>{}, py::arg("planes") = std::vector<PlaneRuns>{},
+           py::arg("compress_level") = defaults::kCompressLevel,
            "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "
            "[(address, nbytes, file, offset[, device])] with device -1 for host memory; host_files: more "
            "host-memory segments as columns, [(file, members, offsets, ptrs, nbytes)] (member k of a file is "
@@ -298,7 +317,9 @@ void register_engine(py::module_& m) {
            "the files are paths on its server, created there and written over its connections straight from "
            "the staging slots. held: [(file, base stripe path, [(offset, len, checksum)])]: files staged but "
            "written only if a checksum differs, else hard-linked from the base stripe (see "
-           "SaveJob.held_results; only where the target can hard-link: local files).")
+           "SaveJob.held_results; only where the target can hard-link: local files). planes: [] (nothing compressed), "
+           "or per file [(offset, element width)] runs ([] for a file written plain): its chunks are framed by the "
+           "codec (byte planes + zstd at compress_level) and SaveJob.chunk_frames says how.")
       .def("reserve",
            [](Engine& e, uint64_t bytes, int device) {
              py::gil_scoped_release nogil;

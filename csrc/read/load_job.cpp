@@ -92,6 +92,7 @@ void LoadJob::start() {
   if (opt_.placer)
     for (size_t i = 0; i < requests_.size(); ++i)
       to_placer_[i] = !requests_[i].buf || opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
+  init_frames();  // after to_placer_: it reads each request's destination and raw length
   IoCallback cb = [this](IoRequest* r, int64_t res) { on_io(r, res); };
   backend_ = opt_.files->backend(opt_.queue_depth, cb);
   backend_name_ = backend_->name();
@@ -134,12 +135,12 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
     try {
       if (fall_back_to_buffered(r, f)) return;
     } catch (...) {
-      if (to_placer_[r->tag]) opt_.placer->discard(r->buf);
+      if (to_placer_[r->tag]) opt_.placer->discard(dst_of(r->tag));
       fail(std::current_exception());
       return;
     }
   }
-  if ((res < 0 || static_cast<uint64_t>(res) < r->want) && to_placer_[r->tag]) opt_.placer->discard(r->buf);
+  if ((res < 0 || static_cast<uint64_t>(res) < r->want) && to_placer_[r->tag]) opt_.placer->discard(dst_of(r->tag));
   if (res < 0) {
     fail(opt_.files->error(r, res, specs_[f].path));
     return;
@@ -149,7 +150,7 @@ void LoadJob::on_io(IoRequest* r, int64_t res) {
                                              std::to_string(r->offset + res) + " while reading (truncated)")));
     return;
   }
-  if (!chunk_pieces_[r->tag].empty() || to_placer_[r->tag]) {
+  if (!chunk_pieces_[r->tag].empty() || to_placer_[r->tag] || framed(r->tag)) {
     std::lock_guard<std::mutex> lk(ctl_.mutex());
     verify_queue_.push_back(static_cast<uint32_t>(r->tag));
     verify_cv_.notify_one();
@@ -165,9 +166,9 @@ void LoadJob::fault_in(size_t i) {
   const IoRequest& r = requests_[i];
   const uint32_t f = file_of_request_[i];
   if (to_placer_[i])
-    opt_.placer->prepare(f, r.offset, r.want);
+    opt_.placer->prepare(f, r.offset, raw_len(i));
   else
-    buffers_[f]->prefault(static_cast<size_t>(r.offset), r.len);
+    buffers_[f]->prefault(static_cast<size_t>(r.offset), round_up(raw_len(i), kAlign));
 }
 
 void LoadJob::fault_in_once(size_t i) {
@@ -202,10 +203,10 @@ void LoadJob::verify_worker() {
       verify_queue_.pop_front();
     }
     const IoRequest& r = requests_[ci];
-    bool ok = true;
-    for (uint32_t pi : chunk_pieces_[ci]) {
+    bool ok = !framed(ci) || decode(ci);
+    for (uint32_t pi : ok ? chunk_pieces_[ci] : std::vector<uint32_t>{}) {
       const VerifyPiece& p = pieces_[pi];
-      const char* data = to_placer_[ci] ? r.buf + (p.offset - r.offset) : buffers_[p.file]->data() + p.offset;
+      const char* data = to_placer_[ci] ? dst_of(ci) + (p.offset - r.offset) : buffers_[p.file]->data() + p.offset;
       uint64_t h = checksum(data, p.len);
       if (h != p.expected) {
         ok = false;
@@ -227,7 +228,7 @@ void LoadJob::verify_worker() {
         std::atomic<unsigned>& n;
         ~Placed() { n.fetch_sub(1); }
       } placed{placing_};
-      opt_.placer->place(f, r.offset, r.want, r.buf, host_dst, ok && !ctl_.cancelled());
+      opt_.placer->place(f, r.offset, raw_len(ci), dst_of(ci), host_dst, ok && !ctl_.cancelled());
     }
   }
 }
@@ -244,7 +245,7 @@ void LoadJob::run() {
     fail(std::current_exception());
   }
   const bool fault_ahead = !workers.empty();
-  const bool verify_inline = !fault_ahead && (!pieces_.empty() || opt_.placer);
+  const bool verify_inline = !fault_ahead && (!pieces_.empty() || opt_.placer || !zframe_.empty());
   if (opt_.placer) {
     try {
       opt_.placer->begin();
@@ -258,8 +259,12 @@ void LoadJob::run() {
     if (to_placer_[r.tag]) {
       // A bounce slot: waits here while every slot is being read, verified or
       // copied out, which paces reading to the copies.
-      r.buf = opt_.placer->acquire(&ctl_.cancel_flag());
-      if (!r.buf) break;
+      char* slot = opt_.placer->acquire(&ctl_.cancel_flag());
+      if (!slot) break;
+      if (framed(r.tag))
+        zdst_[r.tag] = slot;  // r.buf is the frame's place in zbuf_
+      else
+        r.buf = slot;
       const size_t i = r.tag;  // r belongs to the backend once submitted
       backend_->submit(&r);
       // Without workers, here, after the submit: the read goes to the slot, so

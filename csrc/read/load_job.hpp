@@ -57,6 +57,10 @@ struct LoadOptions {
   uint64_t chunk_bytes = defaults::kReadChunkBytes;  // multiple of every piece-aligning block
   unsigned verify_threads = defaults::verify_threads();
   std::shared_ptr<ChunkPlacer> placer;  // set when some bytes are placed
+  // Compressed files (core/codec.hpp): per file, empty (plain), or per chunk of
+  // chunk_bytes its frame's length (0: stored as it is). Frames are read into
+  // a buffer of their own and decoded on the worker threads, then verified.
+  std::vector<std::vector<uint64_t>> frames;
 };
 
 class LoadJob {
@@ -93,6 +97,12 @@ class LoadJob {
   void fail(std::exception_ptr e);
   bool fall_back_to_buffered(IoRequest* r, uint32_t file);
   int read_fd(uint32_t file);
+  // Compressed chunks (load_frames.cpp).
+  void init_frames();
+  bool framed(size_t request) const { return !zframe_.empty() && zframe_[request]; }
+  uint64_t raw_len(size_t request) const;
+  char* dst_of(size_t request) const { return framed(request) ? zdst_[request] : requests_[request].buf; }
+  bool decode(size_t request);  // false: the frame is bad (the job failed, naming file and offset)
 
   std::vector<ReadFileSpec> specs_;
   std::vector<VerifyPiece> pieces_;
@@ -121,6 +131,9 @@ class LoadJob {
   std::deque<uint32_t> verify_queue_;
   bool reads_done_ = false;
   std::vector<Mismatch> mismatches_;
+  std::vector<uint64_t> zframe_;   // per request: frame length, 0 plain
+  std::vector<char*> zdst_;        // per framed request: where its bytes go (buffer or placer slot)
+  std::vector<std::unique_ptr<AlignedBuffer>> zbuf_;  // per file: its frames, packed
 };
 
 }  // namespace fw

@@ -48,6 +48,7 @@ SaveJob::SaveJob(std::shared_ptr<StagingPool> pool, std::vector<FileSpec> files,
   if (!device_chunks_.empty() && !opt_.copy_streams)
     throw std::invalid_argument("segments on a GPU need the engine's CUDA copy streams");
   init_held();
+  init_compress();
 }
 
 SaveJob::~SaveJob() {
@@ -78,7 +79,7 @@ std::vector<ChunkSlot> SaveJob::chunk_slots() const {
   out.reserve(plan_.chunks.size());
   for (size_t ci = 0; ci < plan_.chunks.size(); ++ci) {
     const Chunk& c = plan_.chunks[ci];
-    out.push_back(ChunkSlot{c.file, c.file_offset, c.data_len, pool_->slot_file_offset(requests_[ci].buf)});
+    out.push_back(ChunkSlot{c.file, c.file_offset, c.data_len, pool_->slot_file_offset(slot_of(ci))});
   }
   return out;
 }
@@ -178,6 +179,7 @@ void SaveJob::fail(std::exception_ptr e) {
   { std::lock_guard<std::mutex> lk(ctl_.mutex()); }
   work_cv_.notify_all();
   pool_->wake();
+  wake_frames();
 }
 
 void SaveJob::cancel() {
@@ -185,6 +187,7 @@ void SaveJob::cancel() {
   { std::lock_guard<std::mutex> lk(ctl_.mutex()); }
   work_cv_.notify_all();
   pool_->wake();
+  wake_frames();
 }
 
 bool SaveJob::has_landed() const { return landed_count_.load() > 0; }
@@ -202,14 +205,16 @@ void SaveJob::return_slot(char* buf, bool written) {
 
 // The write or the checksum of a deferred chunk is over; the last one frees the slot.
 void SaveJob::slot_done(size_t ci) {
-  if (slot_refs_[ci].fetch_sub(1) == 1) return_slot(requests_[ci].buf, true);
+  if (slot_refs_[ci].fetch_sub(1) == 1) return_slot(slot_of(ci), true);
 }
 
 void SaveJob::write_chunk(size_t ci) {
+  if (!zwidth_.empty() && zwidth_[ci] && !compress_chunk(ci)) return;  // cancelled: nothing to write
   IoRequest& r = requests_[ci];
   const Chunk& c = plan_.chunks[ci];
+  const bool framed = !zframe_.empty() && zframe_[ci];
   r.fd = files_[c.file]->fd.load();
-  r.len = c.write_len;
+  r.len = framed ? round_up(zframe_[ci], kAlign) : c.write_len;
   r.offset = c.file_offset;
   r.write = true;
   r.done = 0;
@@ -220,7 +225,9 @@ void SaveJob::write_chunk(size_t ci) {
   } catch (...) {
     // Not queued (the backends throw only before they take the request): the
     // write's share of the slot goes back here, as on_io would have given it.
-    if (slot_refs_[ci].load())
+    if (framed)
+      frame_written(ci);
+    else if (slot_refs_[ci].load())
       slot_done(ci);
     else
       return_slot(r.buf, false);
@@ -257,9 +264,12 @@ void SaveJob::on_io(IoRequest* r, int64_t res) {
     fail(opt_.files->error(r, res, f.path));
   } else {
     bytes_written_ += c.data_len;
+    zstored_ += r->len;
     written = true;
   }
-  if (slot_refs_[r->tag].load())
+  if (!zframe_.empty() && zframe_[r->tag])
+    frame_written(r->tag);  // the slot went back when the frame was made
+  else if (slot_refs_[r->tag].load())
     slot_done(r->tag);  // the checksum may still be reading it
   else
     return_slot(r->buf, written);
@@ -382,6 +392,8 @@ SaveStats SaveJob::stats() const {
   s.unpinned_bytes = pool_->unpinned_bytes();
   s.backend = backend_name_;
   s.rewrites = opt_.files->rewrites();
+  s.bytes_stored = zstored_.load();
+  s.compress_s = zns_.load() * 1e-9;
   for (auto& f : files_)
     if (f->fd.load() >= 0) (f->direct.load() ? s.files_direct : s.files_buffered)++;  // not linked ones
   return s;

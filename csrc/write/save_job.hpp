@@ -26,8 +26,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "core/aligned_buffer.hpp"
 #include "core/defaults.hpp"
 #include "core/job_control.hpp"
 #include "io/backend.hpp"
@@ -55,6 +57,10 @@ struct FileSpec {
   // is hard-linked to `path` and nothing is written.
   std::string link_from;
   std::vector<ExpectedPiece> expected;
+  // Compressed (save_compress.cpp) when not empty: (offset, element width) runs
+  // sorted by offset, each up to the next; a chunk's planes are cut at the width
+  // that covers most of its bytes (1 before the first run: the header).
+  std::vector<std::pair<uint64_t, unsigned>> planes;
 };
 
 // What became of a held file (SaveJob::held_results).
@@ -89,6 +95,8 @@ struct SaveOptions {
   // Set by the caller to stop a start() that still waits for the staging pool
   // (a first save faulting in its slab): start() then throws, nothing started.
   std::shared_ptr<std::atomic<bool>> abort;
+  // zstd level for the files whose FileSpec has planes (codec.hpp).
+  int compress_level = defaults::kCompressLevel;
 };
 
 // Where one chunk of a held save lies: stripe, offset in it, bytes, and the
@@ -113,6 +121,8 @@ struct SaveStats {
   std::string backend;
   unsigned files_direct = 0, files_buffered = 0;
   uint64_t rewrites = 0;  // chunks written again (JobFiles::rewrites)
+  uint64_t bytes_stored = 0;  // sent to the files: frames of compressed chunks, padded, and the others
+  double compress_s = 0;      // thread-seconds spent compressing
 };
 
 class SaveJob {
@@ -156,6 +166,9 @@ class SaveJob {
   uint64_t bytes_total() const { return bytes_total_; }
   // Per file (held or not): what became of it. Final once checksummed().
   std::vector<HeldResult> held_results() const;
+  // Per file, per chunk in file order: the frame's length, 0 where the chunk was
+  // written as staged (not compressed, or zstd did not shrink it a page). Final once done.
+  std::vector<std::vector<uint64_t>> chunk_frames() const;
 
  private:
   struct File {
@@ -191,6 +204,12 @@ class SaveJob {
   void return_slot(char* buf, bool written);
   void slot_done(size_t ci);
   void write_chunk(size_t ci);
+  // Compressed saves (save_compress.cpp).
+  void init_compress();
+  bool compress_chunk(size_t ci);  // false: cancelled (the slot went back)
+  void frame_written(size_t ci);
+  char* slot_of(size_t ci) const;
+  void wake_frames();
   void on_io(IoRequest* req, int64_t res);
   void fail(std::exception_ptr e);
   bool has_landed() const;
@@ -198,8 +217,10 @@ class SaveJob {
   double since_start() const;
   // Staging (save_staging.cpp).
   void copy_worker();
+  void write_staged(std::vector<size_t>& unwritten);
   bool write_landed_chunk();
-  void stage_host_chunk(size_t& claimed, const std::function<bool()>& interrupt, std::vector<size_t>& unhashed);
+  void stage_host_chunk(size_t& claimed, const std::function<bool()>& interrupt, std::vector<size_t>& unhashed,
+                        std::vector<size_t>& unwritten);
   bool hash_own_chunks(std::vector<size_t>& unhashed);
   void copy_host_chunk(size_t ci, char* slot, bool hash);
   void hash_host_chunk(size_t ci);
@@ -262,6 +283,20 @@ class SaveJob {
   std::atomic<double> grow_pin_s_{0};
   StagingWait staging_wait_;
   std::chrono::steady_clock::time_point t0_;
+
+  // Compressed saves: per chunk the plane width (0: written as staged), its
+  // frame's length (0: none), the frame while its write is queued, and the slot
+  // it was made from; frames are recycled through zfree_ (at most zmax_ made).
+  std::vector<uint8_t> zwidth_;
+  std::vector<uint64_t> zframe_;
+  std::vector<std::unique_ptr<AlignedBuffer>> zheld_;
+  std::vector<char*> zslot_;
+  std::mutex zmu_;
+  std::condition_variable zcv_;
+  std::vector<std::unique_ptr<AlignedBuffer>> zfree_;
+  size_t zmade_ = 0, zmax_ = 0;
+  std::atomic<uint64_t> zstored_{0};
+  std::atomic<uint64_t> zns_{0};  // compress time, ns
 
   std::mutex fallback_mu_;
   // Per file, null when not held; holding_ once the pool holds every slot of the save.

@@ -42,10 +42,23 @@ void SaveJob::copy_host_chunk(size_t ci, char* slot, bool hash) {
 // A deferred chunk, from its slot (its write may be in flight: both only read).
 void SaveJob::hash_host_chunk(size_t ci) {
   const Chunk& c = plan_.chunks[ci];
-  const char* slot = requests_[ci].buf;
+  const char* slot = slot_of(ci);
   for (uint32_t i = 0; i < c.piece_count; ++i) {
     const Piece& p = plan_.pieces[c.first_piece + i];
     hashes_[p.hash_index] = checksum(slot + p.chunk_offset, p.len);
+  }
+}
+
+// A compressed save's deferred chunks, once staging is over: checksummed, then
+// compressed and queued (compressing while staging would lengthen the stall).
+// Whatever ends the thread first, the slots not handed to write_chunk go back.
+void SaveJob::write_staged(std::vector<size_t>& unwritten) {
+  while (!unwritten.empty()) {
+    if (ctl_.cancelled() || failed()) return;
+    const size_t ci = unwritten.back();
+    hash_host_chunk(ci);
+    unwritten.pop_back();
+    write_chunk(ci);
   }
 }
 
@@ -72,16 +85,26 @@ void SaveJob::copy_worker() {
       for (size_t ci : list) job->slot_done(ci);
     }
   } unhashed_guard{this, unhashed};
+  std::vector<size_t> unwritten;  // deferred chunks of a compressed file (write_staged)
+  struct Unwritten {
+    SaveJob* job;
+    std::vector<size_t>& list;
+    ~Unwritten() {
+      for (size_t ci : list) job->return_slot(job->requests_[ci].buf, false);
+    }
+  } unwritten_guard{this, unwritten};
   try {
     for (;;) {
       if (ctl_.cancelled()) return;
       if (gpu && write_landed_chunk()) continue;
       if (claimed != SIZE_MAX || next_chunk_.load() < host_chunks_.size()) {
-        stage_host_chunk(claimed, interrupt, unhashed);
+        stage_host_chunk(claimed, interrupt, unhashed, unwritten);
         continue;
       }
       // Every host chunk is staged: checksum this thread's own, from the slots.
       if (!hash_own_chunks(unhashed)) return;
+      write_staged(unwritten);
+      if (!unwritten.empty()) return;
       if (!gpu) return;
       // Only device chunks are left: wait for the next one to land.
       std::unique_lock<std::mutex> lk(ctl_.mutex());
@@ -120,7 +143,7 @@ bool SaveJob::write_landed_chunk() {
 // wait that ends without one (cancelled, or a landed chunk to write first)
 // keeps the claim in `claimed`.
 void SaveJob::stage_host_chunk(size_t& claimed, const std::function<bool()>& interrupt,
-                               std::vector<size_t>& unhashed) {
+                               std::vector<size_t>& unhashed, std::vector<size_t>& unwritten) {
   if (claimed == SIZE_MAX) {
     claimed = next_chunk_.fetch_add(1);
     if (claimed >= host_chunks_.size()) {
@@ -135,6 +158,11 @@ void SaveJob::stage_host_chunk(size_t& claimed, const std::function<bool()>& int
   // A held chunk is checksummed as it is copied: its file is decided by them.
   const bool defer = defer_hash_ && !is_held(ci);
   copy_host_chunk(ci, slot, !defer);
+  if (defer && !zwidth_.empty() && zwidth_[ci]) {
+    unwritten.push_back(ci);
+    chunk_staged();
+    return;
+  }
   if (defer) {
     slot_refs_[ci].store(2);
     unhashed.push_back(ci);

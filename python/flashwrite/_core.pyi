@@ -86,6 +86,8 @@ class _SaveStats(TypedDict):
     staging_wait_s: float  # seconds the save waited for staging memory (wall time of its threads' waits)
     staging_wait_reason: str  # "fault-in", "pin", "pool busy" or "" (never waited)
     unpinned_bytes: int  # bytes of the pool whose registration failed
+    bytes_stored: int
+    compress_s: float
 
 class _CudaInfo(TypedDict):
     available: bool | None  # None: found, not initialised (cuda_info(initialize=False))
@@ -151,6 +153,8 @@ class SaveJob:
     def held_results(self) -> list[tuple[int, int]]:
         """(outcome, errno) per file: 0 not held, 1 linked, 2 changed (written), 3 link
         refused (written), 4 pool too small to hold (written), 5 undecided (failed)."""
+    def chunk_frames(self) -> list[list[int]]:
+        """Per file, per chunk in file order: its frame's length, 0 written as staged."""
     def release_slots(self) -> None:
         """Give a held save's slots back to the pool (after the job is done)."""
 
@@ -163,7 +167,8 @@ class Engine:
                    backend: str = "auto", queue_depth: int = ..., copy_threads: int = ...,
                    direct: bool = True, streams: Sequence[Stream] = ..., hold_slots: bool = False,
                    host_files: Sequence[HostFile] = ..., remote: Any = None,
-                   held: Sequence[HeldFile] = ...) -> SaveJob:
+                   held: Sequence[HeldFile] = ..., planes: Sequence[Sequence[tuple[int, int]]] = ...,
+                   compress_level: int = 1) -> SaveJob:
         """Open the stripes and start staging + writing; keepalive must own every
         segment address until staged. host_files: more host-memory segments as a
         plan's columns (no tuple per tensor). Returns once the GPU copies are ordered after
@@ -222,7 +227,7 @@ def start_load(files: Sequence[LoadFile], pieces: Sequence[Piece], backend: str 
                queue_depth: int = ..., chunk_bytes: int = ..., verify_threads: int = ...,
                direct: bool = True, placements: Sequence[Placement] = ...,
                streams: Sequence[Stream] = ..., remote: object = None,
-               keepalive: object = None) -> LoadJob:
+               keepalive: object = None, frames: Sequence[Sequence[int]] = ...) -> LoadJob:
     """Read files, verifying pieces as chunks arrive. Placed bytes go through bounce
     buffers (pinned when some go to a GPU): each chunk is verified, then copied out on
     the job's threads; the rest of a file is read whole into an aligned buffer.
@@ -339,6 +344,14 @@ def cuda_info(initialize: bool = True) -> _CudaInfo:
     """The CUDA runtime flashwrite uses. initialize=False never initialises CUDA
     (dlopen, symbols and versions only), unless it already was."""
 # ---- nfs:// (csrc/io/nfs_client, csrc/python/nfs_bindings.cpp): libnfs loaded at run time
+def zstd_support() -> dict[str, Any]:
+    """{'usable': bool, 'version': str | None, 'error': str | None}: libzstd, loaded at run time."""
+def codec_compress(data: _BufferLike, width: int, level: int = 1) -> bytes:
+    """One frame (codec.hpp): ``data`` split into ``width``-byte planes, each zstd'd or stored."""
+def codec_decompress(data: _BufferLike, raw_len: int) -> bytes:
+    """The ``raw_len`` bytes a frame holds; CorruptCheckpointError when malformed or short."""
+def codec_rate(data: _BufferLike, width: int, level: int = 1, repeat: int = 1) -> tuple[int, float, float]:
+    """(frame bytes, compress s, decompress s) per pass on one thread, round trip checked."""
 def nfs_support() -> dict[str, Any]:
     """{'compiled', 'usable', 'reason' (why not, or None), 'headers', 'library' (the libnfs loaded)}."""
 def nfs_available() -> bool:

@@ -170,6 +170,12 @@ class SaveStats:
     rechecked_bytes: int = 0
     watch_misses: int = 0
     incremental: str = ""
+    # Compressed saves (Writer(compress=)): compress says "off", "on" or "auto: on|off
+    # (why)"; bytes_stored is what was sent to the files (frames padded to 4 KiB and the
+    # chunks written plain), compress_s the copy threads' seconds compressing.
+    compress: str = "off"
+    bytes_stored: int = 0
+    compress_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
     @property

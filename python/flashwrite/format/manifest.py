@@ -16,7 +16,9 @@ from .._core import CHECKSUM_ALGORITHM
 # 4: tensors, tree and aliases are stored packed (columns, zlib, base64) in "packed".
 # Every version ever written stays readable (fixtures under tests/data/).
 FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 5: a file entry may carry "codec" (a compressed stripe, format/codec.py); only
+#    checkpoints with one are written as 5, the others stay 4.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 SEALED_SINCE = 3  # manifests of this version and later must carry manifest_checksum
 PACKED_SINCE = 4  # manifests of this version and later may carry their table packed
 SEAL_FIELD = "manifest_checksum"
@@ -33,6 +35,7 @@ class FileEntry:
     name: str
     size: int
     header_bytes: int
+    frames: tuple[int, ...] = ()  # compressed: each chunk's frame length, 0 stored plain (format/codec.py)
 
 
 class TensorEntry(NamedTuple):
@@ -112,9 +115,12 @@ def build_manifest(files: list[Any], checksums: dict[str, list[int]], aliases: d
                     aliases, tree, block_bytes, writer_version, metadata, ranks=rank_info or None, hf=hf)
 
 
-def build_index(m: dict) -> dict:
+def build_index(m: dict) -> dict | None:
     """Hugging Face's model.safetensors.index.json: every tensor, or with an ``hf``
-    section (``hf_model=``) only the model's, so from_pretrained sees just the model."""
+    section (``hf_model=``) only the model's, so from_pretrained sees just the model;
+    None for a compressed checkpoint."""
+    if any(f.get("codec") for f in m["files"]):
+        return None  # compressed stripes are no safetensors: no index for Hugging Face to follow
     names = [f["name"] for f in m["files"]]
     listed = set(m["hf"]["files"]) if m.get("hf") else set(names)
     mine = {k: t for k, t in m["tensors"].items() if names[t["file"]] in listed}

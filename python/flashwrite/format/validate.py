@@ -29,6 +29,7 @@ from .manifest import (
     FileEntry,
     Manifest,
 )
+from .codec import check_codec
 from .table import check_table, checked_int
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # used with fullmatch: no trailing newline
@@ -113,7 +114,7 @@ def _parse_manifest(data: bytes, sealed: bool) -> Manifest:
     if sealed:
         check_manifest_seal(raw)
     version, block = _check_heading(raw)
-    files = _check_files(raw.get("files"))
+    files = _check_files(raw.get("files"), version, block)
     keys, cols, sums, tree, aliases = _table_columns(raw, version)
     tensors = check_table(keys, cols, sums, files, block)
     if not isinstance(aliases, dict) or not all(isinstance(v, str) and v in tensors for v in aliases.values()):
@@ -142,7 +143,7 @@ def _check_heading(raw: Any) -> tuple[int, int]:
     return version, block
 
 
-def _check_files(rfiles: Any) -> list[FileEntry]:
+def _check_files(rfiles: Any, version: int, block: int) -> list[FileEntry]:
     """The stripe list: plain, unique names; sizes and header lengths in range."""
     if not isinstance(rfiles, list) or len(rfiles) > MAX_FILES:
         raise _bad("files must be a list")
@@ -157,7 +158,10 @@ def _check_files(rfiles: Any) -> list[FileEntry]:
         seen_names.add(name)
         size = checked_int(f.get("size"), f"{name}.size", 8)
         hb = checked_int(f.get("header_bytes"), f"{name}.header_bytes", 8, min(size, MAX_HEADER_BYTES + 8))
-        files.append(FileEntry(name, size, hb))
+        frames: tuple[int, ...] = ()
+        if "codec" in f:
+            frames = check_codec(f["codec"], name, size, version, block)[1]
+        files.append(FileEntry(name, size, hb, frames))
     return files
 
 

@@ -37,6 +37,7 @@ from ..errors import CorruptCheckpointError
 from ..state.flatten import FlatTensor, flatten, unflatten
 from ..format import Manifest, TensorEntry, read_manifest, select_rank
 from ..format.hints import not_a_checkpoint
+from ..format.codec import is_compressed
 from ..future import reap_later
 from .read_plan import stored_dtype
 from ..targets.locate import Located
@@ -184,10 +185,13 @@ class CheckpointDir:
             t0 = time.perf_counter()
             # The job holds `targets`, `hosted`, `owned`, `headers` and `stripes` (the destinations) until it
             # is joined, whatever order an interrupted frame frees its locals in.
-            job = _core.start_load(specs, pieces, backend, queue_depth, _read_chunk(m.block_bytes),
+            # A compressed stripe is read chunk by chunk as it was framed (chunk = checksum block).
+            frames = [list(m.files[fi].frames) for fi in file_ids] if is_compressed(m) else []
+            job = _core.start_load(specs, pieces, backend, queue_depth,
+                                   m.block_bytes if frames else _read_chunk(m.block_bytes),
                                    defaults.VERIFY_THREADS, direct, placements=placements,
                                    streams=streams, remote=self.files,  # the target's native_files()
-                                   keepalive=(targets, hosted, owned, headers, stripes))
+                                   keepalive=(targets, hosted, owned, headers, stripes), frames=frames)
         try:
             job.wait()
         except BaseException:

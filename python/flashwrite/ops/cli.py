@@ -19,6 +19,7 @@ from .common import OK, PROBLEM, Problem, guarded, print_json, print_table
 from .convert import convert
 from .diff import diff
 from .inspect import inspect, summarised_leaves
+from ..format.codec import LABEL as COMPRESSED_LABEL
 from .ls import list_checkpoints, list_local, to_json
 from .progress import Progress
 from .sources import FORMATS
@@ -59,6 +60,8 @@ def cmd_ls(a: argparse.Namespace) -> int:
         for e in entries:
             if e.problem:
                 print(f"  {e.name}: {e.status}: {e.problem}", file=sys.stderr)
+            elif e.compressed:
+                print(f"  {e.name}: {COMPRESSED_LABEL} (flashwrite convert writes plain files)")
     return PROBLEM if any(e.status == "damaged" for e in entries) else OK
 
 
@@ -74,6 +77,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           f"on {_when(r['created_unix'])}\n  {t['tensors']} tensors, {fmt_bytes(t['bytes'])} of tensor data in "
           f"{s['stripes']} stripe(s) ({fmt_bytes(t['file_bytes'])} on disk), chunk {fmt_bytes(s['chunk_bytes'])}, "
           f"{r['checksum']['algorithm']} checksums" + (f", {s['world_size']} ranks" if s["world_size"] != 1 else ""))
+    if r["compression"]:
+        c = r["compression"]
+        print(f"  {c['label']}: {fmt_bytes(c['stored_bytes'])} stored, {c['ratio']:.2f}x "
+              "(flashwrite convert writes plain safetensors)")
     if t["linked_bytes"]:
         print(f"  incremental: {fmt_bytes(t['written_bytes'])} written, {fmt_bytes(t['linked_bytes'])} hard-linked "
               f"from {t['base'] or 'an earlier checkpoint'}")

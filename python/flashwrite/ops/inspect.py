@@ -6,6 +6,8 @@ import fnmatch
 import re
 from typing import Any
 
+from ..format.codec import CODEC_NAME, LABEL, is_compressed
+
 from ..format import Manifest
 from ..targets.locate import locate
 from ..targets.target import shown
@@ -63,6 +65,7 @@ def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
                      "world_size": ranks.get("world_size") if ranks else 1},
         "metadata": m.metadata,
         "stripes": [{"name": f.name, "bytes": f.size, "header_bytes": f.header_bytes} for f in m.files],
+        "compression": compression(m),
         "totals": {"tensors": len(m.tensors), "bytes": sum(e.nbytes for e in m.tensors.values()),
                    "file_bytes": sum(f.size for f in m.files), "aliases": len(m.aliases),
                    # incremental saves: of file_bytes, written by its save / hard-linked from base
@@ -101,3 +104,16 @@ def summarised_leaves(leaves: dict[str, Any], limit: int = 8) -> list[list[str]]
             rows.append([items[i][0], repr(items[i][1])[:80]])
             i += 1
     return rows
+
+
+def compression(m: Manifest) -> dict[str, Any] | None:
+    """None for plain stripes; else the codec, what no tool must mistake them for, and
+    the bytes the frames take (each padded to 4 KiB; chunks stored plain at full span)."""
+    if not is_compressed(m):
+        return None
+    block, stored = m.block_bytes, 0
+    for f in m.files:
+        for k, n in enumerate(f.frames or [0] * -(-f.size // block)):
+            stored += -(-n // 4096) * 4096 if n else min(block, f.size - k * block)
+    total = sum(f.size for f in m.files)
+    return {"codec": CODEC_NAME, "label": LABEL, "stored_bytes": stored, "ratio": total / stored if stored else None}

@@ -54,6 +54,7 @@ class Entry:
     # checkpoint (incremental saves; a checkpoint without links wrote all of it)
     written_bytes: int | None = None
     linked_bytes: int | None = None
+    compressed: bool = False  # storage: its stripes are compressed (format/codec.py): not plain safetensors
 
 
 def read_json_small(path: str, limit: int = MAX_MANIFEST_BYTES, target: Target = LOCAL) -> Any:
@@ -150,6 +151,7 @@ def describe(path: str, name: str | None = None, target: Target = LOCAL) -> Entr
     if e.tensors is None:
         e.status, e.problem = "damaged", "manifest: tensors must be an object"
     e.created_unix = _num(raw.get("created_unix"))
+    e.compressed = isinstance(files, list) and any(isinstance(f, dict) and f.get("codec") for f in files)
     wv = raw.get("writer_version")
     e.writer_version = wv[:40] if isinstance(wv, str) else None
     meta = raw.get("metadata")

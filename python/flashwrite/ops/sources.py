@@ -213,13 +213,29 @@ class FlashwriteSource(Source):
         e = self.m.tensors[item.key]
         fname = self.m.files[e.file].name  # a plain name: checked by the manifest parser
         for (off, n), h in zip(piece_ranges(e.offset, e.nbytes, self.m.block_bytes), e.checksums):
-            data = self.target.read_at(os.path.join(self.root, fname), off, n)
+            data = self._read(e.file, off, n)
             got = _core.checksum(data) if len(data) == n else None
             if got != int(h, 16):
                 raise ChecksumMismatchError(f"checksum mismatch in {fname}, tensor {e.key!r} at file offset {off}",
                                             file=fname, tensor=e.key, offset=off, expected=h,
                                             actual=f"{got:016x}" if got is not None else "short read")
             yield memoryview(data)
+
+    def _read(self, fi: int, off: int, n: int) -> bytes:
+        """n bytes at off of stripe fi, as stored; a compressed chunk decoded whole (and
+        kept for the next piece inside it)."""
+        f, block = self.m.files[fi], self.m.block_bytes
+        path = os.path.join(self.root, f.name)
+        k = off // block
+        frame = f.frames[k] if f.frames else 0
+        if not frame:
+            return self.target.read_at(path, off, n)
+        cached = getattr(self, "_chunk", None)
+        if cached is None or cached[0] != (fi, k):
+            raw_len = min(block, f.size - k * block)
+            cached = self._chunk = ((fi, k), _core.codec_decompress(self.target.read_at(path, k * block, frame),
+                                                                   raw_len))
+        return cached[1][off - k * block: off - k * block + n]
 
 
 # --------------------------------------------------------------------- torch.save

@@ -9,6 +9,7 @@ returned ``SaveFuture`` (``future.py``) tracks the save from staging to commit.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import inspect
 import logging
 import os
@@ -20,6 +21,7 @@ import torch
 
 from .. import _core, defaults
 from . import commit, distributed
+from . import compress as _compress
 from . import hf
 from ..targets import tuning
 from ..incremental import link as _incremental
@@ -64,13 +66,19 @@ class Writer:
     from it instead of written (``flashwrite.incremental``; per save:
     ``save_async(incremental=)``). With local_snapshots the snapshot is whole and the
     unchanged stripes are linked on storage.
+    compress: None (default), "zstd" or "auto": lossless compression of each chunk (byte
+    planes + zstd) on the copy threads, after staging; "auto" only where the target's
+    measured rate is below what the cores compress (``saving/compress.py``). A
+    compressed checkpoint is not plain safetensors (``flashwrite convert`` writes
+    plain files); incremental saves, hf_model= and multi-rank saves refuse it.
     """
 
     def __init__(self, stripes: int | None = None, queue_depth: int | None = None,
                  chunk_bytes: int | None = None, backend: str = "auto", direct: bool = True,
                  max_staging_bytes: int | None = None, copy_threads: int | None = None, *,
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None,
-                 neighbour_copies: bool = False, reserve: Any = None, incremental: bool = False):
+                 neighbour_copies: bool = False, reserve: Any = None, incremental: bool = False,
+                 compress: str | None = None):
         # Settings not given here come, per save, from a tuning saved for the target's
         # file system (`flashwrite tune --save`), else from defaults.py.
         self._explicit = {k for k, v in (("stripes", stripes), ("queue_depth", queue_depth),
@@ -98,6 +106,9 @@ class Writer:
         if neighbour_copies and not local_snapshots:
             raise ValueError("neighbour_copies=True needs local_snapshots=True")
         self.incremental = bool(incremental)
+        self.compress = _compress.check_mode(compress)
+        if self.compress is not None and self.incremental:
+            raise ValueError(_compress.refusal(True, False, False))
         self._bases = _incremental.BaseCache()
         self._tier = LocalTier(local_dir, neighbour_copies) if local_snapshots else None
         self._engine = self._new_engine(chunk_bytes, max_staging_bytes or 0)
@@ -219,11 +230,20 @@ class Writer:
         must exist; nothing is committed); ``remote``: its target's ``native_files()``. The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
         settings = self._settings_for(directory)
+        on, why = _compress.decide(self.compress, directory, self.copy_threads)
+        if on:
+            refused = _compress.refusal(incremental is not None, hf_model is not None, prefix != "model")
+            if refused and self.compress == "zstd":
+                raise ValueError(refused)
+            if refused:
+                on, why = False, f"auto: off ({refused.split(':')[0].split(' (')[0]})"
         sw = _write.start(self._engine, state_dict, directory, t0, stripes=settings["stripes"], backend=self.backend,
                           queue_depth=settings["queue_depth"], copy_threads=self.copy_threads, direct=self.direct,
                           prefix=prefix, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model,
-                          hold_slots=hold_slots, incremental=incremental, remote=remote)
+                          hold_slots=hold_slots, incremental=incremental, remote=remote, compress=on)
         sw.stats.settings = settings
+        sw.stats.compress = why
+        sw.on_durable = functools.partial(_compress.observe, directory, copy_threads=self.copy_threads)
         return sw
 
     def incremental_wiring(self, on: bool = True, *, view: Callable[[Any], Any] | None = None,
@@ -299,6 +319,7 @@ class Writer:
         if extra_files is not None:
             extra.update(commit.extra_files(extra_files, reserved=tuple(extra)))
         incr = self.incremental if incremental is None else bool(incremental)
+        _compress.check_save(self.compress, incr, hf_model is not None, process_group is not None)
         if process_group is not None or coordination_group is not None:
             return distributed.save_async(
                 self, state_dict, path, process_group=process_group, coordination_group=coordination_group,

@@ -24,6 +24,8 @@ from ..system import cuda as _cuda
 from .. import defaults as _defaults
 from ..state.flatten import diagnose, flatten_columns
 from ..format import build_manifest
+from ..format import codec
+from . import compress as _compress
 from ..future import SaveStats, stop_job
 from ..incremental.link import annotate
 from ..layout.plan import PlannedFile, plan_files
@@ -44,14 +46,16 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
           copy_threads: int, direct: bool, prefix: str = "model", allow_pickle: bool = False,
           metadata: dict[str, str] | None = None, hf_model: str | None = None,
           hold_slots: bool = False, incremental: Callable[..., Any] | None = None,
-          remote: object | None = None) -> StripeWrite:
+          remote: object | None = None, compress: bool = False) -> StripeWrite:
     """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
     must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses).
     hf_model: the key of a model state dict whose tensors get stripes of their own,
     under their own names, for Hugging Face's index (see ``hf.py``).
     incremental: an ``incremental.Planner``: plans the stripes instead, linking into
     ``directory`` those that did not change since the checkpoint it compares with; only
-    the others are staged and written."""
+    the others are staged and written.
+    compress: frame the stripes' chunks with the native codec (``compress.py``); the
+    caller has refused what cannot be compressed (incremental, hf_model)."""
     with gcpause.paused():  # per-tensor work: see gcpause
         try:
             # Unchecked: a tensor with no plain bytes fails below (no data pointer, no
@@ -74,6 +78,11 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                 hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
                 if rest:
                     files += plan_files(rest, stripes, prefix=hf.STATE_PREFIX, metadata=metadata)
+            planes = []
+            if compress:
+                for f in files:
+                    f.name = codec.stripe_name(f.name)
+                planes = _compress.plane_runs(files)
             written = iplan.staged if iplan is not None else files  # held files too: linked or written by the job
             keepalive, segments, host_files, streams = _stage_sources(written)
             if iplan is not None:
@@ -85,7 +94,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
                             hold_slots=hold_slots, host_files=host_files,
                             remote=remote,  # the target's native_files(): nfs://, straight to the server
-                            held=held.specs(iplan) if iplan is not None else [])
+                            held=held.specs(iplan) if iplan is not None else [], planes=planes)
     pin_warned = bool(streams and engine.pin_error)
     if pin_warned:
         _warn_unpinned(engine.pin_error)
@@ -95,6 +104,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     sw = StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
     sw.hf_section = hf_section
     sw.pin_warned = pin_warned  # a GPU save pins on its own thread: a failure there is warned of once durable
+    sw.compressed = bool(planes)
     if iplan is not None:
         sw.incremental = iplan
         _incremental_stats(stats, iplan)
@@ -183,6 +193,8 @@ class StripeWrite:
         self.hf_section: dict | None = None  # which stripes Hugging Face's index lists (hf_model=)
         self.incremental: Any = None  # the incremental.Plan when some stripes are linked, not written
         self._manifest: dict | None = None
+        self.compressed = False  # frames recorded once the job is done (wait_durable)
+        self.on_durable: Callable[..., None] | None = None  # compress.observe: the target's rate
 
     def wait_durable(self) -> dict:
         """Wait until every stripe is written and fsync'd (raising what failed) and
@@ -203,9 +215,21 @@ class StripeWrite:
         stats.unpinned_bytes = native["unpinned_bytes"]
         if stats.unpinned_bytes and native["device_bytes"] and not getattr(self, "pin_warned", True) and self.engine.pin_error:
             _warn_unpinned(self.engine.pin_error)
+        stats.bytes_stored = native["bytes_stored"]
+        if self.on_durable is not None:
+            self.on_durable(native["bytes_stored"], native["done_s"], self.compressed, stats.bytes_written,
+                            native["compress_s"])
+        if self.compressed:
+            stats.compress_s = native["compress_s"]
+            stats.extra["compress_ratio"] = stats.bytes_written / max(1, native["bytes_stored"])
         if native["backend"] == "nfs":  # chunks sent again: a COMMIT came back under another write verifier
             stats.extra["nfs_rewrites"] = native["rewrites"]
-        return self.manifest()
+        m = self.manifest()
+        if self.compressed and m["files"] and "codec" not in m["files"][0]:
+            for fe, frames in zip(m["files"], self.job.chunk_frames()):
+                fe["codec"] = codec.entry(self.engine.chunk_bytes, frames)
+            m["format_version"] = codec.COMPRESSED_SINCE
+        return m
 
     def manifest(self) -> dict:
         """This write's manifest; valid once the job is checksummed (every byte staged).
@@ -219,6 +243,8 @@ class StripeWrite:
         being written and fsync'd (its CPU work then overlaps the I/O); None if the job
         failed or was cancelled first (``wait_durable`` raises why)."""
         self.job.wait_checksummed()
+        if self.compressed:
+            return None  # the frames are known only once written (wait_durable)
         return self.manifest() if self.job.checksummed else None
 
     def _build_manifest(self) -> dict:

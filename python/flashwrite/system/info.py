@@ -35,6 +35,7 @@ def backend_info(path: str | os.PathLike | None = None, *, initialize_cuda: bool
         "io_uring_error": None if ring_err == 0 else f"{_errno.errorcode.get(ring_err, ring_err)}: {os.strerror(ring_err)}",
         "liburing": _core.io_uring_library(),
         "nfs": _core.nfs_support(),
+        "zstd": _core.zstd_support(),  # Writer(compress=): libzstd, loaded at run time
         "directory": os.path.abspath(directory),
         "direct_io": _core.probe_direct(directory),
         "checksum": _core.CHECKSUM_ALGORITHM,
