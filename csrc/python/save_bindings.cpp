@@ -223,13 +223,13 @@ auto none_if_empty(std::string (Engine::*get)() const) {
   };
 }
 
-// What an interrupted wait does before it raises: the save is abandoned, and its
-// threads have stopped reading the sources and writing the files.
+// What an interrupted wait does before it raises: the save is abandoned (cancelled).
+// Its writes in flight come from the pool's slots and its sources stay alive
+// (keepalive) until the job is joined, so it need not be joined here: whoever
+// holds it last joins it (~PySaveJob), and future.SaveFuture.start hands an
+// interrupted save to a thread that joins it and then removes what it wrote.
 auto stop(PySaveJob& s) {
-  return [&s] {
-    s.job->cancel();
-    s.job->wait_done(-1);
-  };
+  return [&s] { s.job->cancel(); };
 }
 
 }  // namespace

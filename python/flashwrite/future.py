@@ -240,11 +240,18 @@ class SaveFuture(CheckpointFuture):
             self.set_running_or_notify_cancel()
             submit(run)  # raises if the thread that commits was shut down meanwhile
         except BaseException as e:
-            stop_job(self._job)
-            if abandon is not None:
-                abandon(e)
-            else:
-                cleanup()
+            undo = abandon if abandon is not None else (lambda _e: cleanup())
+            job = self._job
+            if not self.done():
+                self.set_exception(e)  # nobody waits for it, and the exit has nothing to wait for
+            if isinstance(e, KeyboardInterrupt):
+                # Ctrl-C lands now: the interrupted wait has cancelled the job, which keeps
+                # its sources alive until it is joined; a thread of its own joins it and
+                # then removes what it wrote (the interpreter's exit waits for that thread).
+                clean_up_later(lambda: (stop_job(job), undo(e)), f"the save to {self.path}")
+                raise
+            stop_job(job)
+            undo(e)
             raise
         self._stats.stall_s = time.perf_counter() - self._t0
         return self

@@ -39,9 +39,9 @@ class Commit:
         raise NotImplementedError
 
     def abandon(self, error: BaseException) -> None:
-        """Staging or the launch failed (``error``): nothing will be committed. After
-        Ctrl-C the job is already stopped and joined; the removal runs on a thread of its
-        own (joined at exit) so that KeyboardInterrupt lands at once."""
+        """Staging or the launch failed (``error``): nothing will be committed; the job has
+        been stopped and joined. After Ctrl-C the removal runs on a thread of its own
+        (joined at exit) so that KeyboardInterrupt lands at once."""
         if isinstance(error, KeyboardInterrupt):
             clean_up_later(self.discard, f"the temporary directory of {self.final}")
         else:
