@@ -20,7 +20,9 @@ import os
 import sys
 from typing import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness/, wherever this is run from
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # harness/, wherever this is run from (a script has its folder first already);
+    sys.path.append(_HERE)  # last, when imported: its scripts' names must not shadow an importer's modules
 
 from flashwrite.ops.progress import Progress, step_logger  # noqa: E402
 from flashwrite.system.sizes import parse_size  # noqa: E402

@@ -351,11 +351,15 @@ def reap_later(job: Any) -> None:
 
 
 def join_cleanups() -> None:
-    """Wait for every clean_up_later still running."""
-    with _CLEANUPS_LOCK:
-        todo = list(_CLEANUPS)
-    for t in todo:
-        t.join()
+    """Wait for every clean_up_later still running, also those that one of them started
+    (an interrupted save's thread joins its job, then hands the removal to another)."""
+    while True:
+        with _CLEANUPS_LOCK:
+            todo = [t for t in _CLEANUPS if t.is_alive()]
+        if not todo:
+            return
+        for t in todo:
+            t.join()
 
 
 def _drain_at_exit() -> None:

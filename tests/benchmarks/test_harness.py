@@ -18,6 +18,7 @@ from harness import overhead, peers, report, runner  # noqa: E402  (benchmarks/,
 COLUMNS = ["stall_s", "durable_s", "gbps", "vs_device", "cpu_s_per_gib", "rss_growth", "load_s", "load_vs_device"]
 
 
+@pytest.mark.slow  # README suite budget (issue 36): the slow job in CI runs it
 def test_compare_writes_json_with_every_column(tmp_path):
     """The standing command's shape: {"comparison": {meta, bytes, device, memcpy, rows, targets}}."""
     out, png = tmp_path / "res.json", tmp_path / "res.png"

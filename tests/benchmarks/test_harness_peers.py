@@ -75,6 +75,7 @@ def test_bench_refuses_a_peers_file_that_is_not_there(tmp_path, trapped):
     assert not marker.exists(), marker.read_text()
 
 
+@pytest.mark.slow  # README suite budget (issue 36): the slow job in CI runs it
 def test_bench_workers_run_the_named_peers_and_nothing_from_cwd_or_dir(tmp_path, trapped):
     """The subprocess workers (one per contender and round) take the adapters from
     --peers too, and import nothing from the benchmark directory they write into."""

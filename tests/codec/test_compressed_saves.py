@@ -135,6 +135,7 @@ def test_hostile_codec_fields_are_refused(tmp_path, edit, match):
         fw.load(ck)
 
 
+@pytest.mark.slow  # README suite budget (issue 36): the slow job in CI runs it
 def test_ls_inspect_and_convert(tmp_path):
     ck, plain = str(tmp_path / "ck"), str(tmp_path / "plain")
     sd = _state()

@@ -14,7 +14,7 @@ import zipfile
 import flashwrite
 
 PKG_DIR = os.path.dirname(flashwrite.__file__)
-REPO = os.path.dirname(os.path.dirname(PKG_DIR))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/house/ -> the checkout
 BUILD_WHEELS = os.path.join(REPO, "tools", "build_wheels.sh")
 # What only the command draws with (tables, bars, charts): never loaded by `import flashwrite`.
 CLI_ONLY = ("rich", "tqdm", "matplotlib")

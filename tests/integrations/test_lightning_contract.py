@@ -101,6 +101,7 @@ def test_plugin_pickles_with_a_writer_and_the_copy_saves(tmp_path):
     assert isinstance(back.strategy.checkpoint_io, FlashwriteCheckpointIO)
 
 
+@pytest.mark.slow  # README suite budget (issue 36): the slow job in CI runs it
 def test_ddp_spawn_fits_with_the_plugin(tmp_path):
     out = _json(_child("spawn", tmp_path / "ck"))
     assert out["files"] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]  # saved by rank 0 of the spawned two

@@ -27,6 +27,7 @@ def _run(root, epochs):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # README suite budget (issue 36): the slow job in CI runs it
 def test_readme_lightning_snippet_runs_and_resumes(tmp_path):
     first = _run(tmp_path, 3)
     assert first["monitor"] == "val_loss"

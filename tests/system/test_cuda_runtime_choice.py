@@ -19,6 +19,7 @@ def _cxx(*args):
     subprocess.run([*args], check=True, capture_output=True, timeout=300)
 
 
+@pytest.mark.slow  # README suite budget (issue 36): the slow job in CI runs it
 def test_torch_runtime_is_found_through_libtorch_cuda(tmp_path):
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:

@@ -79,7 +79,7 @@ def _load(where: Located, process_group: Any, options: dict) -> Any:
             return load_foreign(where, map_location=map_location, backend=backend, direct=direct,
                                 queue_depth=queue_depth)
         if process_group is not None:
-            return distributed.load(where, process_group=process_group, **options)
+            return load_rank(where, process_group=process_group, **options)
         return load_state(where, **options)
     path = where.given
     indexed = foreign.indexed_dir(os.fspath(path))

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from . import commit
 from ..format import build_index
-from ..future import SaveFuture, SaveStats, clean_up_later
+from ..future import SaveFuture, SaveStats, clean_up_later, join_cleanups
 from ..targets.target import Target
 from ..tier.node import LocalSave, LocalTier
 from .write import StripeWrite, StripeWriter
@@ -124,6 +124,9 @@ class SaveSession:
         wiring = write_options.pop("incremental", None)
         make_planner = wiring.planner(self.strategy.final, self.strategy.target, rank) if wiring is not None else None
         planner = None
+        # A save interrupted by Ctrl-C is joined and removed on a thread of its own: the next
+        # save waits for that first, so the disk and the pool hold one save's files at a time.
+        join_cleanups()
         try:
             directory = self.strategy.prepare()
             if make_planner is not None:
