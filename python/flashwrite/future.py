@@ -248,7 +248,7 @@ class SaveFuture(CheckpointFuture):
                 # Ctrl-C lands now: the interrupted wait has cancelled the job, which keeps
                 # its sources alive until it is joined; a thread of its own joins it and
                 # then removes what it wrote (the interpreter's exit waits for that thread).
-                clean_up_later(lambda: (stop_job(job), undo(e)), f"the save to {self.path}")
+                clean_up_later(lambda err=e: (stop_job(job), undo(err)), f"the save to {self.path}")  # e is unbound after except
                 raise
             stop_job(job)
             undo(e)
