@@ -225,6 +225,7 @@ def test_async_wrapper_and_save_outside_fit_release_the_writer(tmp_path):
     assert sorted(os.listdir(tmp_path / "a")) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
 
 
+@pytest.mark.slow
 def test_a_failure_nobody_waited_for_is_reported_when_the_plugin_goes(tmp_path, capfd):
     from fault_util import tmpfs
     with tmpfs(str(tmp_path / "small"), "2m") as small:
@@ -248,6 +249,7 @@ def test_a_failure_nobody_waited_for_is_reported_when_the_plugin_goes(tmp_path, 
 # ------------------------------------------------------------------ 9 + 10: a new process, Hydra configs
 
 
+@pytest.mark.slow
 def test_load_in_a_new_process_module_datamodule_and_dictconfig(tmp_path):
     pytest.importorskip("omegaconf", reason="omegaconf is not installed (pip install 'flashwrite[test]')")
     saved = _json(_child("save", tmp_path))

@@ -77,7 +77,8 @@ _ONE = """
 """
 
 
-@pytest.mark.parametrize("what", ["load", "verify", "into"])
+# into= also has test_ctrl_c_in_load_into_stops_writing_the_destinations in this suite.
+@pytest.mark.parametrize("what", ["load", "verify", pytest.param("into", marks=pytest.mark.slow)])
 def test_ctrl_c_in_a_load_or_verify_never_crashes(ck1g, what):
     """The segfault of issue 34: the wait was interrupted, and the interpreter's exit freed
     the destinations while the job's threads still copied into them. Loads run back to
