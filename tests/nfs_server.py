@@ -36,10 +36,18 @@ class NfsServerUnavailable(RuntimeError):
     """The server cannot start here (a package missing, not root, rpcbind not startable)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports: the sockets stay bound until all are chosen (one closed
+    before the next bind may be handed out again, and ganesha with NFS_Port equal to
+    MNT_Port fails every MOUNT: 'mount_cb: (null)', as one CI run saw)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _listening(port: int, host: str = "127.0.0.1") -> bool:
@@ -99,8 +107,9 @@ class NfsServer:
             path = os.path.join(self.workdir, "export")
             os.makedirs(path, exist_ok=True)
             self.exports.append(Export(path))
-        self.nfs_port = self.nfs_port or _free_port()
-        self.mount_port = self.mount_port or _free_port()
+        picked = [p for p in _free_ports(3) if p not in (self.nfs_port, self.mount_port)]
+        self.nfs_port = self.nfs_port or picked.pop(0)
+        self.mount_port = self.mount_port or picked.pop(0)
         try:
             self._ensure_rpcbind()
             self._write_config()
