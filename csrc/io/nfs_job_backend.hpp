@@ -10,7 +10,7 @@
 // chunk) is cut into WRITEs of at most wsize bytes, taken from one queue by every
 // connection's loop (a thread each, `depth` RPCs in flight). A request whose WRITEs
 // have all replied waits on its file's uncommitted list until a COMMIT of the file
-// (sent when the file is fully written, when a lot is uncommitted, or when nothing
+// (sent once kCommitRequests or kCommitBytes wait, when the file is fully written, or when nothing
 // else is left to send: a bounded staging pool waits for these slots). A COMMIT whose
 // verifier differs from a request's WRITE verifier sends the request again (the
 // server restarted and may have lost it); a request is reported to the job only once
@@ -38,7 +38,18 @@
 namespace fw::nfs::detail {
 
 constexpr unsigned kMaxRounds = 5;              // commit rounds before a request fails
-constexpr uint64_t kCommitBytes = 256ull << 20;  // uncommitted bytes per file that trigger a COMMIT
+// When a file's written requests are committed: once kCommitRequests of them (or
+// kCommitBytes) wait. A server writes UNSTABLE data back only when asked (or when its
+// page cache says so), and a request (with a compressed save's frame, of which there
+// are 8 + copy threads) is handed back only once committed. At 256 MiB a save's whole
+// write-back waited for the last COMMITs, after the last byte had crossed the link
+// (0.75-0.79x of a shaped 4 Gbit/s link, 0.86-0.88x at 2; nfs-cp 0.78x), and a
+// compressed save ran out of frames before any file reached the bytes, so the link
+// idled until the queue drained (1.2 GiB of trained state at 0.91x of 1 Gbit/s).
+// Committing each request overlaps the write-back with the transfer: 0.92-0.98x at
+// 1-4 Gbit/s, compressed 0.98x (docs/nfs.md sections 11-12). A COMMIT is one small RPC.
+constexpr uint64_t kCommitBytes = 32ull << 20;
+constexpr size_t kCommitRequests = 1;
 
 struct WFile;
 

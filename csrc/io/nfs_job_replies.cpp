@@ -66,7 +66,9 @@ void WriteBackend::sub_done(WLoop& lp, WReq* q, std::vector<WFile*>& commit) {
   } else {
     f.uncommitted.push_back(q);
     f.uncommitted_bytes += q->len;
-    if ((f.open == 0 && f.submitted >= f.size) || f.uncommitted_bytes >= kCommitBytes) commit.push_back(&f);
+    if ((f.open == 0 && f.submitted + f.holes >= f.size) || f.uncommitted_bytes >= kCommitBytes ||
+        f.uncommitted.size() >= kCommitRequests)
+      commit.push_back(&f);
   }
   if (queue_.empty() && open_ == 0) {
     // Nothing else to send: commit what waits (the job may be waiting for these slots).
