@@ -182,6 +182,19 @@ def test_auto_measures_first_and_stays_off_on_a_fast_disk(tmp_path):
     _same(fw.load(str(tmp_path / "c")), _state())
 
 
+def test_auto_stays_off_where_the_cores_are_not_well_ahead_of_the_target(tmp_path):
+    from flashwrite.saving import compress
+    cores = compress.core_gbps() * fw.defaults.COPY_THREADS
+    # A target that takes bytes at 0.6x what the cores compress: compressing would hold
+    # the link back on the cores that also stage and send, so auto stays off.
+    compress._target_gbps[compress.place_of(str(tmp_path / "a"))] = cores * 0.6
+    st = fw.Writer(compress="auto", chunk_bytes=CHUNK).save(_state(), str(tmp_path / "a"))
+    assert st.compress.startswith("auto: off") and "needs 2x the target" in st.compress, st.compress
+    plain = fw.Writer(chunk_bytes=CHUNK).save(_state(), str(tmp_path / "b"))
+    assert st.bytes_stored == plain.bytes_stored  # written as a plain save is
+    _same(fw.load(str(tmp_path / "a")), _state())
+
+
 def test_earlier_checkpoints_load_beside_compressed_ones(tmp_path):
     data = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
     for v in ("v1-small", "v2-small", "v3-small"):

@@ -4,11 +4,11 @@
 ``csrc/core/codec.hpp``) on the copy threads, after staging (the stall does not
 grow); the manifest records each chunk's frame (``format/codec.py``) and the
 checksums stay over the uncompressed bytes. ``"auto"``: on only where the target's
-measured rate is below what the cores compress: the rate of the last save this
-process made to the same place (bytes sent / seconds to durable), or a saved
-tuning's ``write_gbps``; with neither, off (a first save measures). The cores' rate
-is a one-time probe of the codec on weight-like bytes, replaced by what compressed
-saves measure. Off by default."""
+measured rate is below half of what the cores compress (``AUTO_MARGIN``): the rate of
+the last save this process made to the same place (bytes sent / seconds to durable),
+or a saved tuning's ``write_gbps``; with neither, off (a first save measures). The
+cores' rate is a one-time probe of the codec on weight-like bytes, replaced by what
+compressed saves measure. Off by default."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ MODES = (None, "zstd", "auto")
 _lock = threading.Lock()
 _target_gbps: dict[str, float] = {}  # place -> bytes sent per second, last save there
 _core_gbps: list[float] = []  # per copy thread, compressing
+# "auto" turns on only where the cores compress this many times faster than the target
+# takes bytes: the same threads also stage and send, and a frame must be made well ahead
+# of the link for its saving to count. At 1x, a shaped 4 Gbit/s link (target 0.46 GB/s,
+# cores 0.39-0.96) flipped between on and off, and its compressed saves took 1.01-1.08 s
+# against 0.92 s plain; at 2 Gbit/s (0.23 against 0.61) they took 1.55 s against 1.79
+# (benchmarks/compress.py, 2026-12-03, docs/nfs.md section 12).
+AUTO_MARGIN = 2.0
 
 
 def check_mode(mode: Any) -> str | None:
@@ -72,8 +79,9 @@ def decide(mode: str | None, directory: str, copy_threads: int, tuned_gbps: floa
     if link is None:
         return False, "auto: off (target not measured yet)"
     cores = core_gbps() * max(1, copy_threads)
-    on = link < cores
-    return on, f"auto: {'on' if on else 'off'} (target {link:.2f} GB/s by {src}, cores compress {cores:.2f} GB/s)"
+    on = link * AUTO_MARGIN < cores
+    return on, (f"auto: {'on' if on else 'off'} (target {link:.2f} GB/s by {src}, cores compress {cores:.2f} GB/s"
+                f"{'' if on else f', needs {AUTO_MARGIN:g}x the target'})")
 
 
 def observe(directory: str, bytes_sent: int, durable_s: float, compressed: bool, raw_bytes: int,
