@@ -508,7 +508,11 @@ class Phases:
         t0 = time.perf_counter()
         try:
             if self.hang == name:  # the tests' hook: a phase blocked for good
-                threading.Event().wait()
+                # in slices, not one Event().wait(): once in CI the cap's SIGINT did not
+                # wake a bare lock wait (a real phase stuck like that is what the 10 s
+                # grace and exit 3 are for; this hook tests the cap)
+                while True:
+                    time.sleep(0.05)
             out = fn() or {}
             rec = {"status": "measured", **out}
         except KeyboardInterrupt:
