@@ -508,11 +508,7 @@ class Phases:
         t0 = time.perf_counter()
         try:
             if self.hang == name:  # the tests' hook: a phase blocked for good
-                # in slices, not one Event().wait(): once in CI the cap's SIGINT did not
-                # wake a bare lock wait (a real phase stuck like that is what the 10 s
-                # grace and exit 3 are for; this hook tests the cap)
-                while True:
-                    time.sleep(0.05)
+                threading.Event().wait()
             out = fn() or {}
             rec = {"status": "measured", **out}
         except KeyboardInterrupt:
@@ -1076,6 +1072,11 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here (default $OUT/gpu_check.json when $OUT is set)")
     ap.add_argument("--md", help="write the table here (default $OUT/gpu_check.md when $OUT is set)")
     args = ap.parse_args()
+    # A phase's cap ends it with SIGINT -> KeyboardInterrupt. A process started with SIGINT
+    # ignored (a background job of a non-interactive shell, as CI and remote runners start
+    # scripts) gets no KeyboardInterrupt from Python: every capped phase then ran into the
+    # 10 s grace and exit 3. Install Python's handler whatever was inherited.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     outdir = os.environ.get("OUT")
     out = args.json or (os.path.join(outdir, "gpu_check.json") if outdir else None)
