@@ -10,8 +10,7 @@
 // chunk) is cut into WRITEs of at most wsize bytes, taken from one queue by every
 // connection's loop (a thread each, `depth` RPCs in flight). A request whose WRITEs
 // have all replied waits on its file's uncommitted list until a COMMIT of the file
-// (sent once kCommitRequests or kCommitBytes wait, when the file is fully written, or when nothing
-// else is left to send: a bounded staging pool waits for these slots). A COMMIT whose
+// (sent once its WRITEs have all replied). A COMMIT whose
 // verifier differs from a request's WRITE verifier sends the request again (the
 // server restarted and may have lost it); a request is reported to the job only once
 // committed under its own verifier, so its slot stays untouched until then; each
@@ -38,18 +37,15 @@
 namespace fw::nfs::detail {
 
 constexpr unsigned kMaxRounds = 5;              // commit rounds before a request fails
-// When a file's written requests are committed: once kCommitRequests of them (or
-// kCommitBytes) wait. A server writes UNSTABLE data back only when asked (or when its
-// page cache says so), and a request (with a compressed save's frame, of which there
-// are 8 + copy threads) is handed back only once committed. At 256 MiB a save's whole
-// write-back waited for the last COMMITs, after the last byte had crossed the link
-// (0.75-0.79x of a shaped 4 Gbit/s link, 0.86-0.88x at 2; nfs-cp 0.78x), and a
-// compressed save ran out of frames before any file reached the bytes, so the link
-// idled until the queue drained (1.2 GiB of trained state at 0.91x of 1 Gbit/s).
-// Committing each request overlaps the write-back with the transfer: 0.92-0.98x at
-// 1-4 Gbit/s, compressed 0.98x (docs/nfs.md sections 11-12). A COMMIT is one small RPC.
-constexpr uint64_t kCommitBytes = 32ull << 20;
-constexpr size_t kCommitRequests = 1;
+// A file's request is committed as soon as its WRITEs have replied. A server writes
+// UNSTABLE data back only when asked (or when its page cache says so), and a request
+// (with a compressed save's frame, of which there are 8 + copy threads) is handed back
+// only once committed. Committed at 256 MiB or once whole, a save's write-back waited
+// for the last COMMITs, after the last byte had crossed the link (0.75-0.79x of a
+// shaped 4 Gbit/s link, 0.86-0.88x at 2; nfs-cp 0.78x), and a compressed save ran out
+// of frames, so the link idled until the queue drained (1.2 GiB of trained state at
+// 0.91x of 1 Gbit/s). Committing each request overlaps the write-back with the
+// transfer: 0.93-0.99x at 1-4 Gbit/s, compressed 0.98x (docs/nfs.md sections 11-12).
 
 struct WFile;
 
@@ -73,7 +69,6 @@ struct WFile {
   uint64_t submitted = 0;  // bytes of requests the job has sent (first time)
   unsigned open = 0;       // requests with WRITEs not yet all replied
   std::vector<WReq*> uncommitted;
-  uint64_t uncommitted_bytes = 0;
   uint64_t durable = 0;
   uint64_t holes = 0;  // of size, left unwritten by a compressed save (frames shorter than their chunks)
 };

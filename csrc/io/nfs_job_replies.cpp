@@ -65,10 +65,7 @@ void WriteBackend::sub_done(WLoop& lp, WReq* q, std::vector<WFile*>& commit) {
     report(lp, q, static_cast<int64_t>(q->eof_at != UINT64_MAX ? q->eof_at - q->off : q->len));
   } else {
     f.uncommitted.push_back(q);
-    f.uncommitted_bytes += q->len;
-    if ((f.open == 0 && f.submitted + f.holes >= f.size) || f.uncommitted_bytes >= kCommitBytes ||
-        f.uncommitted.size() >= kCommitRequests)
-      commit.push_back(&f);
+    commit.push_back(&f);  // committed at once (nfs_job_backend.hpp: why)
   }
   if (queue_.empty() && open_ == 0) {
     // Nothing else to send: commit what waits (the job may be waiting for these slots).
@@ -127,7 +124,6 @@ void WriteBackend::send_commits(WLoop& lp, std::vector<WFile*>& files) {
     if (f->uncommitted.empty()) continue;
     std::vector<WReq*> list;
     list.swap(f->uncommitted);
-    f->uncommitted_bytes = 0;
     if (lp.dead) {
       for (WReq* q : list) {
         fail_req(q, lp.dead_err, "NFS COMMIT: " + lp.dead_msg, -1, -1);
