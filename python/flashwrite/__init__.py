@@ -10,7 +10,9 @@ from .errors import (
     CheckpointExistsError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    DistributedLoadError,
     DistributedSaveError,
+    DivergedReplicasError,
     FlashwriteError,
     UnsafeCheckpointError,
 )
@@ -42,6 +44,8 @@ __all__ = [
     "ChecksumMismatchError",
     "UnsafeCheckpointError",
     "CheckpointExistsError",
+    "DistributedLoadError",
     "DistributedSaveError",
+    "DivergedReplicasError",
     "UnsupportedTargetError",
 ]

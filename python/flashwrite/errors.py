@@ -52,3 +52,21 @@ class DistributedSaveError(FlashwriteError):
     def __init__(self, message: str, failures: dict[int, str] | None = None):
         super().__init__(message)
         self.failures = failures or {}
+
+
+class DivergedReplicasError(DistributedSaveError):
+    """Ranks declared replicas of one another (``replica_group=``) hold different bytes.
+
+    Silent data corruption on some GPU or host, or a nondeterminism bug. ``divergence``
+    lists each disagreeing piece: ``{"tensor", "piece": [start, end], "digests": {hex:
+    [ranks]}, "majority": hex or None}`` (byte ranges within the tensor, global ranks).
+    Nothing was committed."""
+
+    def __init__(self, message: str, divergence: list[dict]):
+        super().__init__(message)
+        self.divergence = divergence
+
+
+class DistributedLoadError(FlashwriteError):
+    """A multi-rank load with ``replica_group=`` failed on another rank, or a peer was
+    lost during the exchange of what each rank read."""

@@ -170,6 +170,9 @@ class SaveStats:
     rechecked_bytes: int = 0
     watch_misses: int = 0
     incremental: str = ""
+    # Multi-rank saves with replica_group= and on_divergence="warn": the pieces on which the
+    # replicas disagreed (tensor, byte range, digests by rank, majority), also in the manifest.
+    diverged: list = field(default_factory=list)
     # Compressed saves (Writer(compress=)): compress says "off", "on" or "auto: on|off
     # (why)"; bytes_stored is what was sent to the files (frames padded to 4 KiB and the
     # chunks written plain), compress_s the copy threads' seconds compressing.

@@ -50,6 +50,12 @@ def merge_manifests(manifests: list[dict]) -> dict:
     merged = assemble(files, tensors, aliases, {"t": "dict", "items": items}, first["checksum"]["block_bytes"],
                       first["writer_version"], first["metadata"], ranks={"world_size": len(manifests), "files": spans})
     merged["created_unix"] = first["created_unix"]
+    groups: dict = {}  # replica groups (replica_group=): each rank reports its own, once per group kept
+    for m in manifests:
+        for g in (m.get("replicas") or {}).get("groups", []):
+            groups.setdefault(tuple(g["ranks"]), g)
+    if groups:
+        merged["replicas"] = {"groups": [groups[k] for k in sorted(groups)]}
     return merged
 
 

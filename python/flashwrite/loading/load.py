@@ -20,6 +20,8 @@ from ..errors import CorruptCheckpointError
 from ..state.flatten import referenced_keys
 from ..format import MANIFEST_NAME
 from ..future import LoadFuture, LoadStats, launch_load
+from ..system.replicas import layout_for_load
+from .replicas import load_replicated
 from .read import CheckpointDir, LoadResult, load_foreign, load_state, read_tensors
 from ..targets.locate import Located, kind_of, locate
 
@@ -28,7 +30,8 @@ __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult", "LoadFu
 
 def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, verify: bool = True, *,
          allow_pickle: bool = False, strict: bool = True, backend: str = "auto", direct: bool = True,
-         queue_depth: int = defaults.READ_QUEUE_DEPTH, process_group: Any = None, zero_copy: bool = False) -> Any:
+         queue_depth: int = defaults.READ_QUEUE_DEPTH, process_group: Any = None, zero_copy: bool = False,
+         replica_group: Any = None, timeout: float | None = None) -> Any:
     """Load a checkpoint and return the nested structure that was saved.
 
     ``path`` may also be plain safetensors that flashwrite did not write: a
@@ -58,6 +61,12 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     process_group: return this rank's state of a checkpoint saved by every rank of
     a group of the same size (reading only its stripes). Without it, a multi-rank
     checkpoint loads as ``{rank: state}``.
+    replica_group: the ranks whose state is identical to this rank's (implies a
+    multi-rank load, on process_group or the world): each stored byte the group needs
+    is read from storage once, by one of its ranks, and exchanged over flashwrite's own
+    gloo group for it, verified where it lands (``loading/replicas.py``). Works for any
+    multi-rank checkpoint, whatever replica layout saved it. timeout: with replica_group,
+    how long a rank waits for a silent peer (default ``DEFAULT_TIMEOUT_S``).
     """
     where = path if isinstance(path, Located) else locate(path, "load")  # the one check of the path
     options = dict(map_location=map_location, into=into, verify=verify, allow_pickle=allow_pickle, strict=strict,
@@ -65,6 +74,11 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", into: Any = None, v
     # One pause of the collector for the whole load (one collection after it, not one
     # per stage): a state of 100,000 tensors is 100,000s of new objects (see gcpause).
     with gcpause.paused():
+        if replica_group is not None:
+            return load_rank(where if not where.target.os_paths else where.given, process_group=process_group,
+                             replica_group=replica_group, timeout=timeout, **options)
+        if timeout is not None:
+            raise ValueError("timeout= applies to loads with replica_group=")
         return _load(where, process_group, options)
 
 
@@ -98,8 +112,10 @@ def _load(where: Located, process_group: Any, options: dict) -> Any:
 
 def load_rank(path: str | os.PathLike, *, process_group: Any, map_location: Any = "cpu", into: Any = None,
               verify: bool = True, allow_pickle: bool = False, strict: bool = True, backend: str = "auto",
-              direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, zero_copy: bool = False) -> Any:
-    """This rank's state of a multi-rank checkpoint, reading only its own stripes.
+              direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH, zero_copy: bool = False,
+              replica_group: Any = None, timeout: float | None = None) -> Any:
+    """This rank's state of a multi-rank checkpoint, reading only its own stripes
+    (with ``replica_group``: its share of them, the rest exchanged; ``loading/replicas.py``).
 
     The group must have the world size the checkpoint was saved with (to
     reshard, save through ``flashwrite.dcp``). A single-process checkpoint is
@@ -109,6 +125,11 @@ def load_rank(path: str | os.PathLike, *, process_group: Any, map_location: Any 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("process_group= needs torch.distributed to be initialized (init_process_group)")
     pg = process_group if process_group is not None else dist.group.WORLD
+    if replica_group is not None:  # read once per replica group, exchanged (loading/replicas.py)
+        layout = layout_for_load(pg, replica_group, timeout)
+        return load_replicated(path, layout, dist.get_rank(pg), dist.get_world_size(pg), map_location=map_location,
+                               into=into, verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend,
+                               direct=direct, queue_depth=queue_depth, zero_copy=zero_copy)
     return load_state(path, rank=(dist.get_rank(pg), dist.get_world_size(pg)), map_location=map_location, into=into,
                       verify=verify, allow_pickle=allow_pickle, strict=strict, backend=backend, direct=direct,
                       queue_depth=queue_depth, zero_copy=zero_copy)

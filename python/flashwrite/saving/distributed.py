@@ -44,6 +44,7 @@ process_group=pg)`` reads only its own.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -58,7 +59,7 @@ from ..tier import neighbour
 from ..incremental import link as _incremental
 from ..incremental.wiring import Wiring
 from ..system.coord import DEFAULT_TIMEOUT_S, Coordinator, PeerLost, collective, coordinator
-from ..errors import DistributedSaveError, FlashwriteError
+from ..errors import DistributedSaveError, DivergedReplicasError, FlashwriteError
 from ..format import build_index, merge_manifests, parse_manifest
 from ..future import SaveFuture, SaveStats
 from ..targets.locate import resolve
@@ -67,6 +68,8 @@ from .session import Commit, SaveSession
 from ..targets.target import Target
 from ..tier.node import LocalSave, LocalTier
 from .write import StripeWrite, StripeWriter
+from . import replicas as _replicas
+from ..system.replicas import replica_layout
 
 log = logging.getLogger("flashwrite")
 
@@ -82,7 +85,8 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
                coordination_group: Any = None, timeout: float | None = None, overwrite: bool = False,
                block: bool = True, allow_pickle: bool = False, metadata: dict[str, str] | None = None,
                tier: LocalTier | None = None, incremental: Wiring | None = None,
-               on_committed: Callable[[str], None] | None = None) -> SaveFuture:
+               on_committed: Callable[[str], None] | None = None, replica_group: Any = None,
+               rank_local: Any = None, on_divergence: str = "raise") -> SaveFuture:
     """``Writer.save_async`` for one rank of a multi-rank save (see the module doc).
 
     Every rank of ``process_group`` must call it with the same path, in the same
@@ -96,16 +100,36 @@ def save_async(writer: StripeWriter, state_dict: Any, path: str | os.PathLike, *
     on_committed: called on every rank with the checkpoint's path once rank 0's broadcast
     says it committed (the next incremental save's base on nfs://, where directories are
     not scanned; see ``incremental.BaseCache``).
+    replica_group: the process group of ranks whose state equals this rank's (``replicas.py``):
+    each replicated byte is written once by the group, the replicas' digests are compared
+    before anything is staged. rank_local: key prefixes of leaves that differ per rank by
+    design (saved per rank, never compared). on_divergence: "raise" or "warn".
     """
     coord = coordinator(process_group, timeout, coordination_group)
+    split = None
+    if replica_group is not None:
+        local = _replicas.check_options(rank_local, on_divergence)
+        if tier is not None:
+            raise ValueError("replica_group= with local_snapshots is not supported: each rank would keep only its "
+                             "share; save without local snapshots, or without replica_group=")
+        layout = replica_layout(coord, replica_group)
+        incremental = None  # not yet with replica groups: every stripe is written
+    elif rank_local is not None or on_divergence != "raise":
+        raise ValueError("rank_local= and on_divergence= apply to saves with replica_group=")
     seq = coord.next_seq()
     t0 = time.perf_counter()
     target, final = resolve(path, "save")
+    if replica_group is not None:
+        split = functools.partial(_replicas.split, layout, coord.rank, metadata=metadata,
+                                  threads=getattr(writer, "copy_threads", 1), rank_local=local,
+                                  on_divergence=on_divergence, shown=target.show(final),
+                                  global_rank=coord.global_rank)
     strategy = AgreedCommit(coord, final, commit.shared_temp_dir_for(final, coord.nonce, seq), overwrite, target,
                             tier, t0, on_committed)
     session = SaveSession(writer, strategy, tier, t0)
     session.stage({coord.rank: state_dict}, rank=(coord.rank, coord.size), prefix=rank_prefix(coord.rank),
-                  allow_pickle=allow_pickle, metadata=metadata, incremental=incremental)
+                  allow_pickle=allow_pickle, metadata=metadata, incremental=incremental,
+                  **({"replicas": split} if split is not None else {}))
     return session.launch(block)
 
 
@@ -127,7 +151,11 @@ class AgreedCommit(Commit):
 
     def abandon(self, error: BaseException) -> None:
         # Tell the peers now instead of letting them wait for the timeout.
-        self.coord.run(self._report_failure, error)
+        done = self.coord.run(self._report_failure, error)
+        if isinstance(error, DivergedReplicasError):
+            # The group agreed before launching anything: wait for the agreement, so that the
+            # temporary directory is gone (rank 0) when the error reaches the caller.
+            done.result()
 
     def discard(self) -> None:
         pass  # rank 0 removes the directory, once every rank has stopped (see durable)

@@ -225,7 +225,8 @@ class Writer:
     def write_stripes(self, state_dict: Any, directory: str, t0: float, *, prefix: str = "model",
                       allow_pickle: bool = False, metadata: dict[str, str] | None = None,
                       hf_model: str | None = None, hold_slots: bool = False,
-                      incremental: Callable[..., Any] | None = None, remote: object | None = None) -> StripeWrite:
+                      incremental: Callable[..., Any] | None = None, remote: object | None = None,
+                      replicas: Callable[..., Any] | None = None) -> StripeWrite:
         """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
         must exist; nothing is committed); ``remote``: its target's ``native_files()``. The building block of ``save_async`` and of
         multi-rank saves, where every rank writes its own stripes into one directory."""
@@ -240,7 +241,8 @@ class Writer:
         sw = _write.start(self._engine, state_dict, directory, t0, stripes=settings["stripes"], backend=self.backend,
                           queue_depth=settings["queue_depth"], copy_threads=self.copy_threads, direct=self.direct,
                           prefix=prefix, allow_pickle=allow_pickle, metadata=metadata, hf_model=hf_model,
-                          hold_slots=hold_slots, incremental=incremental, remote=remote, compress=on)
+                          hold_slots=hold_slots, incremental=incremental, remote=remote, compress=on,
+                          replicas=replicas)
         sw.stats.settings = settings
         sw.stats.compress = why
         sw.on_durable = functools.partial(_compress.observe, directory, copy_threads=self.copy_threads)
@@ -273,7 +275,8 @@ class Writer:
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, overwrite: bool = False, block: bool = True,
                    allow_pickle: bool = False, metadata: dict[str, str] | None = None, process_group: Any = None,
                    coordination_group: Any = None, timeout: float | None = None, hf_model: str | None = None,
-                   hf_config: Any = None, extra_files: Any = None, incremental: bool | None = None) -> SaveFuture:
+                   hf_config: Any = None, extra_files: Any = None, incremental: bool | None = None,
+                   replica_group: Any = None, rank_local: Any = None, on_divergence: str = "raise") -> SaveFuture:
         """Snapshot ``state_dict`` and write it to ``path`` in the background.
 
         Returns once every tensor is copied into the staging pool (block=True):
@@ -289,6 +292,15 @@ class Writer:
         written by every rank of the group (see ``flashwrite.distributed``; every
         rank calls this; ``timeout`` bounds how long a rank waits for a silent peer,
         ``coordination_group`` supplies flashwrite's gloo group for subgroups).
+
+        replica_group: the process group of ranks whose state is identical to this rank's
+        (the world for DDP, the replicate dimension of the mesh for HSDP; implies a
+        multi-rank save, on ``process_group`` or the world): the group writes each
+        replicated byte once, each rank about 1/R of it, and compares the replicas'
+        checksums before anything is staged (``DivergedReplicasError`` on a mismatch, or
+        with ``on_divergence="warn"`` the majority's bytes are committed and the
+        disagreement recorded). rank_local: key prefixes (``"rng"``, ``"optim.step"``)
+        of leaves that differ per rank by design: saved per rank, never compared.
 
         hf_model: the key of a model's state dict in ``state_dict`` (e.g. "model"): its
         tensors are stored under their own names in the stripes that
@@ -310,7 +322,8 @@ class Writer:
             raise unsupported(f"save: {os.fspath(path)!r}: local snapshots with nfs:// are not supported yet; save to "
                               "a mounted path", path)
         single = ("hf_model", hf_model), ("hf_config", hf_config), ("extra_files", extra_files)
-        if process_group is not None or coordination_group is not None:
+        multi = process_group is not None or coordination_group is not None or replica_group is not None
+        if multi:
             given = [name for name, v in single if v is not None]
             if given:
                 raise ValueError(f"{'= and '.join(given)}= apply to single-process saves")
@@ -319,12 +332,15 @@ class Writer:
         if extra_files is not None:
             extra.update(commit.extra_files(extra_files, reserved=tuple(extra)))
         incr = self.incremental if incremental is None else bool(incremental)
-        _compress.check_save(self.compress, incr, hf_model is not None, process_group is not None)
-        if process_group is not None or coordination_group is not None:
+        _compress.check_save(self.compress, incr, hf_model is not None, multi)
+        if multi:
             return distributed.save_async(
                 self, state_dict, path, process_group=process_group, coordination_group=coordination_group,
                 timeout=timeout, overwrite=overwrite, block=block, allow_pickle=allow_pickle, metadata=metadata,
-                tier=self._tier, incremental=self.incremental_wiring(incr), on_committed=self._bases.committed)
+                tier=self._tier, incremental=self.incremental_wiring(incr), on_committed=self._bases.committed,
+                replica_group=replica_group, rank_local=rank_local, on_divergence=on_divergence)
+        if rank_local is not None or on_divergence != "raise":
+            raise ValueError("rank_local= and on_divergence= apply to saves with replica_group=")
         if timeout is not None:
             raise ValueError("timeout= applies to multi-rank saves (process_group=)")
         t0 = time.perf_counter()

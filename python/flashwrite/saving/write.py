@@ -46,7 +46,8 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
           copy_threads: int, direct: bool, prefix: str = "model", allow_pickle: bool = False,
           metadata: dict[str, str] | None = None, hf_model: str | None = None,
           hold_slots: bool = False, incremental: Callable[..., Any] | None = None,
-          remote: object | None = None, compress: bool = False) -> StripeWrite:
+          remote: object | None = None, compress: bool = False,
+          replicas: Callable[..., Any] | None = None) -> StripeWrite:
     """Start staging + writing the stripes of ``state_dict`` into ``directory`` (which
     must exist) on ``engine`` (a ``_core.Engine``, whose pool and chunk size it uses).
     hf_model: the key of a model state dict whose tensors get stripes of their own,
@@ -55,7 +56,9 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     ``directory`` those that did not change since the checkpoint it compares with; only
     the others are staged and written.
     compress: frame the stripes' chunks with the native codec (``compress.py``); the
-    caller has refused what cannot be compressed (incremental, hf_model)."""
+    caller has refused what cannot be compressed (incremental, hf_model).
+    replicas: ``replicas.split`` bound to a replica group: (tree, aliases, columns) ->
+    ``replicas.Split``, whose files (this rank's share) are the ones staged and written."""
     with gcpause.paused():  # per-tensor work: see gcpause
         try:
             # Unchecked: a tensor with no plain bytes fails below (no data pointer, no
@@ -63,13 +66,21 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
             tree, aliases, columns = flatten_columns(state_dict, allow_pickle=allow_pickle)
             hf_section = None
             iplan = None
-            if incremental is not None and hf_model is None:
+            split = None
+            if replicas is not None:
+                split = replicas(tree, aliases, columns, stripes=stripes, block=engine.chunk_bytes)
+                tree, aliases = split.tree, split.aliases
+            if split is not None:
+                files = split.files
+            elif incremental is not None and hf_model is None:
                 # A save that keeps its slots (a local snapshot) stages every stripe: its
                 # unchanged ones are held files, linked by the job once staged.
                 iplan = incremental(columns, stripes=stripes, prefix=prefix, metadata=metadata,
                                     block=engine.chunk_bytes, stage_all=hold_slots)
-            if iplan is not None:
-                files = iplan.files
+                if iplan is not None:
+                    files = iplan.files
+            if split is not None or iplan is not None:
+                pass
             elif hf_model is None:
                 files = plan_files(None, stripes, prefix=prefix, metadata=metadata, columns=columns)
             else:
@@ -105,6 +116,11 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     sw.hf_section = hf_section
     sw.pin_warned = pin_warned  # a GPU save pins on its own thread: a failure there is warned of once durable
     sw.compressed = bool(planes)
+    if split is not None:
+        sw.replicas = split.section
+        stats.diverged = split.diverged
+        stats.extra.update(replicated_bytes=split.replicated_bytes, replica_hashed_bytes=split.hashed_bytes,
+                           replica_hash_s=split.hash_s, replica_exchange_s=split.exchange_s)
     if iplan is not None:
         sw.incremental = iplan
         _incremental_stats(stats, iplan)
@@ -195,6 +211,7 @@ class StripeWrite:
         self._manifest: dict | None = None
         self.compressed = False  # frames recorded once the job is done (wait_durable)
         self.on_durable: Callable[..., None] | None = None  # compress.observe: the target's rate
+        self.replicas: dict | None = None  # the replica group's manifest section (replica_group=)
 
     def wait_durable(self) -> dict:
         """Wait until every stripe is written and fsync'd (raising what failed) and
@@ -264,6 +281,8 @@ class StripeWrite:
                                _core.__version__, self.metadata, hf=self.hf_section)
             if incr is not None:
                 annotate(m, incr)
+            if self.replicas is not None:
+                m["replicas"] = {"groups": [self.replicas]}
             return m
 
     def stop(self) -> None:
