@@ -200,7 +200,7 @@ def _owner_of_layer5(root: str) -> int:
     return next(r for r, (first, n) in enumerate(m.raw["ranks"]["files"]) if first <= fi < first + n)
 
 
-def test_warn_commits_the_majority_even_when_the_odd_rank_would_write(cluster4, tmp_path):
+def test_warn_commits_the_majority_even_when_the_odd_rank_would_write(cluster4, tmp_path, capsys):
     cluster4.run(_save, str(tmp_path), "ddp", 1)
     writer = _owner_of_layer5(str(tmp_path))  # the rank that writes layer5 when replicas agree
     out = cluster4.run(_save, str(tmp_path), "ddp", 2, writer, 7, "warn")
@@ -211,6 +211,16 @@ def test_warn_commits_the_majority_even_when_the_odd_rank_would_write(cluster4, 
     got = fw.load(str(tmp_path / "step-2"))
     assert all(torch.equal(got[r]["model"]["layer5.w"], model_state(0, 2)["model"]["layer5.w"]) for r in range(4))
     fw.verify(str(tmp_path / "step-2"))
+    # The operator's tools say so.
+    from flashwrite.ops.main import main
+    from flashwrite.ops.ls import describe
+    e = describe(str(tmp_path / "step-2"))
+    assert e.diverged == 1 and "disagreed on 1 piece" in e.problem
+    assert describe(str(tmp_path / "step-1")).diverged == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "step-2")]) == 0
+    text = capsys.readouterr().out
+    assert "replica group of ranks [0, 1, 2, 3]" in text and "DIVERGED model.layer5.w" in text
 
 
 def _not_replicas(root: str) -> dict:
@@ -270,3 +280,24 @@ def test_a_rank_killed_mid_exchange_fails_every_load(tmp_path):
 def test_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="apply to saves with replica_group"):
         fw.save({"a": torch.ones(2)}, str(tmp_path / "x"), rank_local=("rng",))
+
+
+def _manager(root: str) -> list:
+    rank = dist.get_rank()
+    mgr = fw.CheckpointManager(root, every_n_steps=1, keep_last=2, replica_group=dist.group.WORLD,
+                               rank_local=("rng",), writer=fw.Writer(stripes=2, chunk_bytes=1 << 20))
+    for step in (1, 2):
+        mgr.maybe_save(step, state(rank, 0, step))
+    mgr.wait()
+    got = mgr.restore_latest()
+    mgr.close()
+    want = state(rank, 0, 2)
+    return [got[0], all(torch.equal(got[1]["model"][k], want["model"][k]) for k in want["model"]),
+            int(got[1]["rng"]["cpu"][0])]
+
+
+def test_checkpoint_manager_with_replica_group(cluster4, tmp_path):
+    res = cluster4.run(_manager, str(tmp_path))
+    assert res == [[2, True, r] for r in range(4)], res
+    step = fw.load(str(tmp_path / sorted(os.listdir(tmp_path))[-1]))
+    assert sorted(step) == [0, 1, 2, 3]

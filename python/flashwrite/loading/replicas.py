@@ -18,13 +18,12 @@ the host tensors once exchanged.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .. import _core
+from .. import _core, defaults
 from ..errors import ChecksumMismatchError, DistributedLoadError
 from ..format import piece_ranges
 from ..format.dtypes import dtype_from_name
@@ -211,4 +210,4 @@ def _send_bucket(layout: ReplicaLayout, m: Any, keys: list[str], src: int, src_r
 
 
 def _threads() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
+    return defaults.COPY_THREADS

@@ -84,6 +84,10 @@ class CheckpointManager:
     local snapshot, and ``restore()`` agrees across ranks on the newest step that every
     rank can restore, from memory or storage (never mixing steps). Rank 0 cleans up and
     applies retention in root.
+    replica_group: the ranks whose state equals this rank's (DDP: the world; implies
+    process_group): each save writes every replicated byte once and checks the replicas
+    agree, each restore from storage reads it once (``save_async(replica_group=)``);
+    rank_local: key prefixes of per-rank leaves (RNG states), saved per rank.
     neighbour_copies: with process_group and local_snapshots, each rank also keeps a copy
     of rank r-1's snapshot, so ``restore()`` finds a lost node's part in its neighbour's
     memory (``flashwrite.neighbour``). Every rank must set it alike.
@@ -110,7 +114,7 @@ class CheckpointManager:
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None, keep_local: bool = False,
                  reserve: Any = None, process_group: Any = None, neighbour_copies: bool = False,
                  name: str = DEFAULT_NAME, on_commit: Callable[[int, str], None] | None = None,
-                 incremental: bool | None = None):
+                 incremental: bool | None = None, replica_group: Any = None, rank_local: Any = None):
         check_schedule(every_n_steps, every_n_seconds, keep_last, keep_every_n_steps, if_busy)
         self.on_commit = on_commit
         self.name = name
@@ -129,7 +133,11 @@ class CheckpointManager:
         self.keep_local = keep_local
         self.incremental = True if incremental is None else bool(incremental)
         self.local_dir = self._tier.dir if self._tier is not None else None
+        if replica_group is not None and process_group is None:
+            process_group = dist.group.WORLD
         self.process_group = process_group
+        # replica_group: saves write each replicated byte once, restores read it once (flashwrite.save_async)
+        self.replica_group, self.rank_local = replica_group, rank_local
         self._rank: tuple[int, int] | None = None  # (rank, size) in a multi-rank run
         if process_group is not None:
             self._rank = (dist.get_rank(process_group), dist.get_world_size(process_group))
@@ -143,6 +151,7 @@ class CheckpointManager:
                                      allow_pickle=allow_pickle, steps=self.all_steps, path_for=self.path_for,
                                      candidates=lambda replicas: self.find_local_snapshots(replicas=replicas),
                                      write_back=self._write_back)
+        self._restorer.replica_group = replica_group
         self._steps.target.make_dirs(self._steps.dir)
         if cleanup:
             self.cleanup_stale()
@@ -234,12 +243,17 @@ class CheckpointManager:
         self._last_start = time.monotonic()
         fut = self._writer.save_async(state_dict, path, overwrite=overwrite, allow_pickle=self.allow_pickle,
                                       metadata={"step": str(step)}, process_group=self.process_group,
-                                      incremental=self.incremental, **(save_options or {}))
+                                      incremental=self.incremental, **self._replica_options(), **(save_options or {}))
         pending = _Pending(step, path, fut)
         with self._lock:
             self._inflight = pending
         fut.add_done_callback(lambda _f: self._finished(pending))
         return fut
+
+    def _replica_options(self) -> dict:
+        if self.replica_group is None:
+            return {}
+        return {"replica_group": self.replica_group, "rank_local": self.rank_local}
 
     def _prepare_pool(self, state: Any) -> None:
         """Prepare the writer's staging pool in the background from the first state seen

@@ -12,7 +12,7 @@ from ..targets.target import unsupported
 # What a caller may pass per save: Writer.save_async's keyword options, less those the
 # manager sets itself (derived, so a new save option reaches the manager with no edit here).
 _MANAGER_SETS = {"overwrite", "block", "allow_pickle", "metadata", "process_group", "coordination_group",
-                 "timeout", "incremental"}
+                 "timeout", "incremental", "replica_group", "rank_local", "on_divergence"}
 SAVE_OPTIONS = tuple(k for k, p in inspect.signature(Writer.save_async).parameters.items()
                      if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in _MANAGER_SETS)
 

@@ -81,6 +81,15 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         c = r["compression"]
         print(f"  {c['label']}: {fmt_bytes(c['stored_bytes'])} stored, {c['ratio']:.2f}x "
               "(flashwrite convert writes plain safetensors)")
+    for g in (r["replicas"] or {}).get("groups", []):
+        if not isinstance(g, dict):
+            continue
+        local = f", rank-local: {', '.join(g.get('rank_local') or [])}" if g.get("rank_local") else ""
+        print(f"  replica group of ranks {g.get('ranks')}: replicated bytes written once{local}")
+        for d in (g.get("diverged") or [])[:20]:
+            who = "; ".join(f"ranks {rs}: {h}" for h, rs in d.get("digests", {}).items())
+            print(f"    DIVERGED {d.get('tensor')} bytes [{d['piece'][0]}, {d['piece'][1]}): {who}; committed "
+                  f"{d.get('majority') or 'the most common bytes (no majority)'}")
     if t["linked_bytes"]:
         print(f"  incremental: {fmt_bytes(t['written_bytes'])} written, {fmt_bytes(t['linked_bytes'])} hard-linked "
               f"from {t['base'] or 'an earlier checkpoint'}")

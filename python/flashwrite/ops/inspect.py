@@ -71,6 +71,8 @@ def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
                    # incremental saves: of file_bytes, written by its save / hard-linked from base
                    "written_bytes": written, "linked_bytes": linked,
                    "base": raw[SECTION].get("base") if isinstance(raw.get(SECTION), dict) else None},
+        # replica_group= saves: each replica group's ranks, rank-local prefixes and disagreements
+        "replicas": raw.get("replicas") if isinstance(raw.get("replicas"), dict) else None,
         "filter": pattern,
         "by_top_level": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_top.items())},
         "by_dtype": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_dtype.items())},

@@ -83,6 +83,13 @@ class Split:
     exchange_s: float = 0.0
     replicated_bytes: int = 0
 
+    def record(self, sw: Any) -> None:
+        """Into a ``StripeWrite``: the manifest's section, and what SaveStats reports."""
+        sw.replicas = self.section
+        sw.stats.diverged = self.diverged
+        sw.stats.extra.update(replicated_bytes=self.replicated_bytes, replica_hashed_bytes=self.hashed_bytes,
+                              replica_hash_s=self.hash_s, replica_exchange_s=self.exchange_s)
+
 
 def _subset(columns: Columns, idx: list[int], keys: list[str]) -> Columns:
     pick = lambda xs: [xs[i] for i in idx]  # noqa: E731

@@ -293,14 +293,8 @@ class Writer:
         rank calls this; ``timeout`` bounds how long a rank waits for a silent peer,
         ``coordination_group`` supplies flashwrite's gloo group for subgroups).
 
-        replica_group: the process group of ranks whose state is identical to this rank's
-        (the world for DDP, the replicate dimension of the mesh for HSDP; implies a
-        multi-rank save, on ``process_group`` or the world): the group writes each
-        replicated byte once, each rank about 1/R of it, and compares the replicas'
-        checksums before anything is staged (``DivergedReplicasError`` on a mismatch, or
-        with ``on_divergence="warn"`` the majority's bytes are committed and the
-        disagreement recorded). rank_local: key prefixes (``"rng"``, ``"optim.step"``)
-        of leaves that differ per rank by design: saved per rank, never compared.
+        replica_group, rank_local, on_divergence: ranks whose state is identical write each
+        replicated byte once and are checked to agree (``saving/replicas.py``, docs/api.md).
 
         hf_model: the key of a model's state dict in ``state_dict`` (e.g. "model"): its
         tensors are stored under their own names in the stripes that

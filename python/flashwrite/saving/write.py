@@ -66,21 +66,18 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
             tree, aliases, columns = flatten_columns(state_dict, allow_pickle=allow_pickle)
             hf_section = None
             iplan = None
-            split = None
-            if replicas is not None:
-                split = replicas(tree, aliases, columns, stripes=stripes, block=engine.chunk_bytes)
-                tree, aliases = split.tree, split.aliases
+            split = replicas(tree, aliases, columns, stripes=stripes, block=engine.chunk_bytes) if replicas else None
             if split is not None:
-                files = split.files
+                tree, aliases, files = split.tree, split.aliases, split.files
             elif incremental is not None and hf_model is None:
                 # A save that keeps its slots (a local snapshot) stages every stripe: its
                 # unchanged ones are held files, linked by the job once staged.
                 iplan = incremental(columns, stripes=stripes, prefix=prefix, metadata=metadata,
                                     block=engine.chunk_bytes, stage_all=hold_slots)
-                if iplan is not None:
-                    files = iplan.files
-            if split is not None or iplan is not None:
+            if split is not None:
                 pass
+            elif iplan is not None:
+                files = iplan.files
             elif hf_model is None:
                 files = plan_files(None, stripes, prefix=prefix, metadata=metadata, columns=columns)
             else:
@@ -117,10 +114,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
     sw.pin_warned = pin_warned  # a GPU save pins on its own thread: a failure there is warned of once durable
     sw.compressed = bool(planes)
     if split is not None:
-        sw.replicas = split.section
-        stats.diverged = split.diverged
-        stats.extra.update(replicated_bytes=split.replicated_bytes, replica_hashed_bytes=split.hashed_bytes,
-                           replica_hash_s=split.hash_s, replica_exchange_s=split.exchange_s)
+        split.record(sw)
     if iplan is not None:
         sw.incremental = iplan
         _incremental_stats(stats, iplan)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .coord import DEFAULT_TIMEOUT_S, Coordinator, collective
+from .coord import DEFAULT_TIMEOUT_S, Coordinator, collective, coordinator
 
 __all__ = ["ReplicaLayout", "replica_layout", "layout_for_load"]
 
@@ -91,5 +91,4 @@ def replica_layout(coord: Coordinator, replica_group: Any) -> ReplicaLayout:
 
 def layout_for_load(process_group: Any, replica_group: Any, timeout: float | None = None) -> ReplicaLayout:
     """``replica_layout`` for a load: the coordination group of ``process_group``."""
-    from .coord import coordinator
     return replica_layout(coordinator(process_group, timeout), replica_group)

@@ -48,6 +48,7 @@ class TierRestore:
                  candidates: Callable[[bool], dict[int, list[local.Snapshot]]],
                  write_back: Callable[[int, Callable[[], Any]], None]):
         self.tier, self.rank, self.process_group, self.allow_pickle = tier, rank, process_group, allow_pickle
+        self.replica_group: Any = None  # set by the manager: restores read each replicated byte once
         self.steps, self.path_for, self.candidates, self.write_back = steps, path_for, candidates, write_back
         self._lock = threading.Lock()
         self._restoring: dict[int, int] = {}
@@ -66,6 +67,8 @@ class TierRestore:
 
     def _load(self, step: int, into: Any, options: dict) -> Any:
         if self.process_group is not None:
+            if self.replica_group is not None:
+                options = {"replica_group": self.replica_group, **options}
             return load(self.path_for(step), into=into, allow_pickle=self.allow_pickle,
                         process_group=self.process_group, **options)
         return load(self.path_for(step), into=into, allow_pickle=self.allow_pickle, **options)
