@@ -30,22 +30,12 @@ from ..format.dtypes import dtype_from_name
 from ..format.merge import select_rank
 from ..state.flatten import flatten
 from ..state.rebuild import unflatten
-from ..system.replicas import ReplicaLayout
+from ..system.replicas import ReplicaLayout, balance
 from ..system import gcpause
 from .read import CheckpointDir, fill_into, tensor_placer
 
 BUCKET_BYTES = 64 << 20   # small tensors go in buckets of up to this many bytes
 DIRECT_BYTES = 16 << 20   # a tensor this large is broadcast from its own memory
-
-
-def _owners(sizes: dict[int, int], n: int) -> dict[int, int]:
-    load = [0] * n
-    out = {}
-    for fi in sorted(sizes, key=lambda f: (-sizes[f], f)):
-        r = min(range(n), key=lambda x: (load[x], x))
-        out[fi] = r
-        load[r] += sizes[fi]
-    return out
 
 
 def _agree(layout: ReplicaLayout, error: BaseException | None, what: str) -> None:
@@ -82,7 +72,7 @@ def load_replicated(path: Any, layout: ReplicaLayout, rank: int, size: int, *, m
         for k in shared:
             e = m0.tensors[k]
             sizes[e.file] = sizes.get(e.file, 0) + e.nbytes
-        owner = _owners(sizes, layout.size)
+        owner = balance(sizes, layout.size)
         read_keys = {k for k in mine_all if k not in shared or owner[m0.tensors[k].file] == layout.index}
         error = None
         res = None

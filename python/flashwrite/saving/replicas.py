@@ -40,7 +40,7 @@ from ..format.tree import tensor_nodes
 from ..layout.plan import PlannedFile, plan_files, rank_prefix
 from ..state.flatten import Columns
 from ..system.coord import PeerLost, collective
-from ..system.replicas import ReplicaLayout
+from ..system.replicas import ReplicaLayout, balance
 
 log = logging.getLogger("flashwrite")
 
@@ -149,19 +149,6 @@ def _gather(layout: ReplicaLayout, values: list[int]) -> list[list[int]]:
     return [o.tolist() for o in out]
 
 
-def _owners(files: list[PlannedFile], size: int, prefer: dict[int, list[int]]) -> list[int]:
-    """Each stripe's writer (index in the group): balanced by bytes, largest first; a stripe
-    in ``prefer`` goes to the least loaded of the ranks listed for it."""
-    load = [0] * size
-    owner = [0] * len(files)
-    for fi in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
-        allowed = prefer.get(fi) or range(size)
-        r = min(allowed, key=lambda x: (load[x], x))
-        owner[fi] = r
-        load[r] += files[fi].size
-    return owner
-
-
 def split(layout: ReplicaLayout, rank: int, tree: Any, aliases: dict[str, str], columns: Columns, *, stripes: int,
           metadata: dict[str, str] | None, block: int, threads: int, rank_local: tuple[str, ...],
           on_divergence: str, shown: str, global_rank: Any) -> Split:
@@ -216,7 +203,7 @@ def split(layout: ReplicaLayout, rank: int, tree: Any, aliases: dict[str, str], 
                 "commits the majority's bytes)", diverged)
         log.warning("flashwrite: save to %s: replicas disagree on %d piece(s); the majority's bytes are committed: %s",
                     shown, len(diverged), text)
-    owner = _owners(files, layout.size, prefer)
+    owner = balance({fi: f.size for fi, f in enumerate(files)}, layout.size, prefer)
     share = [f for fi, f in enumerate(files) if owner[fi] == layout.index]
     return Split(tree, aliases, share + local, section, diverged, sum(n for _, n in spans), t1 - t0, t2 - t1,
                  sum(f.size for f in files))

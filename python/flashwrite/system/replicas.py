@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .coord import DEFAULT_TIMEOUT_S, Coordinator, collective, coordinator
 
-__all__ = ["ReplicaLayout", "replica_layout", "layout_for_load"]
+__all__ = ["ReplicaLayout", "replica_layout", "layout_for_load", "balance"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,17 @@ def replica_layout(coord: Coordinator, replica_group: Any) -> ReplicaLayout:
 def layout_for_load(process_group: Any, replica_group: Any, timeout: float | None = None) -> ReplicaLayout:
     """``replica_layout`` for a load: the coordination group of ``process_group``."""
     return replica_layout(coordinator(process_group, timeout), replica_group)
+
+
+def balance(sizes: dict[int, int], n: int, prefer: dict[int, list[int]] | None = None) -> dict[int, int]:
+    """Each stripe's rank (index in the group) for a save's writes or a load's reads:
+    balanced by bytes, largest first, the same on every rank; a stripe in ``prefer``
+    goes to the least loaded of the ranks listed for it."""
+    load = [0] * n
+    out: dict[int, int] = {}
+    for fi in sorted(sizes, key=lambda f: (-sizes[f], f)):
+        allowed = (prefer or {}).get(fi) or range(n)
+        r = min(allowed, key=lambda x: (load[x], x))
+        out[fi] = r
+        load[r] += sizes[fi]
+    return out
