@@ -430,21 +430,6 @@ def _finish_interrupted_starts() -> None:
         _UNFINISHED_STARTS.pop(key, None)
         if not fut.done():
             fut.set_exception(KeyboardInterrupt())
-    _release_orphaned_pool_threads()
-
-
-def _release_orphaned_pool_threads() -> None:
-    """A Ctrl-C inside ``ThreadPoolExecutor.submit`` (the save handed to its committing
-    thread) can land while the pool starts its thread: the thread runs, but the pool has
-    not recorded it, so the pool's exit hook never wakes it and the interpreter's join of
-    it waits for ever (seen: a hang after two Ctrl-Cs). Shut such a thread's pool down."""
-    cft = concurrent.futures.thread
-    for t in threading.enumerate():
-        args = getattr(t, "_args", None)
-        if getattr(t, "_target", None) is cft._worker and t not in cft._threads_queues and args:
-            pool = args[0]()
-            if pool is not None:
-                pool.shutdown(wait=False)
 
 
 def _ignoring_sigint(step: Callable[[], None], keep: bool = True) -> None:
