@@ -216,6 +216,17 @@ MUTATIONS = [
     Mutation("periodic re-hash: a write the watch missed found but not reported",
              [("python/flashwrite/incremental/write_watch.py", "        return vouched != checksum", "        return False")],
              ["tests/incremental/test_write_watch.py", "-k", "rehash or hashed_again"]),
+    Mutation("a dead save's temp dir judged by the boot-time grace turned the other way (issue 44 item 2)",
+             [("python/flashwrite/saving/commit.py", "started_by=mtime + 2.0)", "started_by=mtime - 2.0)")],
+             ["tests/saving/test_live_temp_kept.py"]),
+    Mutation("compress='auto': a compressed save's rate remembered as the link's (issue 44 item 7)",
+             [("python/flashwrite/saving/compress.py",
+               "        if not compressed:  # a compressed save's seconds include compressing: not the link's\n",
+               "        if True:\n")],
+             ["tests/codec/test_compressed_saves.py", "-k", "auto"]),
+    Mutation("load_async resolves a relative path on the load's thread (issue 44 item 8)",
+             [("python/flashwrite/loading/load.py", "    path = shown(path)  # a relative", "    pass  # a relative")],
+             ["tests/saving/test_future_family.py", "-k", "relative"]),
 ]
 
 

@@ -237,24 +237,32 @@ class SaveFuture(CheckpointFuture):
                 return
             self.set_result(result)
 
+        job = self._job
+        # Until the start has handed the save on (or its clean-up thread has run), the exit
+        # owes it a clean-up: a second Ctrl-C can land anywhere in the except clause below,
+        # before that thread is started.
+        _UNFINISHED_STARTS[id(self)] = (self, lambda: (stop_job(job), cleanup()))
         try:
             if block:
                 self.wait_staged()
             self.set_running_or_notify_cancel()
             submit(run)  # raises if the thread that commits was shut down meanwhile
+            _UNFINISHED_STARTS.pop(id(self), None)
         except BaseException as e:
             undo = abandon if abandon is not None else (lambda _e: cleanup())
-            job = self._job
             if not self.done():
                 self.set_exception(e)  # nobody waits for it, and the exit has nothing to wait for
             if isinstance(e, KeyboardInterrupt):
                 # Ctrl-C lands now: the interrupted wait has cancelled the job, which keeps
                 # its sources alive until it is joined; a thread of its own joins it and
                 # then removes what it wrote (the interpreter's exit waits for that thread).
-                clean_up_later(lambda err=e: (stop_job(job), undo(err)), f"the save to {self.path}")  # e is unbound after except
+                key = id(self)
+                clean_up_later(lambda err=e: (stop_job(job), undo(err), _UNFINISHED_STARTS.pop(key, None)),
+                               f"the save to {self.path}")  # e is unbound after except
                 raise
             stop_job(job)
             undo(e)
+            _UNFINISHED_STARTS.pop(id(self), None)
             raise
         self._stats.stall_s = time.perf_counter() - self._t0
         return self
@@ -327,6 +335,33 @@ _IN_FLIGHT: weakref.WeakSet[SaveFuture] = weakref.WeakSet()
 # process killed meanwhile leaves a directory the next save's clean_dead_saves removes).
 _CLEANUPS: list[threading.Thread] = []
 _CLEANUPS_LOCK = threading.Lock()
+# Saves whose start was interrupted before it handed them on, with their clean-up
+# (stop the job, remove the temporary directory): the exit runs what is still here once
+# the clean-up threads have ended, and completes their futures (nothing else will).
+_UNFINISHED_STARTS: dict[int, tuple[SaveFuture, Callable[[], None]]] = {}
+# What a save in this process still owes its storage (its temporary directory removed,
+# unless it commits), from before the directory is made until the save is over: the
+# exit pays what is left once every save in flight has ended (a Ctrl-C can land in the
+# code that was to hand the removal to a thread).
+_EXIT_DEBTS: dict[int, Callable[[], None]] = {}
+
+
+def owe_at_exit(key: int, pay: Callable[[], None]) -> None:
+    _EXIT_DEBTS[key] = pay
+
+
+def settled(key: int) -> None:
+    _EXIT_DEBTS.pop(key, None)
+
+
+def _pay_exit_debts() -> None:
+    for key, pay in list(_EXIT_DEBTS.items()):
+        try:
+            pay()
+        except Exception as e:  # noqa: BLE001 - logged; clean_dead_saves is the backstop
+            import logging
+            logging.getLogger("flashwrite").warning("flashwrite: cannot clean up at exit: %s", e)
+        _EXIT_DEBTS.pop(key, None)
 
 
 def clean_up_later(cleanup: Callable[[], None], what: str) -> None:
@@ -367,32 +402,62 @@ def join_cleanups() -> None:
 
 def _drain_at_exit() -> None:
     """At interpreter exit, before the commit threads are joined: say what the exit waits
-    for, once, on stderr, and wait. A second Ctrl-C abandons those saves cleanly (each
+    for, once, on stderr, and wait. A Ctrl-C then abandons those saves cleanly (each
     cancelled at its commit gate, its temporary directory removed, nothing committed
-    that had not begun to commit) and exits with status 130, without the aborts an
-    interrupted join of native threads would give."""
+    that had not begun to commit) and exits with status 130. Every join after that
+    point, and the clean-up threads' join on every exit, ignores further Ctrl-Cs
+    (``_ignoring_sigint``): an interrupted join let the interpreter finalise under a
+    native thread still at work (``terminate called without an active exception``) or
+    end before a temporary directory was removed."""
+    _ignoring_sigint(_finish_interrupted_starts, keep=False)
     live = [f for f in list(_IN_FLIGHT) if not f.done()]
-    if not live:
-        join_cleanups()
-        return
-    names = ", ".join(f.path for f in live[:3]) + (f" and {len(live) - 3} more" if len(live) > 3 else "")
-    what = "a checkpoint save" if len(live) == 1 else f"{len(live)} checkpoint saves"
-    try:
-        print(f"flashwrite: exit waits for {what} in flight to commit: {names} (Ctrl-C again abandons it)",
-              file=sys.stderr, flush=True)
-        for f in live:
-            f.wait()
-        join_cleanups()
-    except KeyboardInterrupt:
-        _abandon(live)
+    if live:
+        names = ", ".join(f.path for f in live[:3]) + (f" and {len(live) - 3} more" if len(live) > 3 else "")
+        what = "a checkpoint save" if len(live) == 1 else f"{len(live)} checkpoint saves"
+        try:
+            print(f"flashwrite: exit waits for {what} in flight to commit: {names} (Ctrl-C abandons it)",
+                  file=sys.stderr, flush=True)
+            for f in live:
+                f.wait()
+        except KeyboardInterrupt:
+            _ignoring_sigint(lambda: _abandon(live))
+    _ignoring_sigint(lambda: (join_cleanups(), _pay_exit_debts()))
+
+
+def _finish_interrupted_starts() -> None:
+    """The saves a Ctrl-C stopped in their start before a clean-up thread took them: their
+    jobs stopped and temporary directories removed here, their futures failed."""
+    join_cleanups()
+    for key, (fut, clean) in list(_UNFINISHED_STARTS.items()):
+        clean()
+        _UNFINISHED_STARTS.pop(key, None)
+        if not fut.done():
+            fut.set_exception(KeyboardInterrupt())
+
+
+def _ignoring_sigint(step: Callable[[], None], keep: bool = True) -> None:
+    """Run ``step`` (bounded: joins of cancelled jobs, removals) to its end whatever
+    Ctrl-Cs come. With ``keep``, SIGINT stays ignored for the rest of the exit, whose
+    joins of the remaining threads must not be broken either. A KeyboardInterrupt already
+    pending when it was set is raised once more, and ``step`` is run again (idempotent)."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    while True:
+        try:
+            step()
+            break
+        except KeyboardInterrupt:
+            continue
+    if main and not keep and before is not None:
+        signal.signal(signal.SIGINT, before)
 
 
 def _abandon(live: list[SaveFuture]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the clean-up below is bounded: let it finish
     kept = [f.path for f in live if not f.cancel() and not f.done()]
     for f in live:
         f.wait()  # a cancelled save stops at its commit gate and removes its temporary directory
     join_cleanups()
+    _pay_exit_debts()
     gone = [f.path for f in live if f.cancelled() or (f.done() and f.exception() is not None)]
     print(f"flashwrite: abandoned {len(gone)} save(s) in flight: nothing of them was committed"
           + (f"; {', '.join(kept)} had begun to commit and did" if kept else ""), file=sys.stderr, flush=True)

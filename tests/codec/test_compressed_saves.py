@@ -180,6 +180,13 @@ def test_auto_measures_first_and_stays_off_on_a_fast_disk(tmp_path):
     third = w.save(_state(), str(tmp_path / "c"))
     assert third.compress.startswith("auto: on") and third.bytes_stored < third.bytes
     _same(fw.load(str(tmp_path / "c")), _state())
+    # Issue 44 item 7: a compressed save's compressed bytes over seconds (which include
+    # compressing) are not the link's rate: the measured target rate stays as it was.
+    place = compress.place_of(str(tmp_path / "c"))
+    assert compress._target_gbps[place] == 1e-3
+    fourth = w.save(_state(), str(tmp_path / "d"))
+    assert fourth.compress.startswith("auto: on") and "target 0.00 GB/s by last save" in fourth.compress
+    assert compress._target_gbps[place] == 1e-3
 
 
 def test_auto_stays_off_where_the_cores_are_not_well_ahead_of_the_target(tmp_path):

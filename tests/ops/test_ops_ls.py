@@ -151,3 +151,27 @@ def test_ls_lists_local_snapshots_with_state_and_owner(capsys, tmp_path):
     finally:
         import shutil
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_ls_sees_a_missing_or_truncated_stripe_and_a_broken_seal(capsys, tmp_path):
+    """Issue 44 item 3: ls said complete / verified yes where verify failed at once."""
+    from flashwrite.ops.ls import list_checkpoints, record_verified
+    root = tmp_path / "root"
+    for n in ("step-1", "step-2", "step-3"):
+        save(str(root / n), stripes=2)
+        record_verified(str(root / n))
+    stripes = sorted(f for f in os.listdir(root / "step-1") if f.endswith(".safetensors"))
+    os.remove(root / "step-1" / stripes[0])
+    with open(root / "step-2" / stripes[0], "r+b") as f:
+        f.truncate(os.path.getsize(root / "step-2" / stripes[0]) - 1)
+    got = {e.name: e for e in list_checkpoints(str(root))}
+    assert got["step-1"].status == "damaged" and "missing" in got["step-1"].problem and got["step-1"].verified != "yes"
+    assert got["step-2"].status == "damaged" and "(truncated)" in got["step-2"].problem
+    assert got["step-3"].status == "complete" and got["step-3"].verified == "yes"
+    # A directory with flashwrite's stripes and no manifest: incomplete (a copy cut short).
+    os.makedirs(root / "copy")
+    for f in stripes:
+        with open(root / "step-3" / f, "rb") as src, open(root / "copy" / f, "wb") as dst:
+            dst.write(src.read())
+    got = {e.name: e for e in list_checkpoints(str(root))}
+    assert got["copy"].status == "incomplete"

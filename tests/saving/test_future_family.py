@@ -4,6 +4,7 @@ save and a load treats both alike."""
 
 import concurrent.futures
 import errno
+import os
 
 import pytest
 import torch
@@ -69,3 +70,23 @@ def test_wait_reports_the_end_and_result_raises_the_error(ckdir):
     assert isinstance(lf.exception(), FileNotFoundError)
     assert lf.stats.total_s is None and "failed" in repr(lf)
 
+
+
+def test_load_async_resolves_a_relative_path_at_the_call(tmp_path, monkeypatch):
+    """Issue 44 item 8: the load's thread ran after the call returned and resolved the
+    relative path then, so an os.chdir in between loaded another directory's checkpoint."""
+    import threading
+    from flashwrite.loading import load as loading
+    for d, seed in (("a", 1), ("b", 2)):
+        fw.save(_state(seed), str(tmp_path / d / "ck"))
+    fw.load_async(str(tmp_path / "a" / "ck")).result()  # the load pool exists
+    gate = threading.Event()
+    busy = [loading._load_pool.submit(gate.wait) for _ in range(2)]  # its two threads held
+    monkeypatch.chdir(tmp_path / "a")
+    try:
+        fut = fw.load_async("ck")
+        os.chdir(tmp_path / "b")
+    finally:
+        gate.set()
+    concurrent.futures.wait(busy)
+    assert_same(fut.result(), _state(1))

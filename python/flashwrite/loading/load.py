@@ -24,6 +24,7 @@ from ..system.replicas import layout_for_load
 from .replicas import load_replicated
 from .read import CheckpointDir, LoadResult, load_foreign, load_state, read_tensors
 from ..targets.locate import Located, kind_of, locate
+from ..targets.target import shown
 
 __all__ = ["load", "load_async", "verify", "read_tensors", "LoadResult", "LoadFuture", "LoadStats"]
 
@@ -150,7 +151,8 @@ def load_async(path: str | os.PathLike, **kwargs: Any) -> LoadFuture:
         if _load_pool is None:
             _load_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="flashwrite-load")
         pool = _load_pool
-    return launch_load(os.fspath(path), lambda: load(path, **kwargs), pool.submit)
+    path = shown(path)  # a relative path resolved at the call: an os.chdir before the load's thread runs changes nothing
+    return launch_load(path, lambda: load(path, **kwargs), pool.submit)
 
 
 def verify(path: str | os.PathLike, progress: Any = None) -> dict:

@@ -39,26 +39,33 @@ def stripe_specs(m: Manifest, file_ids: list[int], base: str, path: str, target:
     for fi in file_ids:
         fe = m.files[fi]
         full = os.path.join(base, fe.name)
-        if target is not None:
-            size = target.file_size(full)
-            if size is None and not target.exists(full):
-                raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name)
-            if size is None:
-                raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
-        else:
-            try:
-                st = os.lstat(full)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"stripe {fe.name} is missing from {path}", file=fe.name) from None
-            if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
-                raise UnsafeCheckpointError(f"stripe {fe.name} in {path} is not a regular file", file=fe.name)
-            size = st.st_size
-        if size != fe.size:
-            what = "truncated" if size < fe.size else "longer than recorded"
-            raise CorruptCheckpointError(f"stripe {fe.name} is {size} bytes, the manifest says {fe.size} "
-                                         f"({what})", file=fe.name)
+        check_stripe_size(target, full, fe.name, path, fe.size)
         specs.append((full, fe.size))
     return specs
+
+
+def check_stripe_size(target: Any, full: str, name: str, path: str, recorded: int) -> None:
+    """The stripe ``full`` (``name`` in the checkpoint ``path``, as messages show it) must be
+    a regular file of its ``recorded`` size: the one check, and the one text, of load,
+    verify, convert and ls. ``target``: None for this machine's files."""
+    if target is not None:
+        size = target.file_size(full)
+        if size is None and not target.exists(full):
+            raise CorruptCheckpointError(f"stripe {name} is missing from {path}", file=name)
+        if size is None:
+            raise UnsafeCheckpointError(f"stripe {name} in {path} is not a regular file", file=name)
+    else:
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"stripe {name} is missing from {path}", file=name) from None
+        if not stat.S_ISREG(st.st_mode):  # a symlink may lead out of the checkpoint; a directory is no stripe
+            raise UnsafeCheckpointError(f"stripe {name} in {path} is not a regular file", file=name)
+        size = st.st_size
+    if size != recorded:
+        what = "truncated" if size < recorded else "longer than recorded"
+        raise CorruptCheckpointError(f"stripe {name} is {size} bytes, the manifest says {recorded} ({what})",
+                                     file=name)
 
 
 def checksum_pieces(m: Manifest, wanted: set[str], slot: dict[int, int]

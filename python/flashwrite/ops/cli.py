@@ -3,7 +3,9 @@
 ``register`` adds them to the main parser; each ``cmd_*`` calls its module and
 renders the result as a table, or as JSON with ``--json``. Exit codes: 0 ok,
 1 a problem (damaged input, differences for ``diff``), 2 usage (a bad option, a path
-that is not there or not what the command takes: ``common.BAD_PATH``).
+that is not there or not what the command takes: ``common.BAD_PATH``), 3 for ``diff``
+only: undetermined (nothing differs by the stored checksums, but some tensors are laid
+out differently and only ``--deep`` can compare them).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from ..system.sizes import fmt_bytes
 from ..targets.tuning import save_tuning, store_path
-from .common import OK, PROBLEM, Problem, guarded, print_json, print_table
+from .common import OK, PROBLEM, UNDETERMINED, Problem, guarded, print_json, print_table
 from .convert import convert
 from .diff import diff
 from .inspect import inspect, summarised_leaves
@@ -123,7 +125,7 @@ def cmd_diff(a: argparse.Namespace) -> int:
     r = diff(a.a, a.b, deep=a.deep, pattern=a.tensors, progress=None if a.json else _progress(a))
     if a.json:
         print_json(r)
-        return OK if r["identical"] else PROBLEM
+        return _diff_status(r)
     rows = [[k, "added", ""] for k in r["added"]] + [[k, "removed", ""] for k in r["removed"]]
     rows += [[c["key"], "dtype/shape", f"{c['a']['dtype']} {c['a']['shape']} -> {c['b']['dtype']} {c['b']['shape']}"]
              for c in r["changed_meta"]]
@@ -133,10 +135,16 @@ def cmd_diff(a: argparse.Namespace) -> int:
     if rows:
         print_table(["key", "change", "detail"], rows)
     how = "bytes compared" if a.deep else "compared by stored checksums, no data read"
-    print(f"{'identical' if r['identical'] else 'different'}: {r['same']} tensors the same, "
+    verdict = "identical" if r["identical"] else \
+        f"undetermined: {len(r['unknown'])} laid out differently (use --deep)" if r["undetermined"] else "different"
+    print(f"{verdict}: {r['same']} tensors the same, "
           f"{len(r['changed_content'])} changed in content, {len(r['changed_meta'])} in dtype/shape, "
           f"{len(r['added'])} added, {len(r['removed'])} removed, {len(r['leaves'])} leaves differ ({how})")
-    return OK if r["identical"] else PROBLEM
+    return _diff_status(r)
+
+
+def _diff_status(r: dict) -> int:
+    return OK if r["identical"] else UNDETERMINED if r["undetermined"] else PROBLEM
 
 
 @guarded

@@ -11,6 +11,7 @@ from ..errors import FlashwriteError
 from ..targets.target import UnsupportedTargetError, shown
 
 OK, PROBLEM, USAGE = 0, 1, 2
+UNDETERMINED = 3  # diff: nothing differs by the stored checksums, some tensors they cannot compare
 
 
 class UsageError(Exception):

@@ -107,6 +107,9 @@ def diff(a: str, b: str, *, deep: bool = False, pattern: str | None = None, prog
             out["leaves"].append({"path": p, "a": None if na is None else _tree.leaf_value(na),
                                   "b": None if nb is None else _tree.leaf_value(nb),
                                   "change": "added" if na is None else "removed" if nb is None else "changed"})
-    out["identical"] = not (out["added"] or out["removed"] or out["changed_meta"] or out["changed_content"]
-                            or out["unknown"] or out["leaves"])
+    differ = bool(out["added"] or out["removed"] or out["changed_meta"] or out["changed_content"] or out["leaves"])
+    out["identical"] = not differ and not out["unknown"]
+    # Only tensors whose stored checksums cannot be compared (laid out differently): not
+    # a difference, and not known the same either; --deep decides.
+    out["undetermined"] = not differ and bool(out["unknown"])
     return out

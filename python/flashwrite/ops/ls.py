@@ -2,9 +2,13 @@
 
 Cost on NFS (a mount, or an nfs:// ROOT read through its ``Target``): one directory
 listing of ROOT and one open of each candidate's manifest (plus its small
-verification record when there is one). No stripe is opened or stat'ed: sizes,
-tensor counts and times come from the manifest, which is written last, so a
-directory with a manifest is a committed checkpoint.
+verification record when there is one), and one stat of each stripe: a manifest
+says what was committed, not what is there now (a ``cp -r`` or rsync cut short, a
+stripe lost in place), so a checkpoint whose manifest fails its own checksum, or a
+stripe missing or not at its recorded size, is ``damaged`` with the reason, and a
+recorded verification counts (``yes``) only while those facts hold. No stripe is
+read, except the header of one stripe of a directory with stripes and no
+manifest (``incomplete`` when flashwrite wrote it).
 
 Local snapshots (``CheckpointManager(local_snapshots=True)``) of checkpoints in
 ROOT are listed too, as rows of tier "memory": one listing of the local
@@ -24,13 +28,18 @@ from typing import Any
 from .. import _core
 from ..saving import commit
 from ..tier import snapshot as local
-from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD
+from ..errors import FlashwriteError
+from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, PACKED_FIELD, check_manifest_seal, check_member_name
+from ..format import safetensors_header
+from ..format.codec import STRIPE_SUFFIX
+from ..loading.read_plan import check_stripe_size
 from ..targets.locate import kind_of, resolve
 from ..targets.target import LOCAL, Target, local_path
 from ..incremental.link import byte_counts
 
 VERIFIED_NAME = ".flashwrite-verified.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
+_STRIPE_RE = re.compile(r"^.+-\d{5}-of-\d{5}(\.safetensors|" + re.escape(STRIPE_SUFFIX) + r")$")
 
 
 @dataclass
@@ -127,7 +136,7 @@ def describe(path: str, name: str | None = None, target: Target = LOCAL) -> Entr
     try:
         raw, data = read_json_small(os.path.join(path, MANIFEST_NAME), target=target)
     except FileNotFoundError:
-        if step is not None:
+        if step is not None or _holds_our_stripes(target, path):
             return Entry(shown, name, "incomplete", step, problem=f"no {MANIFEST_NAME}: not a whole checkpoint")
         return None
     except (OSError, ValueError) as e:
@@ -163,6 +172,11 @@ def describe(path: str, name: str | None = None, target: Target = LOCAL) -> Entr
         e.problem = (f"its replicas disagreed on {e.diverged} piece(s) (silent data corruption or nondeterminism on "
                      "a rank); the majority's bytes were committed: flashwrite inspect names them")
     e.verified, e.verified_unix = _verified(target, path, data)
+    if e.status == "complete":
+        problem = _damage(target, path, shown, raw, files)
+        if problem is not None:
+            e.status, e.problem = "damaged", problem
+            e.verified = "stale" if e.verified == "yes" else e.verified  # it held for what is no longer there
     return e
 
 
@@ -173,6 +187,38 @@ def diverged_pieces(raw: dict) -> int:
     if not isinstance(groups, list):
         return 0
     return sum(len(g["diverged"]) for g in groups if isinstance(g, dict) and isinstance(g.get("diverged"), list))
+
+
+def _damage(target: Target, path: str, shown: str, raw: dict, files: Any) -> str | None:
+    """What cheaply shows a committed checkpoint is no longer whole: its manifest fails its
+    own checksum, or a stripe is missing or not at its recorded size (the check and the
+    words ``load`` and ``verify`` use). None when nothing does."""
+    try:
+        check_manifest_seal(raw)
+        for f in files:
+            name = check_member_name(f.get("name") if isinstance(f, dict) else None)
+            check_stripe_size(target, os.path.join(path, name), name, shown, int(f["size"]))
+    except FlashwriteError as err:
+        return str(err)
+    return None
+
+
+def _holds_our_stripes(target: Target, path: str) -> bool:
+    """Whether a directory with no manifest holds stripes flashwrite wrote (a compressed
+    stripe's name, or a safetensors stripe whose header says so): a checkpoint cut short."""
+    try:
+        names = sorted(n for n in target.list(path) if _STRIPE_RE.match(n))
+        if not names:
+            return False
+        if names[0].endswith(STRIPE_SUFFIX):
+            return True
+        full = os.path.join(path, names[0])
+        size = target.file_size(full) or 0
+        n = safetensors_header.header_length(target.read_at(full, 0, 8), size, names[0])
+        _, meta = safetensors_header.parse_object(target.read_at(full, 8, n), names[0])
+        return meta.get("writer") == "flashwrite"
+    except (OSError, ValueError, FlashwriteError):
+        return False
 
 
 def list_checkpoints(root: str, recursive: bool = False) -> list[Entry]:

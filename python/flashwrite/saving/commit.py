@@ -19,7 +19,7 @@ from typing import Any
 from .. import _core
 from ..errors import CheckpointExistsError
 from ..format import INDEX_NAME, MANIFEST_NAME, encode_manifest
-from ..system.owner import owner_alive
+from ..system.owner import may_run_flashwrite, owner_alive, process_stat
 from ..layout.names import (HOST_TAG, OLD_MARK, TMP_MARK, TempName, is_temp_name, old_dir_for,  # noqa: F401
                             parse_temp_name, shared_temp_dir_for, temp_dir_for)
 from ..targets.target import LOCAL, Target
@@ -150,7 +150,11 @@ def temp_owner_alive(name: str, path: str) -> bool:
     """Whether the process that created temp dir ``name`` may still be writing it.
 
     The pid is in the name; a live process with that pid that started after the
-    directory was last modified is a recycled pid, not the owner.
+    directory was last modified (with 2 s of grace: the boot time has 1 s resolution) is
+    a recycled pid, not the owner. The rule is never to delete what might be live, and the
+    wall clock can lie (stepped forward since the directory changed: NTP's first sync
+    after a restart, a resumed VM), so a process judged younger still counts as the owner
+    while it may be running flashwrite (``may_run_flashwrite``), unless it is this process.
     """
     parsed = parse_temp_name(name)
     if parsed is None or parsed.pid is None:
@@ -161,7 +165,9 @@ def temp_owner_alive(name: str, path: str) -> bool:
         mtime = os.lstat(path).st_mtime
     except OSError:
         return False
-    return owner_alive({"pid": parsed.pid}, started_by=mtime + 2.0)  # the boot time has 1 s resolution
+    if owner_alive({"pid": parsed.pid}, started_by=mtime + 2.0):
+        return True
+    return parsed.pid != os.getpid() and process_stat(parsed.pid) is not None and may_run_flashwrite(parsed.pid)
 
 
 def clean_dead_saves(root: str) -> list[str]:

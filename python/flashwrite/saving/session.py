@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from . import commit
 from ..format import build_index
-from ..future import SaveFuture, SaveStats, clean_up_later, join_cleanups
+from ..future import SaveFuture, SaveStats, clean_up_later, join_cleanups, owe_at_exit, settled, stop_job
 from ..targets.target import Target
 from ..tier.node import LocalSave, LocalTier
 from .write import StripeWrite, StripeWriter
@@ -29,6 +29,10 @@ log = logging.getLogger("flashwrite")
 
 class Commit:
     """A save's commit strategy. ``final`` is the checkpoint's path as ``target`` names it."""
+
+    # The exit removes what this save made if it has not ended by then (SaveSession.stage):
+    # for strategies whose every session ends in finish() or discard()
+    removed_at_exit = False
 
     def __init__(self, final: str, target: Target):
         self.final, self.target = final, target
@@ -74,6 +78,8 @@ class Commit:
 class RenameCommit(Commit):
     """A single-process save: its own temporary directory, renamed into place."""
 
+    removed_at_exit = True
+
     def __init__(self, final: str, target: Target, overwrite: bool, extra: dict[str, bytes],
                  submit: Callable[[Callable[[], None]], Any], on_committed: Callable[[str], None] | None = None):
         super().__init__(final, target)
@@ -89,6 +95,7 @@ class RenameCommit(Commit):
     def discard(self) -> None:
         if self.tmp is not None:
             commit.discard(self.tmp, self.target)
+        settled(id(self))
 
     def submit(self, run: Callable[[], None]) -> Any:
         return self._submit(run)
@@ -127,6 +134,8 @@ class SaveSession:
         # A save interrupted by Ctrl-C is joined and removed on a thread of its own: the next
         # save waits for that first, so the disk and the pool hold one save's files at a time.
         join_cleanups()
+        if self.strategy.removed_at_exit:
+            owe_at_exit(id(self.strategy), self._pay_at_exit)  # until the save is over, whatever Ctrl-Cs come
         try:
             directory = self.strategy.prepare()
             if make_planner is not None:
@@ -137,7 +146,7 @@ class SaveSession:
             sw = self.writer.write_stripes(state_dict, directory, self.t0, remote=self.strategy.target.native_files(),
                                            **write_options)
         except BaseException as e:
-            self.strategy.abandon(e)
+            self.strategy.abandon(e)  # after Ctrl-C on a thread: the exit pays if it never ran
             raise
         sw.stats.path = self.strategy.target.show(self.strategy.final)
         if planner is not None:
@@ -170,6 +179,12 @@ class SaveSession:
         self.wait_staged()
         return self.strategy.durable(self.sw, gate if gate is not None else (lambda: None))
 
+    def _pay_at_exit(self) -> None:
+        """At exit, for a save whose removal a Ctrl-C kept from being handed on."""
+        if self.sw is not None:
+            stop_job(self.sw.job)
+        self.strategy.discard()
+
     def finish(self, gate: Callable[[], None]) -> SaveStats:
         """The background part: seal, overlap, durable, gate, commit, tell the tier."""
         sw = self.sw
@@ -182,6 +197,7 @@ class SaveSession:
             if self.tier is not None and self.snapshot is not None:
                 self.tier.committed(self.snapshot, self.strategy.final)
         finally:
+            settled(id(self.strategy))  # committed, or the future's clean-up (this thread, next) removes it
             self.strategy.end()
             if self.snapshot is not None:
                 self.snapshot.end()

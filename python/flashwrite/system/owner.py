@@ -7,6 +7,10 @@ import os
 import socket
 from typing import Any
 
+from .. import _core
+
+_CORE_FILE = os.path.basename(_core.__file__ or "_core")
+
 
 def process_stat(pid: int) -> list[str] | None:
     """The fields of /proc/PID/stat after the command name (fields[0] is the state,
@@ -36,6 +40,17 @@ def boot_time() -> float | None:
     except OSError:
         pass
     return None
+
+
+def may_run_flashwrite(pid: int) -> bool:
+    """Whether process ``pid`` may be a flashwrite process: its memory maps name the native
+    module, or cannot be read (another user's process, /proc mounted hidepid): unknown
+    counts as maybe."""
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            return any(_CORE_FILE in line for line in fh)
+    except OSError:
+        return True
 
 
 def this_owner() -> dict:
