@@ -1,7 +1,7 @@
 """Lightning runs for tests/integrations/test_lightning.py, in a fresh process (Lightning's DDP launcher
 re-runs this script once per rank).
 
-python lightning_child.py IO DIR DEVICES  -> fit 5 steps (ModelCheckpoint every step, top 2 + last),
+python lightning_child.py IO DIR DEVICES [NAMESPACE]  -> fit 5 steps (ModelCheckpoint every step, top 2 + last),
                                              resume from "last" to 10 steps, validate from a path;
                                              prints the final weights' bits as JSON on global rank 0.
 IO is "flashwrite" or "torch" (Lightning's default TorchCheckpointIO).
@@ -13,12 +13,18 @@ import sys
 
 import torch
 
-try:
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
-except ImportError:
+# NAMESPACE (optional 4th argument): "lightning.pytorch" (the default) or "pytorch_lightning",
+# the Trainer the plug-in must work with (both may be installed at once).
+if len(sys.argv) > 4 and sys.argv[4] == "pytorch_lightning":
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
+else:
+    try:
+        import lightning.pytorch as pl
+        from lightning.pytorch.callbacks import ModelCheckpoint
+    except ImportError:
+        import pytorch_lightning as pl
+        from pytorch_lightning.callbacks import ModelCheckpoint
 
 from flashwrite.integrations.lightning import FlashwriteCheckpointIO
 
@@ -64,6 +70,7 @@ def trainer(io, dirpath, devices, steps):
 
 def main():
     io, dirpath, devices = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    assert pl.Trainer.__module__.startswith(sys.argv[4] if len(sys.argv) > 4 else pl.__name__)
     pl.seed_everything(7, workers=True)
     t1 = trainer(io, dirpath, devices, 5)
     t1.fit(Net(tag="run"), data())

@@ -2,9 +2,9 @@
 
 python lightning_readme_child.py README DIR EPOCHS -> prints JSON on its last line
 
-The snippet is taken from the README's "## Lightning" section and executed verbatim with
-``model`` a small LightningModule that logs ``val_loss``, ``ModelCheckpoint`` Lightning's,
-and ``L`` Lightning with one change to ``Trainer``: defaults that keep the run short and
+The snippet is taken from the README's "## Lightning" section and executed verbatim (its own
+imports included) with ``model`` a small LightningModule that logs ``val_loss``, and one
+change to ``lightning.pytorch.Trainer`` while it runs: defaults that keep the run short and
 quiet (epochs, CPU, no logger, DIR as its root). Every argument the snippet passes reaches
 Lightning unchanged.
 """
@@ -14,12 +14,11 @@ import json
 import os
 import re
 import sys
-import types
 
 import torch
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 
 class LitModel(pl.LightningModule):
@@ -75,9 +74,13 @@ def main():
     def make_trainer(*args, callbacks=(), **kwargs):
         return trainer_cls(*args, callbacks=[*callbacks, FirstStep()], **kwargs)
 
-    L = types.SimpleNamespace(Trainer=make_trainer)
-    ns = {"L": L, "ModelCheckpoint": ModelCheckpoint, "model": LitModel()}
-    exec(compile(snippet(readme), "README.md (Lightning)", "exec"), ns)
+    ns = {"model": LitModel()}
+    real = pl.Trainer
+    pl.Trainer = make_trainer  # what the snippet's own "import lightning.pytorch as L" gets
+    try:
+        exec(compile(snippet(readme), "README.md (Lightning)", "exec"), ns)
+    finally:
+        pl.Trainer = real
     trainer, model = ns["trainer"], ns["model"]
     ckpt_cb = trainer.checkpoint_callback
     out = {"start_step": FirstStep.step, "global_step": trainer.global_step,

@@ -158,7 +158,10 @@ void SaveJob::open_file(size_t i) {
   f.fd = of.fd;
   f.direct = of.direct;
   try {
-    opt_.files->reserve(of.fd, f.path, f.size);
+    // A compressed stripe is not reserved: its frames are written at their chunks' offsets,
+    // and the gaps after them, preallocated, took as much disk space as a plain save (issue
+    // 45 item 4); left as holes, the space compression saves is really saved.
+    if (specs_[i].planes.empty()) opt_.files->reserve(of.fd, f.path, f.size);
   } catch (const IoError& e) {
     // Out of space is the save's failure (reported by its future, like a
     // write that hits ENOSPC), not a bad argument: record it and let the

@@ -13,10 +13,14 @@ of those calls. While a save to a new name is in flight the name already exists,
 empty directory dated 1970 that the commit replaces atomically, so ``ModelCheckpoint``'s
 ``-vN`` versioning sees it taken (a crash leaves that empty directory; its date keeps
 ``ckpt_path="last"`` on a real checkpoint); another save of this process to a name in
-flight is refused. Where Lightning never calls ``teardown()`` (the plug-in wrapped in
-``AsyncCheckpointIO``, which it need not be: it is asynchronous already, or
-``trainer.save_checkpoint`` outside ``fit``) the Writer is closed, after the save in flight,
-when the plug-in is garbage-collected or at interpreter exit, and a failure that no call
+flight is refused. Wrapped in Lightning's ``AsyncCheckpointIO`` (which it need not be: it
+is asynchronous already), ``save_checkpoint`` runs on the wrapper's thread: the plug-in then
+writes and commits the save before it returns and closes its Writer after it (a fresh
+staging pool per save; the wrapper's teardown, the only one Lightning calls, leaves no
+thread), and a removal waits for a save of its name that is staging or writing; one that
+has not started (queued in the wrapper, its name not there yet) is removed once committed. Where Lightning
+never calls ``teardown()`` (``trainer.save_checkpoint`` outside ``fit``) the Writer is closed,
+after the save in flight, when the plug-in is garbage-collected or at interpreter exit, and a failure that no call
 raised is then printed to stderr and logged. The plug-in pickles (``ddp_spawn``,
 ``torch.save(trainer)``): its Writer and save in flight stay in the process that made them.
 
@@ -33,8 +37,8 @@ installed, or when read by ``flashwrite.load``). Anything else needs ``allow_pic
 ``load_from_checkpoint(LitModel, path)`` here builds the module from a flashwrite
 checkpoint the way ``LitModel.load_from_checkpoint`` would.
 
-Works with ``lightning.pytorch`` or ``pytorch_lightning``, whichever is installed
-(``pip install flashwrite[lightning]``). Under DDP, Lightning hands the full state to
+Works with ``lightning.pytorch`` and ``pytorch_lightning`` Trainers, one or both installed
+(``pip install flashwrite[lightning]``): the plug-in is a ``CheckpointIO`` of each. Under DDP, Lightning hands the full state to
 global rank 0 only, which saves it. Strategies that save sharded state themselves
 (FSDP with ``state_dict_type="sharded"``) write through torch.distributed.checkpoint;
 pass ``flashwrite.dcp.FlashwriteStorageWriter`` there.
@@ -42,6 +46,7 @@ pass ``flashwrite.dcp.FlashwriteStorageWriter`` there.
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import os
@@ -55,16 +60,29 @@ from .. import SaveFuture, Writer, load
 from ..errors import CheckpointExistsError
 from ..format import MANIFEST_NAME
 
-try:
-    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-    from lightning.fabric.utilities.data import AttributeDict
-except ImportError:  # the standalone package
-    try:
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-        from lightning_fabric.utilities.data import AttributeDict
-    except ImportError as e:
+
+def _lightning_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Lightning's ``CheckpointIO`` and ``AttributeDict`` classes under every name installed:
+    ``lightning.fabric`` (the ``lightning`` package) and ``lightning_fabric`` (under
+    ``pytorch_lightning``) are two copies of one code, and each Trainer accepts only plug-ins
+    of its own copy's class ("Found invalid type for plugin"), so the plug-in derives from both."""
+    ios: list[type] = []
+    dicts: list[type] = []
+    for pkg in ("lightning.fabric", "lightning_fabric"):
+        try:
+            io_mod = importlib.import_module(f"{pkg}.plugins.io.checkpoint_io")
+            data_mod = importlib.import_module(f"{pkg}.utilities.data")
+        except ImportError:
+            continue
+        ios.append(io_mod.CheckpointIO)
+        dicts.append(data_mod.AttributeDict)
+    if not ios:
         raise ImportError("flashwrite.lightning needs Lightning: pip install 'flashwrite[lightning]' "
-                          "(lightning or pytorch_lightning)") from e
+                          "(lightning or pytorch_lightning)")
+    return tuple(ios), tuple(dicts)
+
+
+_CHECKPOINT_IOS, _ATTRIBUTE_DICTS = _lightning_types()
 
 __all__ = ["FlashwriteCheckpointIO", "load_from_checkpoint"]
 
@@ -81,7 +99,7 @@ OMEGACONF_KEY = "_flashwrite_omegaconf"
 def _plain(x: Any, path: tuple = (), found: list | None = None) -> Any:
     """Lightning's AttributeDict (hyper-parameters) as the plain dict it is, and OmegaConf
     objects as plain containers (their places noted in ``found``), recursively."""
-    if isinstance(x, AttributeDict) or type(x) is dict:
+    if isinstance(x, _ATTRIBUTE_DICTS) or type(x) is dict:
         return {k: _plain(v, (*path, k), found) for k, v in x.items()}
     if type(x) is list:
         return [_plain(v, (*path, i), found) for i, v in enumerate(x)]
@@ -184,7 +202,12 @@ class _Saves:
         self.pending: tuple[SaveFuture, str, str | None] | None = None  # (future, path, placeholder)
         self.error: tuple[BaseException, str] | None = None
         self.saved: set[str] = set()  # real paths of the checkpoints it saved (links to them are its own)
+        self.starting: set[str] = set()  # paths a save_checkpoint call is claiming or staging right now
         self.lock = threading.Lock()
+        self.started = threading.Condition(self.lock)  # notified when a path leaves ``starting``
+        self.home = threading.get_ident()  # the thread that made the plug-in (or unpickled it)
+        self.wrapped = False  # a save ran on another thread (a wrapper's, e.g. AsyncCheckpointIO's)
+        self.doomed: set[str] = set()  # paths removed before their queued save had started
 
     def settle(self) -> None:
         """Wait for the save in flight; raise its failure (once)."""
@@ -228,7 +251,7 @@ def _is_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, MANIFEST_NAME))
 
 
-class FlashwriteCheckpointIO(CheckpointIO):
+class FlashwriteCheckpointIO(*_CHECKPOINT_IOS):  # type: ignore[misc]
     """Lightning checkpoints written by flashwrite, asynchronously.
 
     writer_options: flashwrite ``Writer`` settings (stripes, queue_depth, chunk_bytes,
@@ -268,20 +291,41 @@ class FlashwriteCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options; pass Writer settings to its constructor")
         saves = self._saves
+        # Called on a thread other than the plug-in's own: somebody else made the save
+        # asynchronous (Lightning's AsyncCheckpointIO runs it in its executor, and tears
+        # down only that executor): it is written before this call returns, and the Writer
+        # closed after it, so that the wrapper's teardown leaves no flashwrite thread.
+        wrapped = threading.get_ident() != saves.home
+        if wrapped:
+            saves.wrapped = True
         saves.settle()  # at most one save in flight, and the last one's failure surfaces here
         state = _to_store(checkpoint)
-        if saves.writer is None:
-            saves.writer = Writer(**saves.options)
         target = os.path.abspath(os.fspath(path))
-        placeholder = _claim(target)
-        try:
-            fut = saves.writer.save_async(state, target, overwrite=True, allow_pickle=self.allow_pickle)
-        except BaseException:
-            _unclaim(target, placeholder)
-            raise
         with saves.lock:
-            saves.pending = (fut, target, placeholder)
-            saves.saved.add(os.path.realpath(target))
+            saves.starting.add(target)
+        try:
+            if saves.writer is None:
+                saves.writer = Writer(**saves.options)
+            placeholder = _claim(target)
+            try:
+                fut = saves.writer.save_async(state, target, overwrite=True, allow_pickle=self.allow_pickle)
+            except BaseException:
+                _unclaim(target, placeholder)
+                raise
+            with saves.lock:
+                saves.pending = (fut, target, placeholder)
+                saves.saved.add(os.path.realpath(target))
+            if wrapped:
+                saves.close()  # the path stays "starting" until committed: a removal waits for it
+                with saves.lock:
+                    doomed = target in saves.doomed
+                    saves.doomed.discard(target)
+                if doomed:  # removed while this save was queued in the wrapper, before it started
+                    shutil.rmtree(target)
+        finally:
+            with saves.lock:
+                saves.starting.discard(target)
+                saves.started.notify_all()
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -301,7 +345,15 @@ class FlashwriteCheckpointIO(CheckpointIO):
         saves = self._saves
         target = os.path.abspath(os.fspath(path))
         with saves.lock:
+            # A save of this path that has started but not yet handed its future over (the
+            # name claimed, the state staging: under AsyncCheckpointIO, on another thread).
+            saves.started.wait_for(lambda: target not in saves.starting)
             in_flight = saves.pending is not None and saves.pending[1] == target
+            if saves.wrapped and not os.path.lexists(target):
+                # Saves run on a wrapper's thread, queued there: Lightning removes only what it
+                # saved, so this one is queued, not started; it is removed once committed.
+                saves.doomed.add(target)
+                return
         if in_flight:
             saves.settle()
         if not os.path.lexists(target):

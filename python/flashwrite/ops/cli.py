@@ -81,7 +81,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           f"{r['checksum']['algorithm']} checksums" + (f", {s['world_size']} ranks" if s["world_size"] != 1 else ""))
     if r["compression"]:
         c = r["compression"]
-        print(f"  {c['label']}: {fmt_bytes(c['stored_bytes'])} stored, {c['ratio']:.2f}x "
+        disk = f" ({fmt_bytes(c['disk_bytes'])} on disk)" if c.get("disk_bytes") is not None else ""
+        print(f"  {c['label']}: {fmt_bytes(c['stored_bytes'])} stored{disk}, {c['ratio']:.2f}x "
               "(flashwrite convert writes plain safetensors)")
     for g in (r["replicas"] or {}).get("groups", []):
         if not isinstance(g, dict):

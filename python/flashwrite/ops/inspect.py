@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from typing import Any
 
@@ -65,7 +66,7 @@ def inspect(path: str, pattern: str | None = None) -> dict[str, Any]:
                      "world_size": ranks.get("world_size") if ranks else 1},
         "metadata": m.metadata,
         "stripes": [{"name": f.name, "bytes": f.size, "header_bytes": f.header_bytes} for f in m.files],
-        "compression": compression(m),
+        "compression": compression(m, path),
         "totals": {"tensors": len(m.tensors), "bytes": sum(e.nbytes for e in m.tensors.values()),
                    "file_bytes": sum(f.size for f in m.files), "aliases": len(m.aliases),
                    # incremental saves: of file_bytes, written by its save / hard-linked from base
@@ -108,9 +109,11 @@ def summarised_leaves(leaves: dict[str, Any], limit: int = 8) -> list[list[str]]
     return rows
 
 
-def compression(m: Manifest) -> dict[str, Any] | None:
-    """None for plain stripes; else the codec, what no tool must mistake them for, and
-    the bytes the frames take (each padded to 4 KiB; chunks stored plain at full span)."""
+def compression(m: Manifest, path: str | None = None) -> dict[str, Any] | None:
+    """None for plain stripes; else the codec, what no tool must mistake them for, the
+    bytes the frames take (each padded to 4 KiB; chunks stored plain at full span), and
+    for a local checkpoint ``disk_bytes``: the blocks its stripes hold on disk (what ``du``
+    counts; None where the stripes are not local files)."""
     if not is_compressed(m):
         return None
     block, stored = m.block_bytes, 0
@@ -118,4 +121,11 @@ def compression(m: Manifest) -> dict[str, Any] | None:
         for k, n in enumerate(f.frames or [0] * -(-f.size // block)):
             stored += -(-n // 4096) * 4096 if n else min(block, f.size - k * block)
     total = sum(f.size for f in m.files)
-    return {"codec": CODEC_NAME, "label": LABEL, "stored_bytes": stored, "ratio": total / stored if stored else None}
+    disk: int | None = None
+    if path is not None and "://" not in os.fspath(path):
+        try:
+            disk = sum(os.stat(os.path.join(path, f.name)).st_blocks * 512 for f in m.files)
+        except OSError:
+            disk = None
+    return {"codec": CODEC_NAME, "label": LABEL, "stored_bytes": stored, "ratio": total / stored if stored else None,
+            "disk_bytes": disk}
