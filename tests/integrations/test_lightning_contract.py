@@ -244,6 +244,7 @@ def test_a_removal_waits_for_a_save_on_another_thread_that_has_not_handed_over(t
     """Issue 44 item 6: under AsyncCheckpointIO, save_checkpoint runs in Lightning's executor
     while ModelCheckpoint removes on the main thread; a removal that came while the save
     was staging found the name claimed but no save in flight, and raised."""
+    before = _commit_threads()  # an earlier test's Writer may still be alive
     plug = FlashwriteCheckpointIO(allow_pickle=True)
     path = tmp_path / "epoch=0-step=1.ckpt"
     _SlowToPickle.started.clear()
@@ -262,7 +263,7 @@ def test_a_removal_waits_for_a_save_on_another_thread_that_has_not_handed_over(t
     plug.remove_checkpoint(path)  # waits for the save, then removes the checkpoint it committed
     t.join(10)
     assert not errors and not os.path.lexists(path)
-    assert not _commit_threads()  # the save on another thread closed its Writer after it
+    assert not _commit_threads() - before  # the save on another thread closed its Writer after it
 
 
 def _rotate_under_async_wrapper(root, wrapper, trainer_cls, checkpoint_cls):
