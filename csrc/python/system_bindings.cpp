@@ -55,6 +55,7 @@ void register_system(py::module_& m) {
         return checksum(p, n);
       },
       "XXH3-64 of a contiguous buffer (GIL released).");
+  m.def("checksum_path", &checksum_path, "Which XXH3 the checksums run: \"avx2\" or \"scalar\".");
 
   m.def("fsync_dir", [](const std::string& p) {
     py::gil_scoped_release nogil;

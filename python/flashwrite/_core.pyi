@@ -239,6 +239,9 @@ def start_load(files: Sequence[LoadFile], pieces: Sequence[Piece], backend: str 
 def checksum(b: _BufferLike, /) -> int:
     """XXH3-64 of a contiguous buffer (GIL released)."""
 
+def checksum_path() -> str:
+    """Which XXH3 the checksums run: "avx2" or "scalar"."""
+
 # A piece of a snapshot restore: (destination address or 0 to check in place,
 # source address, nbytes, expected xxh3-64).
 CopyPiece = tuple[int, int, int, int]

@@ -8,6 +8,7 @@ import ctypes.util
 import json
 import os
 import pathlib
+import platform
 import re
 import shutil
 import subprocess
@@ -168,3 +169,21 @@ def test_the_vendored_liburing_builds_and_does_io(tmp_path):
     if out.startswith("SETUP"):
         pytest.skip(f"no io_uring here (errno {out.split()[1]}); the library built and linked")
     assert out.split() == ["VERSION", "2.15", "WROTE", "35", "READ", "35", "SAME", "1"], out
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 XXH3 is x86-64's")
+def test_checksums_run_the_avx2_xxh3_where_the_cpu_has_it():
+    # The release wheel is built with zig, whose __builtin_cpu_supports said no on every CPU:
+    # its checksums ran the scalar XXH3 (issue 45 item 1). The kernel's flags say what the CPU has.
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags")
+    assert _core.checksum_path() == ("avx2" if "avx2" in flags else "scalar")  # the kernel lists avx2 only where usable

@@ -408,3 +408,52 @@ def test_kill9_during_incremental_saves(tmp_path):
         mgr.close()
     assert killed >= 5, f"seed {seed}: only {killed} of 10 victims were killed mid-run"
     assert linked_seen, "no checkpoint of the trials linked a stripe: the saves were not incremental"
+
+
+def frozen_params(n: int = 6) -> dict:
+    """The base as a LoRA model's state_dict(keep_vars=True) holds it: frozen Parameters."""
+    return {k: torch.nn.Parameter(t, requires_grad=False) for k, t in frozen_base(n).items()}
+
+
+def test_first_incremental_save_after_a_full_one_links_the_frozen_parameters(tmp_path):
+    # Issue 45 item 5: the full save puts the frozen Parameters in stripes of their own,
+    # so the very first incremental save links them (before, it wrote every stripe, since
+    # each mixed frozen and trained tensors).
+    frozen = frozen_params()
+    frozen_bytes = sum(t.nbytes for t in frozen.values())
+    stats = save_run(str(tmp_path), 2, frozen)
+    full, first = stats
+    assert full.bytes_linked == 0 and first.incremental == "on"
+    assert first.bytes_linked >= frozen_bytes and first.bytes_written <= 0.1 * full.bytes
+    from safetensors.torch import load_file
+    step1 = str(tmp_path / "step-1")
+    names = sorted(stripes_of(step1))
+    assert names == [f"model-{i:05d}-of-{len(names):05d}.safetensors" for i in range(1, len(names) + 1)]
+    kinds = []
+    for name in names:  # each stripe holds frozen tensors only, or none; opened by safetensors itself
+        keys = set(load_file(os.path.join(step1, name)))
+        kinds.append(all(k.startswith("model.base.") for k in keys))
+        assert kinds[-1] or not any(k.startswith("model.base.") for k in keys)
+    assert any(kinds) and not all(kinds)
+    for step in (1, 2):
+        p = str(tmp_path / f"step-{step}")
+        back = fw.load(p)
+        assert_same(back, lora_state(step, frozen))
+        assert all(isinstance(back["model"][k], torch.nn.Parameter) and not back["model"][k].requires_grad
+                   for k in frozen)
+        fw.verify(p)
+
+
+def test_plain_tensors_and_trainable_parameters_share_stripes_as_before(tmp_path):
+    from flashwrite.layout.plan import plan_files
+    g = torch.Generator().manual_seed(1)
+    ts = {f"t{i}": torch.randn(1000 + i, generator=g) for i in range(8)}
+    for state in (ts, {k: torch.nn.Parameter(t) for k, t in ts.items()},
+                  {k: torch.nn.Parameter(t, requires_grad=False) for k, t in ts.items()}):
+        files = plan_files(None, 4, columns=flatten_columns(state)[2])
+        assert [f.name for f in files] == [f"model-{i:05d}-of-00004.safetensors" for i in range(1, 5)]
+        assert sorted(len(f.members) for f in files) == [2, 2, 2, 2]  # balanced by bytes, no group apart
+    mixed = {"big": torch.nn.Parameter(torch.zeros(4000), requires_grad=False), "small": torch.zeros(10)}
+    files = plan_files(None, 8, columns=flatten_columns(mixed)[2])  # one stripe per group: never an empty one
+    assert [[f.columns.keys[j] for j in f.members] for f in files] == [["big"], ["small"]]
+    assert [f.name for f in files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]

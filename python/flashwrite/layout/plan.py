@@ -5,6 +5,12 @@ a JSON header padded with spaces so tensor data starts on a 4 KiB boundary, then
 tensors packed with no holes, largest element size first so every tensor stays
 naturally aligned. Stripes are balanced by bytes (largest tensor to the
 lightest stripe).
+
+Frozen tensors (``nn.Parameter`` with ``requires_grad=False``, as
+``model.state_dict(keep_vars=True)`` gives a LoRA run's base weights) get stripes of
+their own, apart from the rest: the first incremental save after a full one then
+finds whole stripes unchanged and links them, instead of rewriting every stripe that
+mixed a frozen tensor with a trained one.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import torch
 from .. import _core
 from ..format import dtypes
 from ..state.flatten import Columns, FlatTensor, columns_of
-
 
 
 @dataclass(slots=True)
@@ -90,11 +95,49 @@ def plan_files(tensors: list[FlatTensor] | None, stripes: int, prefix: str = "mo
         dtypes.dtype_name(dt)  # raises for dtypes we cannot store
         codes[dt] = (dtypes.safetensors_code(dt), dt.itemsize)
     n = max(1, min(stripes, len(nbytes) - nbytes.count(0)))
-    names = [stripe_name(prefix, i, n) for i in range(n)]
     if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         # safetensors' own rule for __metadata__, which every header reader here enforces
         raise TypeError(f"metadata must map strings to strings, got {metadata!r}"[:200])
     meta = json.dumps({"format": "pt", "writer": "flashwrite", **(metadata or {})}, separators=(",", ":"))
-    layout = _core.layout_stripes(columns.keys, dts, columns.shapes, nbytes, codes, names, meta, json.dumps)
-    return [PlannedFile(name, header, size, columns, members, offsets)
-            for name, (header, size, members, offsets) in zip(names, layout)]
+    groups = _frozen_apart(columns, n)
+    if groups is not None:
+        n = sum(count for _, count in groups)
+    names = [stripe_name(prefix, i, n) for i in range(n)]
+    if groups is None:
+        layout = _core.layout_stripes(columns.keys, dts, columns.shapes, nbytes, codes, names, meta, json.dumps)
+        return [PlannedFile(name, header, size, columns, members, offsets)
+                for name, (header, size, members, offsets) in zip(names, layout)]
+    out, first = [], 0
+    for idx, count in groups:  # each group laid out on its own, its members mapped back to the state's rows
+        part = names[first:first + count]
+        first += count
+        layout = _core.layout_stripes([columns.keys[j] for j in idx], [dts[j] for j in idx],
+                                      [columns.shapes[j] for j in idx], [nbytes[j] for j in idx], codes, part, meta,
+                                      json.dumps)
+        out += [PlannedFile(name, header, size, columns, [idx[m] for m in members], offsets)
+                for name, (header, size, members, offsets) in zip(part, layout)]
+    return out
+
+
+def _frozen_apart(columns: Columns, n: int) -> list[tuple[list[int], int]] | None:
+    """(rows, stripe count) of the frozen tensors and of the others, the ``n`` stripes
+    shared by bytes (at least one each); None where the state has no frozen tensor, only
+    frozen ones, or one stripe to give."""
+    sources = columns.sources
+    if n < 2 or not sources:
+        return None
+    param = torch.nn.Parameter
+    frozen = [j for j, t in enumerate(sources) if isinstance(t, param) and not t.requires_grad]
+    if not frozen or len(frozen) == len(sources):
+        return None
+    fset = set(frozen)
+    rest = [j for j in range(len(sources)) if j not in fset]
+    nbytes = columns.nbytes
+    fb, rb = sum(nbytes[j] for j in frozen), sum(nbytes[j] for j in rest)
+    if not fb or not rb:
+        return None
+    n_rest = min(n - 1, max(1, round(n * rb / (fb + rb))))
+    # no group gets more stripes than it has tensors with bytes (an empty stripe is no use)
+    n_frozen = min(n - n_rest, sum(1 for j in frozen if nbytes[j]))
+    n_rest = min(n_rest, sum(1 for j in rest if nbytes[j]))
+    return [(frozen, n_frozen), (rest, n_rest)]
