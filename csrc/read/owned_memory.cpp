@@ -14,9 +14,9 @@ namespace {
 
 constexpr uint64_t kHuge = 2ull << 20;
 
-bool huge_pages_off() {
+bool huge_pages_on() {
   const char* v = std::getenv("FLASHWRITE_HUGE_PAGES");
-  return v && (!std::strcmp(v, "off") || !std::strcmp(v, "0"));
+  return v && (!std::strcmp(v, "on") || !std::strcmp(v, "1"));
 }
 
 }  // namespace
@@ -24,7 +24,7 @@ bool huge_pages_off() {
 OwnedExtent map_extent(uint64_t file_offset, uint64_t nbytes) {
   const uint64_t first = file_offset / kAlign * kAlign;
   const size_t len = round_up(std::max<uint64_t>(file_offset + nbytes, first + 1), kAlign) - first;
-  const bool huge = len >= kHuge && !huge_pages_off();
+  const bool huge = len >= kHuge && huge_pages_on();
   const size_t slack = huge ? kHuge : 0;
   void* p = mmap(nullptr, len + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw_errno(errno, "mmap tensor memory", "", static_cast<int64_t>(file_offset),

@@ -163,3 +163,15 @@ def test_a_flipped_byte_inside_a_direct_tensor_is_named(tmp_path):
     with pytest.raises(ChecksumMismatchError) as ei:
         fw.load(path)
     assert ei.value.tensor == "i"
+
+
+def test_huge_pages_on_places_memory_as_the_file_modulo_2_mib(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHWRITE_HUGE_PAGES", "on")
+    off = 5 * 4096 + 7
+    t = torch.from_dlpack(_core.owned_tensor(off, 3 << 20))
+    assert (t.data_ptr() - off) % (2 << 20) == 0  # every chunk read starts on a huge page
+    sd = _state()
+    fw.save(sd, tmp_path / "ck", stripes=1)
+    out = fw.load(tmp_path / "ck")
+    for k, v in sd.items():
+        assert torch.equal(out[k], v.detach()), k
