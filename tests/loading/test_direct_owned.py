@@ -175,3 +175,18 @@ def test_huge_pages_on_places_memory_as_the_file_modulo_2_mib(tmp_path, monkeypa
     out = fw.load(tmp_path / "ck")
     for k, v in sd.items():
         assert torch.equal(out[k], v.detach()), k
+
+
+@pytest.mark.nfs
+def test_an_nfs_load_lands_its_read_replies_in_the_tensors(nfs_server, nfs_staging):
+    # nfs://: each READ reply is copied straight into the tensor's memory, not a slot first.
+    sd = _state()
+    fw.save(sd, nfs_server.url("ck"), stripes=1)
+    m = read_manifest(os.path.join(nfs_server.export, "ck"))
+    out = fw.load(nfs_server.url("ck"))
+    for k, v in sd.items():
+        assert torch.equal(out[k], v.detach()), k
+    for k in ("w", "h", "i", "p"):
+        t, e = out[k], m.tensors[k]
+        assert t.untyped_storage().nbytes() == e.nbytes and t.data_ptr() % 4096 == e.offset % 4096, k
+    assert out["tied"] is out["p"]

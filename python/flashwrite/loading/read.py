@@ -183,9 +183,10 @@ class CheckpointDir:
             if zero_copy:
                 read_plan.place_stripes(m, file_ids, slot, placements, stripes)
             else:
-                # Local files: large tensors are read straight into their own memory (no copy).
+                # Large tensors are read straight into their own memory: no copy out of a bounce slot
+                # (nfs://: the READ replies are copied there, not to a slot first).
                 read_plan.place_owned(m, wanted, file_ids, slot, targets, hosted, placements, owned, headers,
-                                      direct=not frames and self.files is None)
+                                      direct=not frames)
             t0 = time.perf_counter()
             # The job holds `targets`, `hosted`, `owned`, `headers` and `stripes` (the destinations) until it
             # is joined, whatever order an interrupted frame frees its locals in.
