@@ -56,11 +56,14 @@ AlignedBuffer AlignedBuffer::map_shared(int fd, uint64_t file_offset, size_t byt
   return b;
 }
 
+void prefault_pages(char* p, size_t len) noexcept {
+  if (madvise(p, len, MADV_POPULATE_WRITE) == 0) return;
+  for (size_t i = 0; i < len; i += kAlign) *static_cast<volatile char*>(p + i) = 0;
+}
+
 void AlignedBuffer::prefault(size_t offset, size_t len) const noexcept {
   if (!ptr_ || offset >= cap_) return;
-  len = std::min(len, cap_ - offset);
-  if (madvise(ptr_ + offset, len, MADV_POPULATE_WRITE) == 0) return;
-  for (size_t i = 0; i < len; i += kAlign) *static_cast<volatile char*>(ptr_ + offset + i) = 0;
+  prefault_pages(ptr_ + offset, std::min(len, cap_ - offset));
 }
 
 namespace {

@@ -18,6 +18,10 @@ constexpr size_t kAlign = 4096;
 
 inline constexpr uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+// Fault in the pages of [p, p + len) (MADV_POPULATE_WRITE, or touching them);
+// p page-aligned.
+void prefault_pages(char* p, size_t len) noexcept;
+
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;

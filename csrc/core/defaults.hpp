@@ -34,6 +34,10 @@ constexpr unsigned kCompressFramesInFlight = 8;
 constexpr int kCompressLevel = 1;  // zstd level of compress="zstd" (1-3 measured alike on byte planes)          // 32-64 beat 2-16; 32 keeps in-flight memory at half of 64's
 constexpr unsigned kReadQueueDepth = 32;           // matched or beat 16 in both load sweeps
 constexpr uint64_t kReadChunkBytes = 8ull << 20;
+// Owned CPU tensors of a local load from this size up are read with O_DIRECT
+// straight into their own memory (no copy); smaller ones are copied out of the
+// bounce slots, where their pages read twice would cost more than the copy.
+constexpr uint64_t kDirectTensorBytes = 1ull << 20;
 // Host memcpy + checksum threads per save (and per local snapshot restore):
 // cpu_threads(kCopyThreadsMost). _core.DEFAULTS["copy_threads"] holds it as
 // counted when _core was imported.

@@ -25,6 +25,7 @@ py::dict defaults_dict() {
   d["write_queue_depth"] = defaults::kWriteQueueDepth;
   d["read_queue_depth"] = defaults::kReadQueueDepth;
   d["read_chunk_bytes"] = defaults::kReadChunkBytes;
+  d["direct_tensor_bytes"] = defaults::kDirectTensorBytes;
   d["copy_threads"] = defaults::copy_threads();
   d["verify_threads"] = defaults::verify_threads();
   d["d2h_batches_in_flight"] = defaults::kD2hBatchesInFlight;

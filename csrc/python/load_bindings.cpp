@@ -12,6 +12,8 @@
 #include "engine/engine.hpp"
 #include "io/backend.hpp"
 #include "python/bindings.hpp"
+#include "read/owned_memory.hpp"
+#include "read/placements.hpp"
 
 namespace fw {
 namespace {
@@ -27,6 +29,76 @@ struct PyLoadJob {
     keepalive = py::none();
   }
 };
+
+// DLPack's C ABI (dlpack.h, v0.x "dltensor" capsules, which every torch release
+// reads): a tensor handed to torch with the deleter that frees its memory, so the
+// extension needs no libtorch.
+struct DLDevice {
+  int32_t device_type;  // 1: kDLCPU
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 1: kDLUInt
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+
+struct OwnedTensor {
+  DLManagedTensor managed;
+  int64_t shape;
+  OwnedExtent extent;
+};
+
+// May run on any thread, without the GIL (torch frees storages anywhere).
+void free_owned(DLManagedTensor* t) {
+  auto* o = static_cast<OwnedTensor*>(t->manager_ctx);
+  release_extent(o->extent);
+  delete o;
+}
+
+// A capsule torch has not taken still owns its tensor.
+void free_unused_capsule(PyObject* cap) {
+  if (!PyCapsule_IsValid(cap, "dltensor")) return;  // renamed "used_dltensor" once torch took it
+  auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+  if (t && t->deleter) t->deleter(t);
+}
+
+py::object owned_tensor(uint64_t file_offset, uint64_t nbytes) {
+  auto o = std::make_unique<OwnedTensor>();
+  o->extent = map_extent(file_offset, nbytes);
+  o->shape = static_cast<int64_t>(nbytes);
+  DLTensor& t = o->managed.dl_tensor;
+  t.data = o->extent.data;
+  t.device = DLDevice{1, 0};
+  t.ndim = 1;
+  t.dtype = DLDataType{1, 8, 1};
+  t.shape = &o->shape;
+  t.strides = nullptr;  // compact
+  t.byte_offset = 0;
+  o->managed.manager_ctx = o.get();
+  o->managed.deleter = free_owned;
+  PyObject* cap = PyCapsule_New(&o->managed, "dltensor", free_unused_capsule);
+  if (!cap) {
+    release_extent(o->extent);
+    throw py::error_already_set();
+  }
+  o.release();
+  return py::reinterpret_steal<py::object>(cap);
+}
 
 using PyPlacement = std::tuple<uint32_t, uint64_t, uint64_t, int, uintptr_t>;  // (file, offset, nbytes, device, address)
 
@@ -53,8 +125,10 @@ std::unique_ptr<PyLoadJob> start_load_py(const std::vector<std::pair<std::string
   opt.frames = frames;
   std::vector<Placement> pl;
   for (auto& [f, off, len, dev, ptr] : placements) {
-    if (f >= fs.size() || dev < -1 || (len && !ptr))
-      throw py::value_error("a placement is (file, offset, nbytes, device >= -1, address)");
+    if (f >= fs.size() || dev < kDirect || (len && !ptr))
+      throw py::value_error("a placement is (file, offset, nbytes, device >= -2, address)");
+    if (dev == kDirect && (ptr - off) % kAlign)
+      throw py::value_error("a direct placement's address must agree with its file offset modulo 4096");
     pl.push_back(Placement{f, off, len, dev, reinterpret_cast<char*>(ptr)});
   }
   auto out = std::make_unique<PyLoadJob>();
@@ -116,7 +190,8 @@ void register_load(py::module_& m) {
         py::arg("keepalive") = py::none(), py::arg("frames") = std::vector<std::vector<uint64_t>>{},
         "Read files [(path, size)], verifying [(file, offset, len, xxh3)] pieces. placements: [(file, offset, "
         "nbytes, device, address)] byte ranges copied to GPU memory (device >= 0) or host memory (device -1) "
-        "instead, through bounce buffers, each chunk verified before it is copied; the destinations must stay "
+        "instead, through bounce buffers, each chunk verified before it is copied, or read straight into host "
+        "memory (device -2: owned_tensor's, its edge pages included); the destinations must stay "
         "valid until the job is done. A file wholly covered by placements gets no buffer (None in buffers()), "
         "the others are read whole into aligned buffers. streams: [(device, cudaStream_t)] the GPU copies are "
         "ordered after. remote: None (local files), or (a remote target's client, directory on its "
@@ -124,6 +199,10 @@ void register_load(py::module_& m) {
         "the same names). keepalive: owners of the "
         "placements' destinations, released only once the job is joined. frames: [] or per file [] (plain) or "
         "each chunk's frame length (0: stored plain), chunk_bytes being the save's: decoded before verifying.");
+  m.def("owned_tensor", &owned_tensor, py::arg("file_offset"), py::arg("nbytes"),
+        "A DLPack capsule (torch.from_dlpack) of nbytes uint8 of fresh memory that owns itself, placed as file "
+        "byte file_offset is in its page, for a direct placement (device -2) of those bytes: the load reads "
+        "them there with O_DIRECT. Freed with the tensor torch makes of it.");
   m.def(
       "bounce_pool_bytes",
       [] {

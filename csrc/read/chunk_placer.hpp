@@ -6,6 +6,9 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <vector>
+
+#include "read/placements.hpp"
 
 namespace fw {
 
@@ -19,6 +22,8 @@ class ChunkPlacer {
   virtual void begin() = 0;  // before the first read
   virtual bool wants(uint32_t file, uint64_t offset, uint64_t len) const = 0;
   virtual bool covers(uint32_t file, uint64_t size) const = 0;
+  // The file's placements read straight into their memory (kDirect), in file order.
+  virtual std::vector<Placement> direct(uint32_t file) const = 0;
   virtual char* acquire(const std::atomic<bool>* cancel) = 0;  // nullptr once *cancel
   // On the reading thread, as the chunk's read is submitted: fault in its host
   // destinations while earlier reads are in flight, so the copy out of the

@@ -28,6 +28,7 @@ class DevicePlacer final : public ChunkPlacer {
   void begin() override;
   bool wants(uint32_t file, uint64_t offset, uint64_t len) const override { return map_.touches(file, offset, len); }
   bool covers(uint32_t file, uint64_t size) const override { return map_.covers(file, size); }
+  std::vector<Placement> direct(uint32_t file) const override { return map_.direct(file); }
   char* acquire(const std::atomic<bool>* cancel) override;
   void prepare(uint32_t file, uint64_t offset, uint64_t len) override { map_.prefault_host(file, offset, len); }
   void place(uint32_t file, uint64_t offset, uint64_t len, char* slot, char* host_dst, bool ok) override;

@@ -13,6 +13,7 @@
 namespace fw {
 
 uint64_t LoadJob::raw_len(size_t i) const {
+  if (!framed(i)) return requests_[i].want;  // a plain request may be shorter than a chunk (add_requests)
   const uint64_t size = specs_[file_of_request_[i]].size, off = requests_[i].offset;
   return std::min<uint64_t>(opt_.chunk_bytes, size - off);
 }

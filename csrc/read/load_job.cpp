@@ -52,46 +52,26 @@ void LoadJob::start() {
     bool placed = opt_.placer && opt_.placer->covers(f, specs_[f].size);
     buffers_.push_back(placed ? nullptr : std::make_shared<AlignedBuffer>(specs_[f].size));
   }
-  for (uint32_t f = 0; f < specs_.size(); ++f)
-    for (uint64_t off = 0; off < specs_[f].size; off += opt_.chunk_bytes) {
-      IoRequest r;
-      r.fd = fds_[f];
-      r.buf = buffers_[f] ? buffers_[f]->data() + off : nullptr;  // nullptr: a placer slot, at submit
-      r.want = std::min<uint64_t>(opt_.chunk_bytes, specs_[f].size - off);
-      r.len = round_up(r.want, kAlign);
-      r.offset = off;
-      r.write = false;
-      r.tag = requests_.size();
-      requests_.push_back(r);
-      file_of_request_.push_back(f);
-    }
+  for (uint32_t f = 0; f < specs_.size(); ++f) add_requests(f);
   // Interleave files so every one has reads in flight.
   std::stable_sort(requests_.begin(), requests_.end(), [](const IoRequest& a, const IoRequest& b) { return a.offset < b.offset; });
-  std::vector<size_t> index_of(requests_.size());
-  for (size_t i = 0; i < requests_.size(); ++i) {
-    index_of[requests_[i].tag] = i;
-  }
-  // Map every piece to the request (chunk) that contains it.
-  std::vector<size_t> first_request(specs_.size() + 1, 0);
-  for (uint32_t f = 0; f < specs_.size(); ++f)
-    first_request[f + 1] = first_request[f] + (specs_[f].size + opt_.chunk_bytes - 1) / opt_.chunk_bytes;
-  chunk_pieces_.assign(requests_.size(), {});
-  for (uint32_t i = 0; i < pieces_.size(); ++i) {
-    const auto& p = pieces_[i];
-    size_t tag = first_request[p.file] + p.offset / opt_.chunk_bytes;
-    if (!p.len) continue;
-    chunk_pieces_[index_of[tag]].push_back(i);
-  }
+  map_pieces();
   std::vector<uint32_t> file_of(requests_.size());
-  for (size_t i = 0; i < requests_.size(); ++i) file_of[i] = file_of_request_[requests_[i].tag];
+  std::vector<char> direct(requests_.size());
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    file_of[i] = file_of_request_[requests_[i].tag];
+    direct[i] = direct_[requests_[i].tag];
+  }
   file_of_request_.swap(file_of);
+  direct_.swap(direct);
   for (size_t i = 0; i < requests_.size(); ++i) requests_[i].tag = i;
   to_placer_.assign(requests_.size(), 0);
   fault_state_ = std::make_unique<std::atomic<uint8_t>[]>(requests_.size());
   for (size_t i = 0; i < requests_.size(); ++i) fault_state_[i].store(0, std::memory_order_relaxed);
   if (opt_.placer)
     for (size_t i = 0; i < requests_.size(); ++i)
-      to_placer_[i] = !requests_[i].buf || opt_.placer->wants(file_of_request_[i], requests_[i].offset, requests_[i].want);
+      to_placer_[i] = !direct_[i] && (!requests_[i].buf || opt_.placer->wants(file_of_request_[i], requests_[i].offset,
+                                                                               requests_[i].want));
   init_frames();  // after to_placer_: it reads each request's destination and raw length
   IoCallback cb = [this](IoRequest* r, int64_t res) { on_io(r, res); };
   backend_ = opt_.files->backend(opt_.queue_depth, cb);
@@ -101,6 +81,64 @@ void LoadJob::start() {
   } catch (...) {
     backend_.reset();
     throw;
+  }
+}
+
+// A file's requests: the chunks of its kDirect placements' page-rounded extents
+// go straight into their memory; the rest of the file, each gap widened to
+// whole pages (so that no byte outside a direct placement is cut from the
+// others of its checksum piece), into the file's buffer or bounce slots. Every
+// request is cut at multiples of chunk_bytes, so a piece lies inside one.
+void LoadJob::add_requests(uint32_t f) {
+  const uint64_t size = specs_[f].size;
+  auto add = [&](uint64_t a, uint64_t b, char* mem) {  // mem: where byte a goes (kDirect), or nullptr
+    for (uint64_t off = a; off < b;) {
+      const uint64_t next = std::min(b, (off / opt_.chunk_bytes + 1) * opt_.chunk_bytes);
+      IoRequest r;
+      r.fd = fds_[f];
+      r.buf = mem ? mem + (off - a) : buffers_[f] ? buffers_[f]->data() + off : nullptr;  // nullptr: a slot, at submit
+      r.want = next - off;
+      r.len = round_up(r.want, kAlign);
+      r.offset = off;
+      r.write = false;
+      r.tag = requests_.size();
+      requests_.push_back(r);
+      file_of_request_.push_back(f);
+      direct_.push_back(mem != nullptr);
+      off = next;
+    }
+  };
+  uint64_t pos = 0;  // the first byte not yet given a request
+  for (const Placement& d : opt_.placer && (f >= opt_.frames.size() || opt_.frames[f].empty()) ? opt_.placer->direct(f) : std::vector<Placement>{}) {
+    if (d.offset < pos || d.offset + d.len > size) throw std::invalid_argument("a direct placement outside its file");
+    const uint64_t a = d.offset / kAlign * kAlign, b = std::min(size, round_up(d.offset + d.len, kAlign));
+    if (d.offset > pos) add(pos / kAlign * kAlign, std::min(size, round_up(d.offset, kAlign)), nullptr);
+    add(a, b, d.dst - (d.offset - a));
+    pos = d.offset + d.len;
+  }
+  if (pos < size) add(pos / kAlign * kAlign, size, nullptr);
+}
+
+// Every piece to the request that holds it (where edge pages are read twice, either).
+void LoadJob::map_pieces() {
+  std::vector<std::vector<size_t>> by_file(specs_.size());  // request indices, by offset
+  for (size_t i = 0; i < requests_.size(); ++i) by_file[file_of_request_[requests_[i].tag]].push_back(i);
+  chunk_pieces_.assign(requests_.size(), {});
+  for (uint32_t pi = 0; pi < pieces_.size(); ++pi) {
+    const auto& p = pieces_[pi];
+    if (!p.len) continue;
+    const auto& v = by_file[p.file];
+    auto it = std::upper_bound(v.begin(), v.end(), p.offset,
+                               [&](uint64_t off, size_t i) { return off < requests_[i].offset; });
+    bool found = false;
+    while (it != v.begin() && !found) {
+      const IoRequest& r = requests_[*--it];
+      if (r.offset + r.want >= p.offset + p.len) {
+        chunk_pieces_[*it].push_back(pi);
+        found = true;
+      }
+    }
+    if (!found) throw FormatError("checksum piece outside every read of its file");
   }
 }
 
@@ -167,6 +205,8 @@ void LoadJob::fault_in(size_t i) {
   const uint32_t f = file_of_request_[i];
   if (to_placer_[i])
     opt_.placer->prepare(f, r.offset, raw_len(i));
+  else if (direct_[i])
+    prefault_pages(r.buf, r.len);
   else
     buffers_[f]->prefault(static_cast<size_t>(r.offset), round_up(raw_len(i), kAlign));
 }
@@ -206,7 +246,9 @@ void LoadJob::verify_worker() {
     bool ok = !framed(ci) || decode(ci);
     for (uint32_t pi : ok ? chunk_pieces_[ci] : std::vector<uint32_t>{}) {
       const VerifyPiece& p = pieces_[pi];
-      const char* data = to_placer_[ci] ? dst_of(ci) + (p.offset - r.offset) : buffers_[p.file]->data() + p.offset;
+      const char* data = to_placer_[ci] ? dst_of(ci) + (p.offset - r.offset)
+                         : direct_[ci]  ? r.buf + (p.offset - r.offset)
+                                        : buffers_[p.file]->data() + p.offset;
       uint64_t h = checksum(data, p.len);
       if (h != p.expected) {
         ok = false;

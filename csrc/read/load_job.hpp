@@ -86,6 +86,8 @@ class LoadJob {
 
  private:
   void run();
+  void add_requests(uint32_t file);  // its chunks, in file order
+  void map_pieces();                 // chunk_pieces_, once requests_ are sorted
   void on_io(IoRequest* r, int64_t res);
   void verify_worker();
   // Fault-ahead state per request: 0 not yet, 1 being faulted in, 2 done or
@@ -115,6 +117,7 @@ class LoadJob {
   std::vector<IoRequest> requests_;
   std::vector<uint32_t> file_of_request_;  // per request (by tag)
   std::vector<char> to_placer_;  // per request: read into a placer slot
+  std::vector<char> direct_;     // per request: read straight into a kDirect placement's memory
   std::vector<std::vector<uint32_t>> chunk_pieces_;  // per request: pieces inside it
   std::unique_ptr<std::atomic<uint8_t>[]> fault_state_;  // per request, see claim_fault
   std::atomic<size_t> fault_next_{0};  // requests below it are claimed by someone

@@ -40,7 +40,7 @@ void PlacementMap::prefault_host(uint32_t file, uint64_t offset, uint64_t len) c
   split(
       file, offset, len,
       [](const Placement& p, uint64_t a, uint64_t b) {
-        if (p.device >= 0) return;
+        if (p.device != -1) return;  // kDirect: faulted in by its own read
         // The pages holding the range: each is mapped, since the range is.
         auto lo = reinterpret_cast<uintptr_t>(p.dst + (a - p.offset)) / kAlign * kAlign;
         auto hi = round_up(reinterpret_cast<uintptr_t>(p.dst + (b - p.offset)), kAlign);
@@ -50,6 +50,14 @@ void PlacementMap::prefault_host(uint32_t file, uint64_t offset, uint64_t len) c
 #else
   (void)file, (void)offset, (void)len;
 #endif
+}
+
+std::vector<Placement> PlacementMap::direct(uint32_t file) const {
+  std::vector<Placement> out;
+  if (file < by_file_.size())
+    for (const auto& p : by_file_[file])
+      if (p.device == kDirect) out.push_back(p);
+  return out;
 }
 
 bool PlacementMap::covers(uint32_t file, uint64_t size) const {

@@ -14,9 +14,15 @@ namespace fw {
 struct Placement {
   uint32_t file;
   uint64_t offset, len;  // in the stripe file
-  int device;            // -1: host memory
+  int device;            // -1: host memory (copied there); kDirect: read straight into it
   char* dst;             // len bytes, owned by the caller until the load is done
 };
+
+// A host placement the load reads into with O_DIRECT, no bounce slot and no
+// copy: dst - (offset % 4096) is page-aligned and the caller's memory runs
+// from there to the page boundary past dst + len (the file's edge pages, which
+// a neighbour's read may fill again with the same bytes).
+constexpr int kDirect = -2;
 
 class PlacementMap {
  public:
@@ -28,6 +34,8 @@ class PlacementMap {
   // whole-file buffer.
   bool covers(uint32_t file, uint64_t size) const;
   bool has_device() const { return has_device_; }
+  // The kDirect placements of the file, in file order.
+  std::vector<Placement> direct(uint32_t file) const;
   bool empty() const { return by_file_.empty(); }
   // Faults in the pages of the host destinations of [offset, offset + len)
   // (MADV_POPULATE_WRITE: no byte is written, so memory next to them that
@@ -72,10 +80,10 @@ void copy_out(const PlacementMap& map, uint32_t file, uint64_t offset, uint64_t 
   map.split(
       file, offset, len,
       [&](const Placement& p, uint64_t a, uint64_t b) {
-        if (p.device < 0)
+        if (p.device == -1)
           std::memcpy(p.dst + (a - p.offset), slot + (a - offset), b - a);
-        else
-          device(p, a, b);
+        else if (p.device >= 0)
+          device(p, a, b);  // kDirect: its own read filled it
       },
       [&](uint64_t a, uint64_t b) {
         if (host_dst) std::memcpy(host_dst + (a - offset), slot + (a - offset), b - a);

@@ -29,6 +29,7 @@ class _Defaults(TypedDict):
     write_queue_depth: int
     read_queue_depth: int
     read_chunk_bytes: int
+    direct_tensor_bytes: int  # owned CPU tensors from this size up are read straight into their memory
     copy_threads: int  # follows the CPU count (defaults::copy_threads()), counted at import
     verify_threads: int  # follows the CPU count (defaults::verify_threads()), counted at import
     d2h_batches_in_flight: int
@@ -63,7 +64,8 @@ LoadFile = tuple[str, int]
 Piece = tuple[int, int, int, int]
 # A byte range of a load that goes to memory the caller owns, not to a whole-file
 # buffer: (file, offset, nbytes, device, address); device >= 0 is a GPU, -1 host
-# memory. Ranges must not overlap; any byte offset is fine. A file whose every
+# memory (copied there), -2 host memory from owned_tensor (read there, no copy).
+# Ranges must not overlap; any byte offset is fine (-2: address = offset mod 4096). A file whose every
 # byte is placed is never held whole (its buffers() entry is None).
 Placement = tuple[int, int, int, int, int]
 # A mismatch found by a load: (index into the pieces list, actual xxh3-64).
@@ -223,6 +225,12 @@ class LoadJob:
 
 # ----------------------------------------------------------------- functions
 
+def owned_tensor(file_offset: int, nbytes: int) -> object:
+    """A DLPack capsule (for torch.from_dlpack) of `nbytes` uint8 of fresh memory that owns
+    itself, placed within its page as file byte `file_offset` is, with the file's pages it
+    touches mapped: a direct placement (device -2) of those bytes reads them there with
+    O_DIRECT. Freed with the tensor torch makes of it."""
+
 def start_load(files: Sequence[LoadFile], pieces: Sequence[Piece], backend: str = "auto",
                queue_depth: int = ..., chunk_bytes: int = ..., verify_threads: int = ...,
                direct: bool = True, placements: Sequence[Placement] = ...,
@@ -230,7 +238,8 @@ def start_load(files: Sequence[LoadFile], pieces: Sequence[Piece], backend: str 
                keepalive: object = None, frames: Sequence[Sequence[int]] = ...) -> LoadJob:
     """Read files, verifying pieces as chunks arrive. Placed bytes go through bounce
     buffers (pinned when some go to a GPU): each chunk is verified, then copied out on
-    the job's threads; the rest of a file is read whole into an aligned buffer.
+    the job's threads; a direct placement (device -2, memory from `owned_tensor`) is read
+    straight into its memory; the rest of a file is read whole into an aligned buffer.
     Destinations must stay valid until the job is done: `keepalive` (their owners) is
     released only once the job is joined. A wait that Ctrl-C interrupts cancels and
     joins the job before KeyboardInterrupt leaves it. Defaults:

@@ -15,10 +15,12 @@ CHUNK_BYTES: int = _NATIVE["chunk_bytes"]
 WRITE_QUEUE_DEPTH: int = _NATIVE["write_queue_depth"]
 READ_QUEUE_DEPTH: int = _NATIVE["read_queue_depth"]
 READ_CHUNK_BYTES: int = _NATIVE["read_chunk_bytes"]
+DIRECT_TENSOR_BYTES: int = _NATIVE["direct_tensor_bytes"]
 COPY_THREADS: int = _NATIVE["copy_threads"]
 VERIFY_THREADS: int = _NATIVE["verify_threads"]
 GATHER_TENSOR_BYTES: int = _NATIVE["gather_tensor_bytes"]
 GATHER_RUN_BYTES: int = _NATIVE["gather_run_bytes"]
 
-__all__ = ["STRIPES", "CHUNK_BYTES", "WRITE_QUEUE_DEPTH", "READ_QUEUE_DEPTH", "READ_CHUNK_BYTES", "COPY_THREADS",
+__all__ = ["STRIPES", "CHUNK_BYTES", "WRITE_QUEUE_DEPTH", "READ_QUEUE_DEPTH", "READ_CHUNK_BYTES", "DIRECT_TENSOR_BYTES",
+           "COPY_THREADS",
            "VERIFY_THREADS", "GATHER_TENSOR_BYTES", "GATHER_RUN_BYTES"]

@@ -178,15 +178,18 @@ class CheckpointDir:
             owned: dict[str, torch.Tensor] = {}
             headers: dict[int, torch.Tensor] = {}
             stripes: dict[int, torch.Tensor] = {}
+            # A compressed stripe is read chunk by chunk as it was framed (chunk = checksum block).
+            frames = [list(m.files[fi].frames) for fi in file_ids] if is_compressed(m) else []
             if zero_copy:
                 read_plan.place_stripes(m, file_ids, slot, placements, stripes)
             else:
-                read_plan.place_owned(m, wanted, file_ids, slot, targets, hosted, placements, owned, headers)
+                # Large tensors are read straight into their own memory: no copy out of a bounce slot
+                # (nfs://: the READ replies are copied there, not to a slot first).
+                read_plan.place_owned(m, wanted, file_ids, slot, targets, hosted, placements, owned, headers,
+                                      direct=not frames)
             t0 = time.perf_counter()
             # The job holds `targets`, `hosted`, `owned`, `headers` and `stripes` (the destinations) until it
             # is joined, whatever order an interrupted frame frees its locals in.
-            # A compressed stripe is read chunk by chunk as it was framed (chunk = checksum block).
-            frames = [list(m.files[fi].frames) for fi in file_ids] if is_compressed(m) else []
             job = _core.start_load(specs, pieces, backend, queue_depth,
                                    m.block_bytes if frames else _read_chunk(m.block_bytes),
                                    defaults.VERIFY_THREADS, direct, placements=placements,

@@ -12,7 +12,7 @@ import torch
 from typing import Any
 
 from ..system import cuda as _cuda
-from .. import defaults
+from .. import _core, defaults
 from ..format import dtypes
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from ..format import Manifest, TensorEntry, check_stripe_header, piece_ranges
@@ -21,6 +21,9 @@ stored_dtype = functools.lru_cache(maxsize=None)(dtypes.dtype_from_name)  # per 
 _TYPED_EMPTY = frozenset(dt for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
                                        torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
                                        torch.complex128))
+
+
+DIRECT = -2  # _core.Placement's device of memory the load reads straight into
 
 
 def host_empty(e: TensorEntry) -> torch.Tensor:
@@ -134,13 +137,27 @@ def place_stripes(m: Manifest, file_ids: list[int], slot: dict[int, int], placem
             pos = max(pos, b)
 
 
+def direct_empty(e: TensorEntry) -> torch.Tensor:
+    """A new CPU tensor owning exactly the bytes of stored entry ``e``, in memory the load
+    reads them into with O_DIRECT (``_core.owned_tensor``: freed with the tensor)."""
+    raw = torch.from_dlpack(_core.owned_tensor(e.offset, e.nbytes))
+    return raw.view(stored_dtype(e.dtype)).view(e.shape)
+
+
 def place_owned(m: Manifest, wanted: set[str], file_ids: list[int], slot: dict[int, int], targets: dict,
                  hosted: dict, placements: list, owned: dict[str, torch.Tensor],
-                 headers: dict[int, torch.Tensor]) -> None:
-    """Owned CPU tensors (into ``owned``) for the keys no target takes, and each stripe's header (into ``headers``)."""
+                 headers: dict[int, torch.Tensor], direct: bool = False) -> None:
+    """Owned CPU tensors (into ``owned``) for the keys no target takes, and each stripe's header (into ``headers``).
+    direct: tensors of DIRECT_TENSOR_BYTES and more (at an offset their dtype's alignment
+    allows) are read straight into their memory, the rest copied out of bounce slots."""
     for k in wanted:
         if k not in targets and k not in hosted:
             e = m.tensors[k]
+            if direct and e.nbytes >= defaults.DIRECT_TENSOR_BYTES and \
+                    e.offset % max(1, dtypes.itemsize(stored_dtype(e.dtype))) == 0:
+                t = owned[k] = direct_empty(e)
+                placements.append((slot[e.file], e.offset, e.nbytes, DIRECT, t.data_ptr()))
+                continue
             t = owned[k] = host_empty(e)
             if e.nbytes:
                 placements.append((slot[e.file], e.offset, e.nbytes, -1, t.data_ptr()))

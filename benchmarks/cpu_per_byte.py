@@ -1,0 +1,151 @@
+"""CPU per byte of a load (issue 46's table): user and kernel CPU-seconds per GiB
+(getrusage of the child, all its threads) and wall time of one memcpy of the state (torch
+``copy_`` into fresh tensors: the reference), an owned ``fw.load`` and a ``zero_copy`` one
+from the local disk, and with ``--nfs`` an owned load through ``nfs://`` from nfs-ganesha on
+loopback (tests/nfs_server.py) beside ``nfs-cp`` reading the same bytes.
+Each measurement is a fresh child process; the page cache is dropped before each load
+(run as root). Rows are interleaved round by round and reported as medians, so builds
+given with ``--build`` (e.g. an earlier one's interpreter) compare within one run.
+
+    python benchmarks/cpu_per_byte.py --gib 1 --rounds 5 --dir /var/tmp/cpb \\
+        --build after=.venv/bin/python --build before=/tmp/base/.venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import resource
+import sys
+import time
+import uuid
+
+CHILD_LOAD = """
+import json, resource, sys, time
+import flashwrite as fw
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+out = fw.load(sys.argv[1], zero_copy=sys.argv[2] == "1")
+t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"wall": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
+                  "bytes": sum(t.nbytes for t in out.values())}))
+"""
+
+CHILD_COPY = """
+import json, resource, sys, time
+import torch
+n, parts = int(sys.argv[1]), 64
+src = [torch.full((n // 4 // parts,), float(i)) for i in range(parts)]  # faulted in before the clock
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+dst = [torch.empty_like(s).copy_(s) for s in src]
+t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"wall": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
+                  "bytes": sum(d.nbytes for d in dst)}))
+"""
+
+SAVE = """
+import sys, torch, flashwrite as fw
+n, parts = int(sys.argv[2]), 64
+g = torch.Generator().manual_seed(0)
+fw.save({f"layer{i}.weight": torch.randn(n // 4 // parts, generator=g) for i in range(parts)}, sys.argv[1])
+"""
+
+
+def _drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        sys.exit(f"cannot drop the page cache ({e.strerror}): run as root")
+
+
+def _child(python: str, code: str, *args: str) -> dict:
+    r = subprocess.run([python, "-c", code, *args], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"child failed ({python}): {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _nfs_cp(url: str) -> dict:
+    r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    dst = f"/dev/shm/cpb-{uuid.uuid4().hex[:8]}.bin"
+    subprocess.run(["nfs-cp", url, dst], check=True, capture_output=True)
+    t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    n = os.path.getsize(dst)
+    os.unlink(dst)
+    return {"wall": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime, "bytes": n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default="/var/tmp/cpu_per_byte")
+    ap.add_argument("--build", action="append", default=[],
+                    help="NAME=PYTHON: an interpreter with a flashwrite build (default: this one, as 'this')")
+    ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--nfs", action="store_true", help="also load through nfs:// on loopback (root, nfs-ganesha)")
+    a = ap.parse_args()
+    builds = dict(b.split("=", 1) for b in a.build) or {"this": sys.executable}
+    nbytes = int(a.gib * (1 << 30)) // (4 * 64) * 4 * 64
+    os.makedirs(a.dir, exist_ok=True)
+    path = os.path.join(a.dir, "ck")
+    shutil.rmtree(path, ignore_errors=True)
+    subprocess.run([next(iter(builds.values())), "-c", SAVE, path, str(nbytes)], check=True)
+    server = None
+    if a.nfs:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from nfs_server import Export, NfsServer
+        export = os.path.join(a.dir, "export")
+        shutil.rmtree(export, ignore_errors=True)
+        os.makedirs(export)
+        shutil.copytree(path, os.path.join(export, "ck"))
+        shutil.copyfile(os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0]),
+                        os.path.join(export, "one.bin"))
+        server = NfsServer(exports=[Export(export)], workdir=os.path.join(a.dir, "server")).start()
+    rows: dict[str, list[dict]] = {"one memcpy of the state (torch copy_)": []}
+    try:
+        for _ in range(a.rounds):
+            rows["one memcpy of the state (torch copy_)"].append(_child(sys.executable, CHILD_COPY, str(nbytes)))
+            for name, py in builds.items():
+                for zc, what in ((False, "owned"), (True, "zero_copy")):
+                    _drop_caches()
+                    rows.setdefault(f"fw.load {what}, local disk ({name})", []).append(
+                        _child(py, CHILD_LOAD, path, "1" if zc else "0"))
+                if server is not None:
+                    _drop_caches()
+                    rows.setdefault(f"fw.load owned, nfs:// loopback ({name})", []).append(
+                        _child(py, CHILD_LOAD, server.url_ports("ck"), "0"))
+            if server is not None:  # one stripe of the four: scaled to per GiB below like the others
+                _drop_caches()
+                rows.setdefault("nfs-cp read of one stripe (reference)", []).append(
+                    _nfs_cp(server.libnfs_url("one.bin")))
+    finally:
+        if server is not None:
+            server.stop()
+    gib = nbytes / (1 << 30)
+    print(f"{gib:g} GiB of float32 in 64 tensors, median of {a.rounds} fresh children each, page cache dropped "
+          f"before each load\n")
+    print("| | user CPU-s/GiB | kernel CPU-s/GiB | wall |")
+    print("|---|---|---|---|")
+    summary = {}
+    for name, rs in rows.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("user", "sys", "wall")}
+        summary[name] = med
+        g = rs[0]["bytes"] / (1 << 30)
+        print(f"| {name} | {med['user'] / g:.3f} | {med['sys'] / g:.3f} | {med['wall']:.3f} s |")
+    for name in builds:
+        o, z = summary[f"fw.load owned, local disk ({name})"], summary[f"fw.load zero_copy, local disk ({name})"]
+        print(f"\n{name}: owned wall / zero_copy wall = {o['wall'] / z['wall']:.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"gib": gib, "rounds": rows, "medians": summary}, f, indent=1)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
