@@ -301,3 +301,34 @@ def test_checkpoint_manager_with_replica_group(cluster4, tmp_path):
     assert res == [[2, True, r] for r in range(4)], res
     step = fw.load(str(tmp_path / sorted(os.listdir(tmp_path))[-1]))
     assert sorted(step) == [0, 1, 2, 3]
+
+
+def _manager_diverged(root: str, mode: str) -> dict:
+    """Step 1 agrees; at step 2 rank 1's replica has one bit flipped."""
+    rank = dist.get_rank()
+    mgr = fw.CheckpointManager(root, every_n_steps=1, replica_group=dist.group.WORLD, rank_local=("rng",),
+                               on_divergence=mode, writer=fw.Writer(stripes=2, chunk_bytes=1 << 20))
+    mgr.maybe_save(1, state(rank, 0, 1))
+    mgr.wait()
+    sd = state(rank, 0, 2)
+    if rank == 1:
+        sd["model"]["layer3.w"].view(torch.int32)[11] ^= 1
+    out: dict = {}
+    try:
+        fut = mgr.maybe_save(2, sd)
+        out["diverged"] = [d["tensor"] for d in fut.result().diverged]
+    except fw.DivergedReplicasError as e:
+        out["error"] = str(e)
+    mgr.wait()
+    out["latest"] = mgr.latest_step()
+    mgr.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn"])
+def test_checkpoint_manager_passes_on_divergence(cluster4, tmp_path, mode):
+    res = cluster4.run(_manager_diverged, str(tmp_path), mode)
+    if mode == "raise":  # every rank fails the save; step 1 stays the newest
+        assert all("model.layer3.w" in o.get("error", "") and o["latest"] == 1 for o in res), res
+    else:  # the majority's bytes committed, the disagreement recorded
+        assert all(o.get("diverged") == ["model.layer3.w"] and o["latest"] == 2 for o in res), res

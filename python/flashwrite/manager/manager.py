@@ -88,6 +88,9 @@ class CheckpointManager:
     process_group): each save writes every replicated byte once and checks the replicas
     agree, each restore from storage reads it once (``save_async(replica_group=)``);
     rank_local: key prefixes of per-rank leaves (RNG states), saved per rank.
+    on_divergence: ``"raise"`` (default: a save whose replicas disagree fails on every rank,
+    nothing committed, the previous checkpoint stays the newest) or ``"warn"`` (the
+    majority's bytes are committed and the disagreement recorded: ``SaveStats.diverged``).
     neighbour_copies: with process_group and local_snapshots, each rank also keeps a copy
     of rank r-1's snapshot, so ``restore()`` finds a lost node's part in its neighbour's
     memory (``flashwrite.neighbour``). Every rank must set it alike.
@@ -114,7 +117,8 @@ class CheckpointManager:
                  local_snapshots: bool = False, local_dir: str | os.PathLike | None = None, keep_local: bool = False,
                  reserve: Any = None, process_group: Any = None, neighbour_copies: bool = False,
                  name: str = DEFAULT_NAME, on_commit: Callable[[int, str], None] | None = None,
-                 incremental: bool | None = None, replica_group: Any = None, rank_local: Any = None):
+                 incremental: bool | None = None, replica_group: Any = None, rank_local: Any = None,
+                 on_divergence: str = "raise"):
         check_schedule(every_n_steps, every_n_seconds, keep_last, keep_every_n_steps, if_busy)
         self.on_commit = on_commit
         self.name = name
@@ -138,6 +142,9 @@ class CheckpointManager:
         self.process_group = process_group
         # replica_group: saves write each replicated byte once, restores read it once (flashwrite.save_async)
         self.replica_group, self.rank_local = replica_group, rank_local
+        if on_divergence not in ("raise", "warn"):
+            raise ValueError(f"on_divergence must be 'raise' or 'warn', not {on_divergence!r}")
+        self.on_divergence = on_divergence
         self._rank: tuple[int, int] | None = None  # (rank, size) in a multi-rank run
         if process_group is not None:
             self._rank = (dist.get_rank(process_group), dist.get_world_size(process_group))
@@ -253,7 +260,8 @@ class CheckpointManager:
     def _replica_options(self) -> dict:
         if self.replica_group is None:
             return {}
-        return {"replica_group": self.replica_group, "rank_local": self.rank_local}
+        return {"replica_group": self.replica_group, "rank_local": self.rank_local,
+                "on_divergence": self.on_divergence}
 
     def _prepare_pool(self, state: Any) -> None:
         """Prepare the writer's staging pool in the background from the first state seen
