@@ -8,8 +8,22 @@ the native layer also sets ``.offset`` and ``.op`` on them.
 from __future__ import annotations
 
 
+def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
+    e = cls.__new__(cls, *args)
+    e.args = args
+    e.__dict__.update(state)
+    return e
+
+
 class FlashwriteError(Exception):
-    """Base class of flashwrite's own errors."""
+    """Base class of flashwrite's own errors.
+
+    They pickle with their fields (``file``, ``offset``, ``divergence``...): DCP ships
+    each rank's error to the others, and Exception's own pickling calls ``__init__``
+    with the message alone, which the keyword-only fields refuse."""
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.args, self.__dict__))
 
 
 class CorruptCheckpointError(FlashwriteError):

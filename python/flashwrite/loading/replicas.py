@@ -99,7 +99,8 @@ def load_replicated(path: Any, layout: ReplicaLayout, rank: int, size: int, *, m
         return unflatten(m.tree, tensor_placer(res, map_location), allow_pickle=allow_pickle)
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 view (what gloo sends)."""
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
@@ -164,16 +165,24 @@ def _check(bad: list, m: Any, key: str, pieces: list, src_rank: int, shown: str)
 def _send_one(layout: ReplicaLayout, m: Any, k: str, src: int, src_rank: int, have: dict, out: dict, verify: bool,
               block: int, what: str, shown: str) -> None:
     if src == layout.index:
-        _broadcast(layout, _as_bytes(have[k]), src_rank, what)
+        _broadcast(layout, as_bytes(have[k]), src_rank, what)
         return
     e = m.tensors[k]
     t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-    _broadcast(layout, _as_bytes(t), src_rank, what)
+    _broadcast(layout, as_bytes(t), src_rank, what)
     if verify:
-        pieces = _pieces(e, block, True)
-        _check(_core.copy_verify([(0, t.data_ptr() + o, n, h) for o, n, h in pieces], True, _threads()),
-               m, k, pieces, src_rank, shown)
+        verify_received(m, k, t, src_rank, shown)
     out[k] = t
+
+
+def verify_received(m: Any, key: str, t: torch.Tensor, src_rank: int, shown: str, src_ptr: int | None = None) -> None:
+    """Check a tensor received whole from ``src_rank`` against the manifest's checksums of
+    ``key``: in place, or while it is copied into ``t`` from ``src_ptr`` (one pass).
+    ``ChecksumMismatchError`` names the piece, file and offset."""
+    pieces = _pieces(m.tensors[key], m.block_bytes, True)
+    base = t.data_ptr()
+    spans = [(0, base + o, n, h) if src_ptr is None else (base + o, src_ptr + o, n, h) for o, n, h in pieces]
+    _check(_core.copy_verify(spans, True, _threads()), m, key, pieces, src_rank, shown)
 
 
 def _send_bucket(layout: ReplicaLayout, m: Any, keys: list[str], src: int, src_rank: int, have: dict, out: dict,
@@ -183,7 +192,7 @@ def _send_bucket(layout: ReplicaLayout, m: Any, keys: list[str], src: int, src_r
     if src == layout.index:
         at = 0
         for k, n in zip(keys, sizes):
-            buf[at:at + n].copy_(_as_bytes(have[k]))
+            buf[at:at + n].copy_(as_bytes(have[k]))
             at += n
         _broadcast(layout, buf, src_rank, what)
         return
