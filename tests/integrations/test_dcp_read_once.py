@@ -120,3 +120,34 @@ def test_every_rank_reads_a_share(cluster4, tmp_path):
     out = cluster4.run(_plans, path)
     assert [o[0] for o in out] == [0, 1, 2, 3]
     assert all(o[1] == [0, 1, 2, 3] for o in out), out  # the stripes went to all four ranks
+
+
+# ------------------------------------------------------- the writer's replica check (opt-in)
+
+
+def _save_checked(path: str, flip_rank: int, how: str) -> str:
+    sd = replicated_state(True)
+    if dist.get_rank() == flip_rank:
+        sd["model"]["w5"].view(torch.int32)[1000] ^= 1  # one bit of one element, on one rank
+    writer = FlashwriteStorageWriter(path, check_replicas=True)
+    try:
+        if how == "async":
+            dcp.async_save(sd, storage_writer=writer).result()
+        else:
+            dcp.save(sd, storage_writer=writer)
+    except BaseException as e:  # noqa: BLE001 - DivergedReplicasError, or DCP's CheckpointException around it
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+@pytest.mark.parametrize("how", ["save", "async"])
+def test_the_writer_checks_replicas_dcp_writes_once(cluster4, tmp_path, how):
+    path = str(tmp_path / "ok")
+    assert cluster4.run(_save_checked, path, -1, how) == ["saved"] * 4
+    assert all(o["same"] for o in cluster4.run(_load, path, True))
+    bad = str(tmp_path / "bad")
+    out = cluster4.run(_save_checked, bad, 2, how)
+    for o in out:
+        assert "DivergedReplicasError" in o and "model.w5 bytes [0, 1048576)" in o and "ranks [2] hold" in o, o
+        assert "majority" in o
+    assert not os.path.exists(os.path.join(bad, "flashwrite.json"))  # nothing committed

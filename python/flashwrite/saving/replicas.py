@@ -127,7 +127,7 @@ def _pieces(files: list[PlannedFile], columns: Columns, block: int) -> tuple[lis
     return where, spans, hold
 
 
-def _digests(spans: list[tuple[int, int]], threads: int) -> list[int]:
+def digests_of_spans(spans: list[tuple[int, int]], threads: int) -> list[int]:
     """XXH3 of each span (``copy_verify`` in place against 0: it reports every actual
     digest but a zero one, which is then 0)."""
     out = [0] * len(spans)
@@ -174,7 +174,7 @@ def split(layout: ReplicaLayout, rank: int, tree: Any, aliases: dict[str, str], 
     # Hash every replicated piece before the call returns (the caller may change its tensors after).
     t0 = time.perf_counter()
     where, spans, hold = _pieces(files, rep, block)
-    digests = _digests(spans, threads)
+    digests = digests_of_spans(spans, threads)
     del hold
     t1 = time.perf_counter()
     ranks = [global_rank(m) for m in layout.members]
@@ -195,7 +195,7 @@ def split(layout: ReplicaLayout, rank: int, tree: Any, aliases: dict[str, str], 
     section = {"ranks": ranks, "rank_local": list(rank_local)}
     if diverged:
         section["diverged"] = diverged
-        text = _describe(diverged)
+        text = describe_divergence(diverged)
         if on_divergence == "raise":
             raise DivergedReplicasError(
                 f"save to {shown}: the replicas of ranks {ranks} disagree on {len(diverged)} piece(s), nothing was "
@@ -240,7 +240,7 @@ def _compare(table: list[list[int]], where: list, files: list[PlannedFile], rep:
     return diverged, prefer
 
 
-def _describe(diverged: list[dict]) -> str:
+def describe_divergence(diverged: list[dict]) -> str:
     parts = []
     for d in diverged[:MAX_NAMED]:
         who = "; ".join(f"ranks {rs} hold {h}" for h, rs in d["digests"].items())

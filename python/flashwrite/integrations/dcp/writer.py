@@ -38,7 +38,8 @@ from ...saving.session import Commit, SaveSession
 from ...targets.locate import kind_of, resolve
 from ...targets.target import Target, check_path, shown
 from ...saving.write import StripeWrite
-from . import contract
+from . import contract, replica_check
+from .replica_check import replicated_keys
 from ...incremental.wiring import Wiring
 from .section import InlineItem, StoredChunk, as_ranks_base, build_manifest, item_key, stored_chunks
 
@@ -49,6 +50,8 @@ __all__ = ["FlashwriteStorageWriter"]
 class _LocalData:
     rank: int
     staged_tmp: str | None
+    check: bool = False      # check_replicas, and the rank's tensor item keys for it
+    keys: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,7 @@ class _GlobalData:
     tmp: str
     rank: int        # whose plan this is (its stripes are named rank_prefix(rank)-...)
     world_size: int
+    compare: frozenset | None = None  # check_replicas: the item keys several ranks hold
 
 
 @dataclasses.dataclass
@@ -198,13 +202,18 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     ``stage()`` agrees with its ranks, on flashwrite's own gloo group for them
     (``coordination_group`` for a subgroup, see ``flashwrite.distributed.coordinator``).
     timeout: seconds a rank waits for its peers in that exchange.
+    check_replicas: check that ranks holding the same item (DDP's tensors, HSDP's
+    replicated shards, which DCP writes once) hold the same bytes, from digests only, and
+    fail the save on every rank with ``DivergedReplicasError`` before anything is written
+    when they do not (``integrations/dcp/replica_check.py``). Off by default: it hashes
+    the replicated bytes on every holder and costs one collective. Every rank must set it alike.
     """
 
     _synchronize_after_execute = False  # stage() returns only once staged
 
     def __init__(self, path: str | os.PathLike | None = None, *, overwrite: bool = True, writer: Any = None,
                  process_group: Any = None, coordination_group: Any = None, timeout: float | None = None,
-                 **writer_options: Any):
+                 check_replicas: bool = False, **writer_options: Any):
         super().__init__()
         self._fixed_path = shown(check_path(path, "DCP writer")) if path is not None else None
         self.path: str | None = self._fixed_path
@@ -213,6 +222,8 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         self.timeout = timeout
         self.process_group = process_group
         self.coordination_group = coordination_group
+        self.check_replicas = check_replicas
+        self._local_items: list = []  # this rank's plan before DCP's dedup (check_replicas)
         self.save_id = uuid.uuid4().hex
         self._targets: dict[str, tuple[Target, str]] = {}
         self.rank = 0
@@ -266,6 +277,10 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
             raise ValueError(f"ranks stage into different paths: {sorted({g[1] for g in gathered})}")
         contract.raise_problem(gathered[0][3], final, target)
         owner = _assign_owners([g[0] for g in gathered])
+        if self.check_replicas:  # every rank raises alike, before anything is staged
+            compare = replicated_keys([[item_key(idx) for idx, _ in g[0]] for g in gathered])
+            ranks = dist.get_process_group_ranks(coord.group) if coord is not None else [0]
+            replica_check.check(local.items, planner, compare, exchange, ranks)
         tmp = gathered[0][2]
         sw, tensors, inline, error = None, {}, {}, None
         try:
@@ -327,13 +342,20 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
         if cur is not None and cur.final != self.path:
             raise ValueError(f"stage() wrote into a temporary directory for {cur.final}, but this save is for "
                              f"{self.path}: create one FlashwriteStorageWriter per checkpoint path")
-        return dataclasses.replace(plan, storage_data=_LocalData(self.rank, cur.tmp if cur else None))
+        check = self.check_replicas and cur is None  # a staged save was checked in stage()
+        self._local_items = list(plan.items) if check else []
+        keys = tuple(item_key(it.index) for it in plan.items if it.tensor_data is not None) if check else ()
+        return dataclasses.replace(plan, storage_data=_LocalData(self.rank, cur.tmp if cur else None, check, keys))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         staged = {p.storage_data.staged_tmp for p in plans}
         if len(staged) != 1:
             raise FlashwriteError("some ranks staged this save and others did not")
         tmp = staged.pop()
+        checks = {p.storage_data.check for p in plans}
+        if len(checks) != 1:
+            raise FlashwriteError("some ranks' FlashwriteStorageWriter has check_replicas=True and others' not")
+        compare = frozenset(replicated_keys([p.storage_data.keys for p in plans])) if checks.pop() else None
         target, final = self._resolved(self.path)
         with _unfinished_lock:
             for old in _unfinished.pop(self.path, set()) - {tmp}:
@@ -345,7 +367,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
             _unfinished[self.path].add(tmp)
         if self._current is not None:
             plans = self._move_to_owners(plans, self._current.owner)
-        return [dataclasses.replace(p, storage_data=_GlobalData(tmp, i, len(plans)))
+        return [dataclasses.replace(p, storage_data=_GlobalData(tmp, i, len(plans), compare))
                 for i, p in enumerate(plans)]
 
     @staticmethod
@@ -358,11 +380,23 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
                 items[owner.get(it.index, i)].append(it)
         return [dataclasses.replace(p, items=its) for p, its in zip(plans, items)]
 
+    def _check_replicas(self, items: list, planner: SavePlanner, compare: frozenset) -> None:
+        coord = coordinator(self.process_group, self.timeout, self.coordination_group)
+
+        def gather(obj: Any) -> list:
+            out: list = [None] * coord.size
+            coord.run(dist.all_gather_object, out, obj, group=coord.group).result()
+            return out
+
+        replica_check.check(items, planner, set(compare), gather, dist.get_process_group_ranks(coord.group))
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         g: _GlobalData = plan.storage_data
         self._tmp = g.tmp
         cur, self._current = self._current, None
         sw, session = None, None
+        if g.compare is not None:  # every rank, before anything is written
+            self._check_replicas(self._local_items, planner, g.compare)
         try:
             if cur is not None:
                 session, sw, inline = cur.session, cur.sw, dict(cur.inline)
