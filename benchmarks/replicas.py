@@ -15,6 +15,10 @@ Contenders, interleaved per round:
               dcp.load(sd, checkpoint_id=path). DCP deduplicates the replicated items when
               it plans the save (for hsdp the keys name the shard, so it keeps one per shard).
               Local disk only: DCP cannot reach nfs:// here (no kernel NFS client).
+  dcp-fw      DCP through flashwrite: dcp.async_save(sd, storage_writer=FlashwriteStorageWriter(path))
+              on a gloo group of its own; dcp.load(sd, storage_reader=FlashwriteStorageReader(path)),
+              which reads each stripe once and sends it to the ranks that need it (read_once).
+              Local disk only, with dcp (--no-dcp drops both).
 
 Targets: the local disk (--dir), and nfs:// over a veth pair shaped with tbf to --rate
 Mbit/s both ways, nfs-ganesha inside the namespace (tests/nfs_netns.py), with --nfs.
@@ -66,12 +70,14 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     import flashwrite as fw
+    from flashwrite.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=900))
     a, b = dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")
     layouts = {"ddp": (dist.group.WORLD, 0), "hsdp": (a if rank in (0, 2) else b, rank % 2)}
+    dcp_pg = dist.new_group(backend="gloo")  # DCP's background save coordinates on a group of its own
     per = TENSOR_MIB << 18  # float32 elements per tensor
     n = int(args["gib"] * 1024) // TENSOR_MIB
     results: list[dict] = []
@@ -85,7 +91,7 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
         group, shard = layouts[kind]
         sd = state(shard)
         for target in args["targets"]:
-            methods = ["fw-today", "fw-replica"] + (["dcp"] if target == "local" and args["dcp"] else [])
+            methods = ["fw-today", "fw-replica"] + (["dcp", "dcp-fw"] if target == "local" and args["dcp"] else [])
             base = args["nfs_url"] if target == "nfs" else args["dir"]
             for rnd in range(-1, args["rounds"]):  # -1: a warm-up (pools, process groups), not kept
                 order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
@@ -98,6 +104,11 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
                     t0 = time.perf_counter()
                     if m == "dcp":
                         fut = dcp.async_save(sd, checkpoint_id=path)
+                        rec["stall_s"] = time.perf_counter() - t0
+                        fut.result()
+                    elif m == "dcp-fw":
+                        fut = dcp.async_save(sd, storage_writer=FlashwriteStorageWriter(path, process_group=dcp_pg),
+                                             process_group=dcp_pg)
                         rec["stall_s"] = time.perf_counter() - t0
                         fut.result()
                     else:
@@ -122,6 +133,9 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
                     if m == "dcp":
                         dst = {"model": {k: torch.empty_like(v) for k, v in sd["model"].items()}}
                         dcp.load(dst, checkpoint_id=path)
+                    elif m == "dcp-fw":
+                        dst = {"model": {k: torch.empty_like(v) for k, v in sd["model"].items()}}
+                        dcp.load(dst, storage_reader=FlashwriteStorageReader(path))
                     else:
                         extra = {"replica_group": group} if m == "fw-replica" else {}
                         dst = fw.load(path, process_group=dist.group.WORLD, **extra)
@@ -176,7 +190,7 @@ def run(args: dict) -> list[dict]:
 def summarize(recs: list[dict], gib: float) -> list[dict]:
     rows = []
     keys = sorted({(r["layout"], r["target"], r["method"]) for r in recs},
-                  key=lambda k: (k[0], k[1], ["fw-today", "fw-replica", "dcp"].index(k[2])))
+                  key=lambda k: (k[0], k[1], ["fw-today", "fw-replica", "dcp", "dcp-fw"].index(k[2])))
     for kind, target, m in keys:
         mine = [r for r in recs if (r["layout"], r["target"], r["method"]) == (kind, target, m)]
         rounds = sorted({r["round"] for r in mine})
