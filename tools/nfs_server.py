@@ -11,8 +11,10 @@ for libnfs's tools, e.g.
 
     nfs-cp big.bin 'nfs://127.0.0.1/tmp/fw-nfs-XXXX/export/big.bin?version=3&nfsport=P&mountport=Q'
 
-then serves until Ctrl-C (or SIGTERM), stops ganesha (and rpcbind, if it started it)
-by pid and removes its working directory (not directories given with --export).
+then serves until Ctrl-C or SIGTERM, stops ganesha (and rpcbind, if it started it) by pid
+and removes its working directory (not directories given with --export). Run in the
+background (``&``), Ctrl-C does not reach it (a non-interactive shell's background job even
+ignores SIGINT): stop it with ``kill PID`` (SIGTERM), which cleans up the same way.
 The server itself is tests/nfs_server.py, which the tests' nfs_server fixture uses.
 """
 
@@ -50,7 +52,7 @@ def main() -> int:
             print(f"{'ro' if e.read_only else 'rw'} {e.path}\n   {server.url(export=e.path)}\n   "
                   f"{server.url_ports(export=e.path)}   (flashwrite, ports given: when other NFS servers share "
                   f"this host's portmapper)\n   {server.libnfs_url(export=e.path)}   (libnfs's tools)")
-        print("serving; Ctrl-C stops it", flush=True)
+        print(f"serving; Ctrl-C stops it, or SIGTERM (kill {os.getpid()}) where it runs in the background", flush=True)
         signal.pause()
     except KeyboardInterrupt:
         pass

@@ -46,7 +46,8 @@ def footnotes(res: dict, targets: bool = True) -> list[str]:
     """The notes under the table; targets: also the project's own pass/fail target lines
     (the demo, a user's tool, has none)."""
     out = ["stall: seconds the caller could not touch its tensors; durable: until fsync'd (and committed); "
-           "x device: device-limit time / contender time (1.0 = at the device limit).",
+           "x device: device-limit time / contender time (1.0 = as fast as the device-limit run; above 1.0 = faster "
+           "than it: one fio configuration in one run is a reference, not the device's ceiling).",
            f"device limit: {res['device']['tool']}, same bytes, same run (write + fsync, then cold read)."]
     if res.get("memcpy"):
         out.append(f"{res['memcpy']['name']}: {res['memcpy']['label']}")

@@ -72,7 +72,7 @@ class CheckpointManager:
     local_snapshots: keep each staged save as a snapshot in node memory (``local_dir``,
     default /dev/shm) that outlives the process: ``restore()`` then takes the newest step
     that verifies from memory or storage, and writes a snapshot that never reached
-    storage to root in the background (``wait()`` covers it). See ``flashwrite.local``.
+    storage to root in the background (``wait()`` covers it). See ``flashwrite.tier`` and docs/tiers.md.
     keep_local: ``close()`` keeps the newest snapshot in local_dir (for a restart).
     reserve: a state dict (or a size in bytes) to size the staging pool for now, in the
     background, so the first save stalls no longer than later ones (``Writer.reserve``).
@@ -93,7 +93,7 @@ class CheckpointManager:
     majority's bytes are committed and the disagreement recorded: ``SaveStats.diverged``).
     neighbour_copies: with process_group and local_snapshots, each rank also keeps a copy
     of rank r-1's snapshot, so ``restore()`` finds a lost node's part in its neighbour's
-    memory (``flashwrite.neighbour``). Every rank must set it alike.
+    memory (``tier/neighbour.py``). Every rank must set it alike.
     name: the checkpoint directory name of a step, a format string with one ``{step}``
     field (default ``"step-{step:08d}"``; ``"checkpoint-{step}"`` is the Hugging Face
     Trainer's). Listing, retention, restore and the local tier all go by it; other names

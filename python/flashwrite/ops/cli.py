@@ -178,6 +178,9 @@ def _print_tune(r: dict) -> None:
                   f"{x['of_limit']:.2f}" if x.get("of_limit") else "-", f"{x['seconds']:.2f}",
                   "<- recommended" if {k: x[k] for k in ("stripes", "queue_depth", "chunk_bytes")} == best else ""]
                  for x in r["trials"]], right=(0, 1, 2, 3, 4, 5))
+    if lim.get("write_gbps"):
+        print("of limit: GB/s over the device limit's (above 1.00: faster than that one configuration, which is "
+              "a reference, not the device's ceiling)")
     if r["skipped"]:
         print(f"\nskipped (budget): {', '.join(r['skipped'])}")
     if best:

@@ -182,7 +182,8 @@ def table_rows(res: dict) -> list[list[str]]:
 
 def notes(res: dict) -> list[str]:
     out = ["stall: seconds the caller could not touch its tensors; durable: until fsync'd (and committed); "
-           "x device: device-limit time / contender time (1.0 = at the device limit).",
+           "x device: device-limit time / contender time (1.0 = as fast as the device-limit run; above 1.0 = faster "
+           "than it: one fio configuration in one run is a reference, not the device's ceiling).",
            f"device limit: {res['device']['tool']}, same bytes, same run (write + fsync, then cold read).",
            f"{res['memcpy']['name']}: {res['memcpy']['label']}"]
     for r in res["rows"]:

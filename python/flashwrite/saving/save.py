@@ -53,11 +53,11 @@ class Writer:
     (default ``defaults.COPY_THREADS``: one per CPU, up to a cap).
     local_snapshots: back the pool with a file in ``local_dir`` (default /dev/shm)
     and leave a checkable snapshot of each staged save there, which outlives the
-    process (``flashwrite.local``; ``CheckpointManager.restore`` uses it). A save
+    process (``flashwrite.tier``, docs/tiers.md; ``CheckpointManager.restore`` uses it). A save
     larger than max_staging_bytes gets none; when local_dir is too small the pool
     says so once and uses private memory.
     neighbour_copies: with local_snapshots, in multi-rank saves (``process_group=``), each
-    rank also keeps a copy of rank r-1's snapshot (``flashwrite.neighbour``); every rank
+    rank also keeps a copy of rank r-1's snapshot (``tier/neighbour.py``); every rank
     must set it alike.
     reserve: a state dict (or a size in bytes) to prepare the staging pool for now, in the
     background (``reserve()``), so the first save stalls no longer than later ones.
@@ -289,12 +289,12 @@ class Writer:
         writing (no space, I/O errors) are raised by the future.
 
         process_group: save this rank's ``state_dict`` as its part of one checkpoint
-        written by every rank of the group (see ``flashwrite.distributed``; every
+        written by every rank of the group (see ``saving/distributed.py``; every
         rank calls this; ``timeout`` bounds how long a rank waits for a silent peer,
         ``coordination_group`` supplies flashwrite's gloo group for subgroups).
 
         replica_group, rank_local, on_divergence: ranks whose state is identical write each
-        replicated byte once and are checked to agree (``saving/replicas.py``, docs/api.md).
+        replicated byte once and are checked to agree (``saving/replicas.py``, docs/replicas.md).
 
         hf_model: the key of a model's state dict in ``state_dict`` (e.g. "model"): its
         tensors are stored under their own names in the stripes that

@@ -200,7 +200,7 @@ class FlashwriteStorageWriter(StorageWriter, AsyncStager):
     link the stripes that did not change, see ``flashwrite.dcp``).
     process_group: the group passed to ``dcp.async_save`` (default: the default group);
     ``stage()`` agrees with its ranks, on flashwrite's own gloo group for them
-    (``coordination_group`` for a subgroup, see ``flashwrite.distributed.coordinator``).
+    (``coordination_group`` for a subgroup, see ``flashwrite.system.coord.coordinator``).
     timeout: seconds a rank waits for its peers in that exchange.
     check_replicas: check that ranks holding the same item (DDP's tensors, HSDP's
     replicated shards, which DCP writes once) hold the same bytes, from digests only, and
