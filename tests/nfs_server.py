@@ -201,6 +201,7 @@ NFS_KRB5 {{ Active_krb5 = false; }}
     def restart(self, *, kill: bool = True) -> None:
         """Kill (SIGKILL; kill=False: SIGTERM) and start again on the same ports and exports."""
         self._stop_ganesha(signal.SIGKILL if kill else signal.SIGTERM)
+        self._ensure_rpcbind()  # a server another process started may have stopped the rpcbind it started
         self._start_ganesha()
 
     def _stop_ganesha(self, sig: int) -> None:
