@@ -32,6 +32,7 @@
 #include "core/error.hpp"
 #include "io/backend.hpp"
 #include "io/nfs_lib.hpp"
+#include "io/nfs_wire.hpp"
 #include "io/job_files.hpp"
 
 namespace fw::nfs::detail {
@@ -98,6 +99,12 @@ class WriteBackend;
 struct WLoop {
   WriteBackend* be = nullptr;
   std::unique_ptr<Client::Conn> conn;
+  // The save's WRITEs and COMMITs, sent from the staging slots (nfs_wire.hpp); made
+  // on the first WRITE. Without it (FLASHWRITE_NFS_WIRE=0, or it could not connect)
+  // they go through conn, whose libnfs copies each payload.
+  std::unique_ptr<WireConn> wire;
+  bool wire_tried = false;
+  std::string wire_err;  // why the wire connection is down now ("" while it is up)
   int efd = -1;
   std::thread th;
   unsigned inflight = 0;
@@ -149,6 +156,8 @@ class WriteBackend : public IoBackend {
   void report(WLoop& lp, WReq* q, int64_t res);  // under mu_
   void send_commits(WLoop& lp, std::vector<WFile*>& files);  // under mu_
   void abandon(WLoop& lp, int err, const std::string& why);
+  WireConn* wire(WLoop& lp);  // lp's wire connection, made on first use; nullptr: use libnfs
+  void on_wire_replies(std::vector<WireReply>& replies);
   void flush(WLoop& lp);
   void wake();
 
@@ -158,6 +167,7 @@ class WriteBackend : public IoBackend {
   const Options& o_;
   uint64_t wmax_, rmax_;
   int pause_ms_ = 0;
+  bool use_wire_ = true;  // FLASHWRITE_NFS_WIRE=0: WRITEs and COMMITs through libnfs
   // Test only (FLASHWRITE_NFS_TEST_SPOIL_COMMIT_VERIFIER=N, read per job): the first N
   // COMMIT replies are taken as if the server had restarted (their verifier altered),
   // so the rewrite of what they cover is exercised deterministically. 0: off.
