@@ -260,6 +260,8 @@ class NfsFiles : public JobFiles {
   }
   void note_rewrite() { rewrites_.fetch_add(1); }
   uint64_t rewrites() const override { return rewrites_.load(); }
+  void note_uncopied(uint64_t n) { uncopied_.fetch_add(n, std::memory_order_relaxed); }
+  uint64_t bytes_sent_uncopied() const override { return uncopied_.load(); }
 
  private:
   int add(std::unique_ptr<WFile> f) {
@@ -273,6 +275,7 @@ class NfsFiles : public JobFiles {
   std::vector<std::unique_ptr<WFile>> files_;
   std::unordered_map<const IoRequest*, ErrInfo> errors_;
   std::atomic<uint64_t> rewrites_{0};
+  std::atomic<uint64_t> uncopied_{0};
 };
 
 }  // namespace fw::nfs::detail

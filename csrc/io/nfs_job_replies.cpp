@@ -107,6 +107,7 @@ void WriteBackend::send_write(WLoop& lp, const SubOp& s) {
   if (lp.inflight == 0) lp.progress = Clock::now();
   if (WireConn* w = wire(lp)) {  // from the slot itself (nfs_wire.hpp)
     w->write(f.fh, s.off, data, static_cast<uint32_t>(s.len), &op);
+    files_->note_uncopied(s.len);
     lp.inflight++;
     return;
   }
