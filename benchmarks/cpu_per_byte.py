@@ -1,8 +1,11 @@
-"""CPU per byte of a load (issue 46's table): user and kernel CPU-seconds per GiB
-(getrusage of the child, all its threads) and wall time of one memcpy of the state (torch
-``copy_`` into fresh tensors: the reference), an owned ``fw.load`` and a ``zero_copy`` one
-from the local disk, and with ``--nfs`` an owned load through ``nfs://`` from nfs-ganesha on
-loopback (tests/nfs_server.py) beside ``nfs-cp`` reading the same bytes.
+"""CPU per byte of a load and of an nfs:// save (issue 46's table): user and kernel
+CPU-seconds per GiB (getrusage of the child, all its threads) and wall time of one memcpy
+of the state (torch ``copy_`` into fresh tensors: the reference), an owned ``fw.load`` and a
+``zero_copy`` one from the local disk, and with ``--nfs`` an owned load through ``nfs://``
+from nfs-ganesha on loopback (tests/nfs_server.py) beside ``nfs-cp`` reading the same
+bytes, and ``fw.save`` to ``nfs://`` (the state made before the clock starts; the call
+returns once the checkpoint is durable and committed) beside ``nfs-cp`` writing one
+stripe's bytes. ``--what save`` (or ``load``) runs only those rows.
 Each measurement is a fresh child process; the page cache is dropped before each load
 (run as root). Rows are interleaved round by round and reported as medians, so builds
 given with ``--build`` (e.g. an earlier one's interpreter) compare within one run.
@@ -46,6 +49,20 @@ print(json.dumps({"wall": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.
                   "bytes": sum(d.nbytes for d in dst)}))
 """
 
+CHILD_SAVE = """
+import json, resource, sys, time
+import torch
+import flashwrite as fw
+n, parts = int(sys.argv[2]), 64
+g = torch.Generator().manual_seed(0)
+state = {f"layer{i}.weight": torch.randn(n // 4 // parts, generator=g) for i in range(parts)}
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+fw.save(state, sys.argv[1])
+t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"wall": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
+                  "bytes": sum(t.nbytes for t in state.values())}))
+"""
+
 SAVE = """
 import sys, torch, flashwrite as fw
 n, parts = int(sys.argv[2]), 64
@@ -80,6 +97,15 @@ def _nfs_cp(url: str) -> dict:
     return {"wall": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime, "bytes": n}
 
 
+def _nfs_cp_write(src: str, url: str) -> dict:
+    """nfs-cp from a file in /dev/shm (no disk read) to a new file on the server."""
+    r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    subprocess.run(["nfs-cp", src, url], check=True, capture_output=True)
+    t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"wall": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
+            "bytes": os.path.getsize(src)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
@@ -88,8 +114,12 @@ def main() -> None:
     ap.add_argument("--build", action="append", default=[],
                     help="NAME=PYTHON: an interpreter with a flashwrite build (default: this one, as 'this')")
     ap.add_argument("--json", help="write the raw results here")
-    ap.add_argument("--nfs", action="store_true", help="also load through nfs:// on loopback (root, nfs-ganesha)")
+    ap.add_argument("--nfs", action="store_true",
+                    help="also load from and save to nfs:// on loopback (root, nfs-ganesha)")
+    ap.add_argument("--what", nargs="+", choices=("load", "save"), default=["load", "save"],
+                    help="which rows: loads, nfs:// saves (these need --nfs), or both (the default)")
     a = ap.parse_args()
+    loads, saves = "load" in a.what, "save" in a.what and a.nfs
     builds = dict(b.split("=", 1) for b in a.build) or {"this": sys.executable}
     nbytes = int(a.gib * (1 << 30)) // (4 * 64) * 4 * 64
     os.makedirs(a.dir, exist_ok=True)
@@ -108,9 +138,23 @@ def main() -> None:
                         os.path.join(export, "one.bin"))
         server = NfsServer(exports=[Export(export)], workdir=os.path.join(a.dir, "server")).start()
     rows: dict[str, list[dict]] = {"one memcpy of the state (torch copy_)": []}
+    shm_stripe = None
+    if saves:
+        shm_stripe = f"/dev/shm/cpb-stripe-{uuid.uuid4().hex[:8]}.bin"
+        shutil.copyfile(os.path.join(export, "one.bin"), shm_stripe)
     try:
-        for _ in range(a.rounds):
+        for r in range(a.rounds):
             rows["one memcpy of the state (torch copy_)"].append(_child(sys.executable, CHILD_COPY, str(nbytes)))
+            if saves:
+                for i, (name, py) in enumerate(builds.items()):
+                    rows.setdefault(f"fw.save nfs:// loopback ({name})", []).append(
+                        _child(py, CHILD_SAVE, server.url_ports(f"saved-{r}-{i}"), str(nbytes)))
+                    shutil.rmtree(os.path.join(export, f"saved-{r}-{i}"), ignore_errors=True)
+                rows.setdefault("nfs-cp write of one stripe (reference)", []).append(
+                    _nfs_cp_write(shm_stripe, server.libnfs_url(f"written-{r}.bin")))
+                os.unlink(os.path.join(export, f"written-{r}.bin"))
+            if not loads:
+                continue
             for name, py in builds.items():
                 for zc, what in ((False, "owned"), (True, "zero_copy")):
                     _drop_caches()
@@ -127,9 +171,11 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
+        if shm_stripe is not None:
+            os.unlink(shm_stripe)
     gib = nbytes / (1 << 30)
     print(f"{gib:g} GiB of float32 in 64 tensors, median of {a.rounds} fresh children each, page cache dropped "
-          f"before each load\n")
+          f"before each load; saves are timed from the call to the durable commit\n")
     print("| | user CPU-s/GiB | kernel CPU-s/GiB | wall |")
     print("|---|---|---|---|")
     summary = {}
@@ -138,7 +184,7 @@ def main() -> None:
         summary[name] = med
         g = rs[0]["bytes"] / (1 << 30)
         print(f"| {name} | {med['user'] / g:.3f} | {med['sys'] / g:.3f} | {med['wall']:.3f} s |")
-    for name in builds:
+    for name in builds if loads else ():
         o, z = summary[f"fw.load owned, local disk ({name})"], summary[f"fw.load zero_copy, local disk ({name})"]
         print(f"\n{name}: owned wall / zero_copy wall = {o['wall'] / z['wall']:.3f}")
     if a.json:

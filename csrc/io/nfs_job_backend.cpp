@@ -27,6 +27,7 @@ WriteBackend::WriteBackend(NfsFiles* files, std::shared_ptr<Client> client, IoCa
   if (const char* pause = std::getenv("FLASHWRITE_NFS_TEST_PAUSE_BEFORE_COMMIT_MS")) pause_ms_ = std::atoi(pause);
   if (const char* spoil = std::getenv("FLASHWRITE_NFS_TEST_SPOIL_COMMIT_VERIFIER")) spoil_commits_ = std::atoi(spoil);
   if (const char* spoil = std::getenv("FLASHWRITE_NFS_TEST_SPOIL_WRITE_VERIFIER")) spoil_writes_ = std::atoi(spoil);
+  if (const char* w = std::getenv("FLASHWRITE_NFS_WIRE")) use_wire_ = std::string(w) != "0";
   try {
     for (unsigned i = 0; i < std::max(1u, o_.connections); ++i) {
       auto lp = std::make_unique<WLoop>();
@@ -67,6 +68,7 @@ WriteBackend::~WriteBackend() {
   for (auto& lp : loops_) {
     if (lp->th.joinable()) lp->th.join();
     close(lp->efd);
+    lp->wire.reset();
     if (!lp->dead && lp->inflight == 0) client_->give_back(std::move(lp->conn));
     for (auto& op : lp->ops) op.abandoned = true;
     lp->conn.reset();  // before the ops its callbacks could still name
@@ -135,6 +137,7 @@ void WriteBackend::abandon(WLoop& lp, int err, const std::string& why) {
   }
   lp.inflight = 0;
   send_commits(lp, commit);  // fails them: the loop is dead
+  lp.wire.reset();           // drops what it still holds (no callbacks)
   lp.conn.reset();           // cancels what libnfs still holds; the callbacks see abandoned ops
   lp.ops.clear();
 }
@@ -175,7 +178,42 @@ void WriteBackend::flush(WLoop& lp) {
   drained_.notify_all();
 }
 
+WireConn* WriteBackend::wire(WLoop& lp) {
+  if (!use_wire_ || lp.dead) return nullptr;
+  if (!lp.wire_tried) {
+    lp.wire_tried = true;
+    std::string why;
+    lp.wire = WireConn::open_like(L().nfs_get_fd(lp.conn->ctx), o_.timeout_ms, &why);
+    // Not made (a peer libnfs reaches some other way): this loop sends through libnfs.
+  }
+  return lp.wire.get();
+}
+
+// Replies the wire connection decoded, handed to the same code as libnfs's.
+void WriteBackend::on_wire_replies(std::vector<WireReply>& replies) {
+  for (WireReply& r : replies) {
+    WOp& op = *static_cast<WOp*>(r.tag);
+    if (op.abandoned) continue;
+    const int status = r.ok ? RPC_STATUS_SUCCESS : RPC_STATUS_ERROR;
+    void* data = const_cast<char*>(r.error.c_str());
+    if (op.commit) {
+      COMMIT3res res{};
+      res.status = static_cast<nfsstat3>(r.status);
+      std::memcpy(res.COMMIT3res_u.resok.verf, r.verf, NFS3_WRITEVERFSIZE);
+      on_commit(op, status, r.ok ? static_cast<void*>(&res) : data);
+    } else {
+      WRITE3res res{};
+      res.status = static_cast<nfsstat3>(r.status);
+      res.WRITE3res_u.resok.count = r.count;
+      std::memcpy(res.WRITE3res_u.resok.verf, r.verf, NFS3_WRITEVERFSIZE);
+      on_write(op, status, r.ok ? static_cast<void*>(&res) : data);
+    }
+  }
+  replies.clear();
+}
+
 void WriteBackend::run(WLoop& lp) {
+  std::vector<WireReply> replies;
   for (;;) {
     fill(lp);
     flush(lp);
@@ -183,10 +221,12 @@ void WriteBackend::run(WLoop& lp) {
       std::lock_guard<std::mutex> g(mu_);
       if (stop_ && lp.inflight == 0) break;
     }
-    pollfd p[2] = {{lp.efd, POLLIN, 0}, {-1, 0, 0}};
+    pollfd p[3] = {{lp.efd, POLLIN, 0}, {-1, 0, 0}, {-1, 0, 0}};
     nfs_context* ctx = lp.dead ? nullptr : lp.conn->ctx;
+    WireConn* w = lp.dead ? nullptr : lp.wire.get();
     if (ctx) p[1] = pollfd{L().nfs_get_fd(ctx), static_cast<short>(L().nfs_which_events(ctx)), 0};
-    int pr = poll(p, ctx ? 2 : 1, 100);
+    if (w) p[2] = pollfd{w->fd(), w->events(), 0};
+    int pr = poll(p, ctx ? 3 : 1, 100);
     if (pr < 0 && errno != EINTR) {
       abandon(lp, EIO, std::string("poll: ") + std::strerror(errno));
       continue;
@@ -196,10 +236,19 @@ void WriteBackend::run(WLoop& lp) {
       (void)!::read(lp.efd, &v, sizeof v);
     }
     if (!ctx) continue;
+    if (w) {
+      // A connection lost is made again here (every call not answered sent again) until
+      // the bound below gives up on the server.
+      std::string err;
+      lp.wire_err = w->service(pr > 0 ? p[2].revents : 0, replies, &err) ? "" : err;
+      on_wire_replies(replies);
+    }
+    if (lp.dead) continue;
     if (L().nfs_service(ctx, pr > 0 ? p[1].revents : 0) < 0) {
       abandon(lp, ECONNRESET, std::string("connection lost: ") + L().nfs_get_error(ctx));
     } else if (lp.inflight > 0 && Clock::now() - lp.progress > std::chrono::milliseconds(o_.timeout_ms)) {
-      abandon(lp, ETIMEDOUT, "no reply within " + std::to_string(o_.timeout_ms) + " ms");
+      abandon(lp, ETIMEDOUT, "no reply within " + std::to_string(o_.timeout_ms) + " ms" +
+                                 (lp.wire_err.empty() ? "" : " (connection lost: " + lp.wire_err + ")"));
     }
     flush(lp);
   }

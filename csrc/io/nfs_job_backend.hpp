@@ -32,6 +32,7 @@
 #include "core/error.hpp"
 #include "io/backend.hpp"
 #include "io/nfs_lib.hpp"
+#include "io/nfs_wire.hpp"
 #include "io/job_files.hpp"
 
 namespace fw::nfs::detail {
@@ -98,6 +99,12 @@ class WriteBackend;
 struct WLoop {
   WriteBackend* be = nullptr;
   std::unique_ptr<Client::Conn> conn;
+  // The save's WRITEs and COMMITs, sent from the staging slots (nfs_wire.hpp); made
+  // on the first WRITE. Without it (FLASHWRITE_NFS_WIRE=0, or it could not connect)
+  // they go through conn, whose libnfs copies each payload.
+  std::unique_ptr<WireConn> wire;
+  bool wire_tried = false;
+  std::string wire_err;  // why the wire connection is down now ("" while it is up)
   int efd = -1;
   std::thread th;
   unsigned inflight = 0;
@@ -149,6 +156,8 @@ class WriteBackend : public IoBackend {
   void report(WLoop& lp, WReq* q, int64_t res);  // under mu_
   void send_commits(WLoop& lp, std::vector<WFile*>& files);  // under mu_
   void abandon(WLoop& lp, int err, const std::string& why);
+  WireConn* wire(WLoop& lp);  // lp's wire connection, made on first use; nullptr: use libnfs
+  void on_wire_replies(std::vector<WireReply>& replies);
   void flush(WLoop& lp);
   void wake();
 
@@ -158,6 +167,7 @@ class WriteBackend : public IoBackend {
   const Options& o_;
   uint64_t wmax_, rmax_;
   int pause_ms_ = 0;
+  bool use_wire_ = true;  // FLASHWRITE_NFS_WIRE=0: WRITEs and COMMITs through libnfs
   // Test only (FLASHWRITE_NFS_TEST_SPOIL_COMMIT_VERIFIER=N, read per job): the first N
   // COMMIT replies are taken as if the server had restarted (their verifier altered),
   // so the rewrite of what they cover is exercised deterministically. 0: off.
@@ -250,6 +260,8 @@ class NfsFiles : public JobFiles {
   }
   void note_rewrite() { rewrites_.fetch_add(1); }
   uint64_t rewrites() const override { return rewrites_.load(); }
+  void note_uncopied(uint64_t n) { uncopied_.fetch_add(n, std::memory_order_relaxed); }
+  uint64_t bytes_sent_uncopied() const override { return uncopied_.load(); }
 
  private:
   int add(std::unique_ptr<WFile> f) {
@@ -263,6 +275,7 @@ class NfsFiles : public JobFiles {
   std::vector<std::unique_ptr<WFile>> files_;
   std::unordered_map<const IoRequest*, ErrInfo> errors_;
   std::atomic<uint64_t> rewrites_{0};
+  std::atomic<uint64_t> uncopied_{0};
 };
 
 }  // namespace fw::nfs::detail

@@ -103,8 +103,15 @@ void WriteBackend::send_write(WLoop& lp, const SubOp& s) {
     lp.inflight++;
     return;
   }
-  fill_write_args(op.wargs, f.fh, s.off, s.len, s.q->r->buf + (s.off - s.q->r->offset));
+  const char* data = s.q->r->buf + (s.off - s.q->r->offset);
   if (lp.inflight == 0) lp.progress = Clock::now();
+  if (WireConn* w = wire(lp)) {  // from the slot itself (nfs_wire.hpp)
+    w->write(f.fh, s.off, data, static_cast<uint32_t>(s.len), &op);
+    files_->note_uncopied(s.len);
+    lp.inflight++;
+    return;
+  }
+  fill_write_args(op.wargs, f.fh, s.off, s.len, data);
   if (L().rpc_nfs3_write_async(L().nfs_get_rpc_context(lp.conn->ctx), wb_on_write, &op.wargs, &op) != 0) {
     std::string why = std::string("NFS WRITE not queued: ") + L().nfs_get_error(lp.conn->ctx);
     lp.ops.erase(op.self);
@@ -148,6 +155,11 @@ void WriteBackend::send_commits(WLoop& lp, std::vector<WFile*>& files) {
     op.cargs.offset = 0;
     op.cargs.count = 0;  // to the end of the file
     if (lp.inflight == 0) lp.progress = Clock::now();
+    if (WireConn* w = lp.wire.get()) {  // on the connection its WRITEs went over, if any
+      w->commit(f->fh, &op);
+      lp.inflight++;
+      continue;
+    }
     if (L().rpc_nfs3_commit_async(L().nfs_get_rpc_context(lp.conn->ctx), wb_on_commit, &op.cargs, &op) != 0) {
       std::string why = std::string("NFS COMMIT not queued: ") + L().nfs_get_error(lp.conn->ctx);
       for (WReq* q : op.list) {

@@ -190,6 +190,7 @@ py::dict save_stats(const SaveJob& j) {
   d["staging_wait_reason"] = s.staging_wait_reason;
   d["unpinned_bytes"] = s.unpinned_bytes;
   d["rewrites"] = s.rewrites;
+  d["bytes_sent_uncopied"] = s.bytes_sent_uncopied;
   d["bytes_stored"] = s.bytes_stored;
   d["compress_s"] = s.compress_s;
   return d;

@@ -395,6 +395,7 @@ SaveStats SaveJob::stats() const {
   s.unpinned_bytes = pool_->unpinned_bytes();
   s.backend = backend_name_;
   s.rewrites = opt_.files->rewrites();
+  s.bytes_sent_uncopied = opt_.files->bytes_sent_uncopied();
   s.bytes_stored = zstored_.load();
   s.compress_s = zns_.load() * 1e-9;
   for (auto& f : files_)

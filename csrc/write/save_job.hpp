@@ -121,6 +121,7 @@ struct SaveStats {
   std::string backend;
   unsigned files_direct = 0, files_buffered = 0;
   uint64_t rewrites = 0;  // chunks written again (JobFiles::rewrites)
+  uint64_t bytes_sent_uncopied = 0;  // JobFiles::bytes_sent_uncopied
   uint64_t bytes_stored = 0;  // sent to the files: frames of compressed chunks, padded, and the others
   double compress_s = 0;      // thread-seconds spent compressing
 };

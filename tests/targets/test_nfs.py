@@ -201,6 +201,24 @@ def test_restart_between_write_and_commit_never_commits_wrong_bytes(nfs_server, 
         assert_same(fw.load(local), state)
 
 
+def test_save_sends_its_writes_from_the_slots_and_through_libnfs_alike(nfs_server, monkeypatch):
+    """A save's WRITEs go out on flashwrite's own connections straight from the staging
+    slots (csrc/io/nfs_wire.cpp): every payload byte is counted as sent uncopied.
+    FLASHWRITE_NFS_WIRE=0 sends them through libnfs (which copies them; none counted);
+    both commit the same, verified bytes. A pool smaller than the save recycles slots."""
+    state = _big_state(24, seed=5)
+    opts = dict(stripes=2, chunk_bytes=4 << 20, max_staging_bytes=8 << 20)
+    stats = fw.save(state, nfs_server.url("wire") + "?connections=3&depth=4", **opts)
+    assert stats.extra["nfs_bytes_sent_uncopied"] >= sum(t.nbytes for t in state.values()), stats.extra
+    monkeypatch.setenv("FLASHWRITE_NFS_WIRE", "0")
+    stats = fw.save(state, nfs_server.url("libnfs") + "?connections=3&depth=4", **opts)
+    assert stats.extra["nfs_bytes_sent_uncopied"] == 0, stats.extra
+    for name in ("wire", "libnfs"):
+        local = os.path.join(nfs_server.export, name)
+        fw.verify(local)
+        assert_same(fw.load(local), state)
+
+
 SPOIL_ENV = "FLASHWRITE_NFS_TEST_SPOIL_COMMIT_VERIFIER"
 
 

@@ -235,6 +235,9 @@ class StripeWrite:
             stats.extra["compress_ratio"] = stats.bytes_written / max(1, native["bytes_stored"])
         if native["backend"] == "nfs":  # chunks sent again: a COMMIT came back under another write verifier
             stats.extra["nfs_rewrites"] = native["rewrites"]
+            # WRITE payload bytes sent straight from the staging slots (flashwrite's own
+            # connections), not copied by libnfs first (FLASHWRITE_NFS_WIRE=0: 0)
+            stats.extra["nfs_bytes_sent_uncopied"] = native["bytes_sent_uncopied"]
         m = self.manifest()
         if self.compressed and m["files"] and "codec" not in m["files"][0]:
             for fe, frames in zip(m["files"], self.job.chunk_frames()):

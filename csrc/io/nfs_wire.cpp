@@ -1,0 +1,376 @@
+// WRITE3/COMMIT3 on flashwrite's own connection (see nfs_wire.hpp).
+#include "io/nfs_wire.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+
+namespace fw::nfs::detail {
+
+namespace {
+
+constexpr uint32_t kNfsProgram = 100003, kNfsV3 = 3, kProcWrite = 7, kProcCommit = 21;
+constexpr uint32_t kAuthSys = 1;
+constexpr size_t kMaxRecord = 1 << 20;  // a WRITE or COMMIT reply is ~150 bytes
+constexpr int kMaxIov = 64;
+
+void put32(std::vector<char>& b, uint32_t v) {
+  v = htonl(v);
+  const char* p = reinterpret_cast<const char*>(&v);
+  b.insert(b.end(), p, p + 4);
+}
+void put64(std::vector<char>& b, uint64_t v) {
+  put32(b, static_cast<uint32_t>(v >> 32));
+  put32(b, static_cast<uint32_t>(v));
+}
+void put_opaque(std::vector<char>& b, const char* p, size_t n) {
+  put32(b, static_cast<uint32_t>(n));
+  b.insert(b.end(), p, p + n);
+  b.insert(b.end(), (4 - n % 4) % 4, '\0');
+}
+
+// A reader of XDR that fails (ok = false) instead of running past the end.
+struct Xdr {
+  const char* p;
+  size_t n;
+  bool ok = true;
+  uint32_t u32() {
+    if (n < 4) return ok = false, 0;
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    p += 4, n -= 4;
+    return ntohl(v);
+  }
+  void skip(size_t k) {
+    k = (k + 3) & ~size_t(3);
+    if (n < k) return void(ok = false);
+    p += k, n -= k;
+  }
+  void bytes(unsigned char* out, size_t k) {
+    if (n < k) return void(ok = false);
+    std::memcpy(out, p, k);
+    p += k, n -= k;
+  }
+};
+
+bool set_nonblocking(int fd) {
+  int fl = fcntl(fd, F_GETFL, 0);
+  return fl >= 0 && fcntl(fd, F_SETFL, fl | O_NONBLOCK) == 0;
+}
+
+uint16_t port_of(const sockaddr_storage& s) {
+  if (s.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(s).sin_port);
+  if (s.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(s).sin6_port);
+  return 0;
+}
+
+}  // namespace
+
+std::unique_ptr<WireConn> WireConn::open_like(int like_fd, int timeout_ms, std::string* why) {
+  std::unique_ptr<WireConn> c(new WireConn());
+  c->timeout_ms_ = timeout_ms > 0 ? timeout_ms : 10000;
+  c->peer_len_ = sizeof c->peer_;
+  if (like_fd < 0 || getpeername(like_fd, reinterpret_cast<sockaddr*>(&c->peer_), &c->peer_len_) != 0 ||
+      (c->peer_.ss_family != AF_INET && c->peer_.ss_family != AF_INET6)) {
+    *why = "the libnfs connection has no TCP peer";
+    return nullptr;
+  }
+  sockaddr_storage local{};
+  socklen_t llen = sizeof local;
+  if (getsockname(like_fd, reinterpret_cast<sockaddr*>(&local), &llen) == 0) {
+    const uint16_t p = port_of(local);
+    c->reserved_port_ = p > 0 && p < 1024;
+  }
+  // AUTH_SYS as libnfs sends it by default: this process's uid and gid, no groups.
+  put32(c->cred_, static_cast<uint32_t>(std::time(nullptr)));
+  const char* host = "flashwrite";
+  put_opaque(c->cred_, host, std::strlen(host));
+  put32(c->cred_, static_cast<uint32_t>(getuid()));
+  put32(c->cred_, static_cast<uint32_t>(getgid()));
+  put32(c->cred_, 0);
+  c->next_xid_ = static_cast<uint32_t>(std::time(nullptr)) * 2654435761u ^ static_cast<uint32_t>(getpid()) << 16 ^
+                 static_cast<uint32_t>(like_fd);
+  c->rbuf_.resize(64 << 10);
+  if (!c->connect_now(why)) return nullptr;
+  return c;
+}
+
+WireConn::~WireConn() { drop_connection(); }
+
+void WireConn::drop_connection() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  rlen_ = 0;
+  record_.clear();
+}
+
+bool WireConn::connect_now(std::string* why) {
+  drop_connection();
+  int fd = ::socket(peer_.ss_family, SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
+  if (fd < 0) return *why = std::string("socket: ") + std::strerror(errno), false;
+  if (reserved_port_) {  // as libnfs: 512-1023, the first one free
+    static unsigned next = static_cast<unsigned>(getpid());
+    for (unsigned i = 0; i < 512; ++i) {
+      const uint16_t port = static_cast<uint16_t>(512 + (next++ % 512));
+      sockaddr_storage a{};
+      a.ss_family = peer_.ss_family;
+      if (a.ss_family == AF_INET) reinterpret_cast<sockaddr_in&>(a).sin_port = htons(port);
+      else reinterpret_cast<sockaddr_in6&>(a).sin6_port = htons(port);
+      if (::bind(fd, reinterpret_cast<sockaddr*>(&a), peer_len_) == 0) break;
+      if (errno != EADDRINUSE) break;  // EACCES: no privilege after all; connect from any port
+    }
+  }
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // a COMMIT after a WRITE goes out at once
+  if (!set_nonblocking(fd)) {
+    *why = std::string("fcntl: ") + std::strerror(errno);
+    ::close(fd);
+    return false;
+  }
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&peer_), peer_len_) != 0 && errno != EINPROGRESS) {
+    *why = std::string("connect: ") + std::strerror(errno);
+    ::close(fd);
+    return false;
+  }
+  pollfd p{fd, POLLOUT, 0};
+  int pr;
+  do pr = ::poll(&p, 1, std::min(timeout_ms_, 2000));
+  while (pr < 0 && errno == EINTR);
+  int err = 0;
+  socklen_t elen = sizeof err;
+  if (pr <= 0) err = pr == 0 ? ETIMEDOUT : errno;
+  else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0) err = errno;
+  if (err) {
+    *why = std::string("connect: ") + std::strerror(err);
+    ::close(fd);
+    return false;
+  }
+  fd_ = fd;
+  // Every call not yet answered goes out again, in xid order of queueing (a partly
+  // sent one from its start).
+  std::vector<uint32_t> xids;
+  xids.reserve(calls_.size());
+  for (auto& [x, c] : calls_) xids.push_back(x);
+  std::sort(xids.begin(), xids.end(), [this](uint32_t a, uint32_t b) { return a - next_xid_ < b - next_xid_; });
+  sendq_.assign(xids.begin(), xids.end());
+  sent_ = 0;
+  return true;
+}
+
+std::vector<char> WireConn::header(uint32_t xid, uint32_t proc, const std::string& fh, size_t args_after_fh) {
+  std::vector<char> b;
+  b.reserve(4 + 40 + cred_.size() + 4 + fh.size() + 4 + args_after_fh);
+  put32(b, 0);  // the record mark, set by queue()
+  put32(b, xid);
+  put32(b, 0);  // CALL
+  put32(b, 2);  // RPC version
+  put32(b, kNfsProgram);
+  put32(b, kNfsV3);
+  put32(b, proc);
+  put32(b, kAuthSys);
+  put_opaque(b, cred_.data(), cred_.size());
+  put32(b, 0);  // verifier: AUTH_NONE
+  put32(b, 0);
+  put_opaque(b, fh.data(), fh.size());
+  return b;
+}
+
+void WireConn::write(const std::string& fh, uint64_t off, const char* data, uint32_t len, void* tag) {
+  const uint32_t xid = next_xid_++;
+  Call c;
+  c.tag = tag;
+  c.head = header(xid, kProcWrite, fh, 20);
+  put64(c.head, off);
+  put32(c.head, len);
+  put32(c.head, 0);  // UNSTABLE
+  put32(c.head, len);
+  c.data = data;
+  c.len = len;
+  queue(xid, std::move(c));
+}
+
+void WireConn::commit(const std::string& fh, void* tag) {
+  const uint32_t xid = next_xid_++;
+  Call c;
+  c.tag = tag;
+  c.commit = true;
+  c.head = header(xid, kProcCommit, fh, 12);
+  put64(c.head, 0);  // offset 0, count 0: the whole file
+  put32(c.head, 0);
+  queue(xid, std::move(c));
+}
+
+void WireConn::queue(uint32_t xid, Call c) {
+  const size_t body = c.head.size() - 4 + c.len + (4 - c.len % 4) % 4;
+  const uint32_t mark = htonl(0x80000000u | static_cast<uint32_t>(body));  // the last (only) fragment
+  std::memcpy(c.head.data(), &mark, 4);
+  calls_.emplace(xid, std::move(c));
+  sendq_.push_back(xid);
+}
+
+short WireConn::events() const { return fd_ < 0 ? 0 : static_cast<short>(POLLIN | (sendq_.empty() ? 0 : POLLOUT)); }
+
+bool WireConn::send_some(std::string* err) {
+  static const char zeros[4] = {};
+  while (!sendq_.empty()) {
+    iovec iov[kMaxIov];
+    int n = 0;
+    size_t skip = sent_;
+    for (uint32_t xid : sendq_) {
+      if (n + 3 > kMaxIov) break;
+      const Call& c = calls_.at(xid);
+      const size_t pad = (4 - c.len % 4) % 4;
+      const std::pair<const char*, size_t> parts[3] = {{c.head.data(), c.head.size()}, {c.data, c.len}, {zeros, pad}};
+      for (const auto& [p, len] : parts) {
+        if (skip >= len) {
+          skip -= len;
+          continue;
+        }
+        iov[n++] = iovec{const_cast<char*>(p + skip), len - skip};
+        skip = 0;
+      }
+    }
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = static_cast<size_t>(n);
+    ssize_t k = ::sendmsg(fd_, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
+      *err = std::string("send: ") + std::strerror(errno);
+      return false;
+    }
+    size_t left = static_cast<size_t>(k);
+    while (left > 0 && !sendq_.empty()) {
+      const Call& c = calls_.at(sendq_.front());
+      const size_t whole = c.head.size() + c.len + (4 - c.len % 4) % 4;
+      const size_t take = std::min(left, whole - sent_);
+      sent_ += take;
+      left -= take;
+      if (sent_ == whole) {
+        sendq_.pop_front();
+        sent_ = 0;
+      }
+    }
+  }
+  return true;
+}
+
+bool WireConn::recv_some(std::vector<WireReply>& out, std::string* err) {
+  for (;;) {
+    if (rlen_ == rbuf_.size()) rbuf_.resize(rbuf_.size() * 2);
+    ssize_t k = ::recv(fd_, rbuf_.data() + rlen_, rbuf_.size() - rlen_, MSG_DONTWAIT);
+    if (k == 0) return *err = "the server closed the connection", false;
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
+      return *err = std::string("recv: ") + std::strerror(errno), false;
+    }
+    rlen_ += static_cast<size_t>(k);
+    size_t pos = 0;
+    while (rlen_ - pos >= 4) {
+      uint32_t mark;
+      std::memcpy(&mark, rbuf_.data() + pos, 4);
+      mark = ntohl(mark);
+      const size_t len = mark & 0x7FFFFFFFu;
+      if (record_.size() + len > kMaxRecord) return *err = "a reply record of more than 1 MiB", false;
+      if (rlen_ - pos - 4 < len) {
+        if (len + 4 > rbuf_.size()) rbuf_.resize(len + 4);
+        break;
+      }
+      record_.append(rbuf_.data() + pos + 4, len);
+      pos += 4 + len;
+      if (mark & 0x80000000u) {
+        parse(record_.data(), record_.size(), out);
+        record_.clear();
+      }
+    }
+    std::memmove(rbuf_.data(), rbuf_.data() + pos, rlen_ - pos);
+    rlen_ -= pos;
+  }
+}
+
+void WireConn::parse(const char* p, size_t n, std::vector<WireReply>& out) {
+  Xdr x{p, n};
+  const uint32_t xid = x.u32();
+  const uint32_t mtype = x.u32();
+  if (!x.ok || mtype != 1) return;  // not a reply
+  auto it = calls_.find(xid);
+  if (it == calls_.end()) return;  // answered already (sent twice across a reconnect)
+  // A reply to a call still being sent (the server answered early, e.g. with an error)
+  // takes the call off the queue; a partly sent one must still be sent whole.
+  bool partly_sent = !sendq_.empty() && sendq_.front() == xid && sent_ > 0;
+  if (partly_sent) return;  // its reply comes again when it has been sent whole
+  auto qi = std::find(sendq_.begin(), sendq_.end(), xid);
+  if (qi != sendq_.end()) sendq_.erase(qi);
+  const bool commit = it->second.commit;
+  WireReply r;
+  r.tag = it->second.tag;
+  calls_.erase(it);
+  const uint32_t reply_stat = x.u32();
+  if (reply_stat != 0) {
+    r.error = "RPC call denied (reject_stat " + std::to_string(x.u32()) + ")";
+    out.push_back(std::move(r));
+    return;
+  }
+  x.u32();         // verifier flavor
+  x.skip(x.u32()); // and body
+  const uint32_t accept = x.u32();
+  if (!x.ok || accept != 0) {
+    r.error = x.ok ? "RPC call not accepted (accept_stat " + std::to_string(accept) + ")" : "RPC reply cut short";
+    out.push_back(std::move(r));
+    return;
+  }
+  r.status = x.u32();
+  if (x.u32()) x.skip(24);  // wcc_data: pre_op_attr
+  if (x.u32()) x.skip(84);  //           post_op_attr (fattr3)
+  if (r.status == 0) {
+    if (!commit) {
+      r.count = x.u32();
+      x.u32();  // committed
+    }
+    x.bytes(r.verf, 8);
+  }
+  if (!x.ok) {
+    r.error = commit ? "NFS COMMIT reply cut short" : "NFS WRITE reply cut short";
+    out.push_back(std::move(r));
+    return;
+  }
+  r.ok = true;
+  out.push_back(std::move(r));
+}
+
+bool WireConn::service(short revents, std::vector<WireReply>& out, std::string* err) {
+  if (fd_ < 0) {
+    if (calls_.empty()) return true;  // made again when there is something to send
+    if (std::chrono::steady_clock::now() < retry_at_) return true;
+    if (!connect_now(err)) {
+      retry_at_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+      return false;
+    }
+  }
+  std::string why;
+  bool ok = true;
+  if (revents & (POLLERR | POLLHUP)) revents |= POLLIN;  // recv says what happened
+  if (revents & POLLIN) ok = recv_some(out, &why);
+  if (ok) ok = send_some(&why);
+  if (ok) return true;
+  // Lost: made again now (the calls not answered go out again), or at a later call.
+  if (connect_now(err)) {
+    ok = send_some(err);
+    if (ok) return true;
+    drop_connection();
+  }
+  *err = why + (err->empty() ? "" : "; again: " + *err);
+  retry_at_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  return false;
+}
+
+}  // namespace fw::nfs::detail
