@@ -189,6 +189,7 @@ def test_exit_says_once_what_it_waits_for(tmp_path):
     assert p.returncode == 0, err
     assert err.count("flashwrite: exit waits for a checkpoint save in flight") == 1, err
     assert str(tmp_path / "ck") in err and "(Ctrl-C abandons it)" in err, err
+    assert "again" not in err, err  # issue 44 item 5: no Ctrl-C came before this one
     exec(_STATE, ns := {})
     assert_same(fw.load(tmp_path / "ck"), ns["state"](16))
     assert os.listdir(tmp_path) == ["ck"]
