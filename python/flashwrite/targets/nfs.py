@@ -170,6 +170,15 @@ class NfsTarget(Target):
         url = self.client.url(path)
         return f"{url}?mountport={self.url.mount_port}" if self.url.mount_port else url
 
+    def facts(self, path: str) -> dict:
+        """The server, the export holding ``path`` and the path inside it, and the transfer
+        settings saves and loads there use (``connections`` from the URL, a saved tuning, or
+        the default)."""
+        u = self.url
+        return {**super().facts(path), "server": u.server, "export": self.export, "path": path,
+                "nfs_port": u.nfs_port or None, "mount_port": u.mount_port or None, "connections": u.connections,
+                "depth": u.depth, "timeout_s": u.timeout_s}
+
     def exists(self, path: str) -> bool:
         return self.client.stat(path)[0]
 
