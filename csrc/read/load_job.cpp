@@ -301,7 +301,12 @@ void LoadJob::run() {
     if (to_placer_[r.tag]) {
       // A bounce slot: waits here while every slot is being read, verified or
       // copied out, which paces reading to the copies.
-      char* slot = opt_.placer->acquire(&ctl_.cancel_flag());
+      char* slot = nullptr;
+      try {
+        slot = opt_.placer->acquire(&ctl_.cancel_flag());
+      } catch (...) {  // the bounce pool's bookkeeping failed (StagingPool::check)
+        fail(std::current_exception());
+      }
       if (!slot) break;
       if (framed(r.tag))
         zdst_[r.tag] = slot;  // r.buf is the frame's place in zbuf_
