@@ -99,9 +99,15 @@ def test_ctrl_c_in_a_load_or_verify_never_crashes(ck1g, what):
 
 def test_ctrl_c_in_load_into_stops_writing_the_destinations(ck256):
     """A process that catches KeyboardInterrupt and goes on owns its tensors again: the
-    interrupted load(into=) wrote its last byte before the exception left the wait."""
+    interrupted load(into=) wrote its last byte before the exception left the wait.
+
+    The test hook FLASHWRITE_TEST_LOAD_PLACE_DELAY_MS makes each copy into a destination
+    land 150 ms after it was decided, so every Ctrl-C finds copies under way that the
+    wait must outwait (issue 44 item 8b: without it, a wait that raised at once was seen
+    in 1 of 6 trials; the copies were mostly over before the exception left)."""
     p = _child("""
-        import signal, sys, threading, time, torch, flashwrite as fw
+        import os, signal, sys, threading, time, torch, flashwrite as fw
+        os.environ["FLASHWRITE_TEST_LOAD_PLACE_DELAY_MS"] = "150"  # read by each load job
         dst = state(256)
         for t in dst.values():
             t.zero_()
