@@ -227,6 +227,16 @@ MUTATIONS = [
     Mutation("load_async resolves a relative path on the load's thread (issue 44 item 8)",
              [("python/flashwrite/loading/load.py", "    path = shown(path)  # a relative", "    pass  # a relative")],
              ["tests/saving/test_future_family.py", "-k", "relative"]),
+    Mutation("a deferred-checksum chunk's slot released by both its write and its checksum: listed twice in the "
+             "pool's free list, two chunks then staged into one slot (issue 44 item 8a)",
+             [("csrc/write/save_job.cpp", "  if (slot_refs_[ci].fetch_sub(1) == 1) return_slot(slot_of(ci), true);",
+               "  slot_refs_[ci].fetch_sub(1);\n  return_slot(slot_of(ci), true);")],
+             ["tests/saving/test_pool_slots.py"], note="no CUDA: the pool's slot check (StagingPool::check) fails the save"),
+    Mutation("an interrupted load(into=) raises before its copies into the destinations are over (issue 44 item 8b)",
+             [("csrc/python/load_bindings.cpp", "               l.job->cancel();\n               l.job->wait_quiet(-1);\n",
+               "               l.job->cancel();\n")],
+             ["tests/saving/test_interrupts.py", "-k", "stops_writing"],
+             note="FLASHWRITE_TEST_LOAD_PLACE_DELAY_MS keeps copies under way at every Ctrl-C"),
 ]
 
 

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cstdlib>
 #include <stdexcept>
+#include <thread>
 
 #include "core/checksum.hpp"
 #include "core/error.hpp"
@@ -15,6 +18,7 @@ LoadJob::LoadJob(std::vector<ReadFileSpec> files, std::vector<VerifyPiece> piece
   if (!opt_.files) throw std::invalid_argument("a load job needs the files of its target");
   if (opt_.chunk_bytes == 0 || opt_.chunk_bytes % kAlign) throw std::invalid_argument("chunk_bytes must be a positive multiple of 4096");
   if (opt_.verify_threads == 0) opt_.verify_threads = 1;
+  if (const char* d = std::getenv("FLASHWRITE_TEST_LOAD_PLACE_DELAY_MS")) test_place_delay_ms_ = std::atoi(d);
   for (auto& p : pieces_) {
     if (p.file >= specs_.size() || p.offset > specs_[p.file].size || p.len > specs_[p.file].size - p.offset)
       throw FormatError("checksum piece outside its file");
@@ -270,7 +274,9 @@ void LoadJob::verify_worker() {
         std::atomic<unsigned>& n;
         ~Placed() { n.fetch_sub(1); }
       } placed{placing_};
-      opt_.placer->place(f, r.offset, raw_len(ci), dst_of(ci), host_dst, ok && !ctl_.cancelled());
+      const bool copy = ok && !ctl_.cancelled();
+      if (copy && test_place_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_place_delay_ms_));
+      opt_.placer->place(f, r.offset, raw_len(ci), dst_of(ci), host_dst, copy);
     }
   }
 }
@@ -301,7 +307,12 @@ void LoadJob::run() {
     if (to_placer_[r.tag]) {
       // A bounce slot: waits here while every slot is being read, verified or
       // copied out, which paces reading to the copies.
-      char* slot = opt_.placer->acquire(&ctl_.cancel_flag());
+      char* slot = nullptr;
+      try {
+        slot = opt_.placer->acquire(&ctl_.cancel_flag());
+      } catch (...) {  // the bounce pool's bookkeeping failed (StagingPool::check)
+        fail(std::current_exception());
+      }
       if (!slot) break;
       if (framed(r.tag))
         zdst_[r.tag] = slot;  // r.buf is the frame's place in zbuf_

@@ -122,6 +122,9 @@ class LoadJob {
   std::unique_ptr<std::atomic<uint8_t>[]> fault_state_;  // per request, see claim_fault
   std::atomic<size_t> fault_next_{0};  // requests below it are claimed by someone
   std::atomic<unsigned> placing_{0};  // chunks being copied out to their destinations now
+  // Test only (FLASHWRITE_TEST_LOAD_PLACE_DELAY_MS): a copy out, once decided, lands this
+  // much later, so a cancel always finds copies under way (what wait_quiet must outwait).
+  int test_place_delay_ms_ = 0;
   std::unique_ptr<IoBackend> backend_;
   std::string backend_name_;
   std::atomic<unsigned> files_direct_{0};

@@ -57,6 +57,8 @@ StagingPool::StagingPool(size_t slot_bytes, size_t max_bytes)
       owner_pid_(::getpid()) {
   if (slot_bytes == 0 || slot_bytes % kAlign) throw std::invalid_argument("chunk_bytes must be a positive multiple of 4096");
   if (const char* h = std::getenv("FLASHWRITE_TEST_POOL_LOCK_HOLD_US")) test_hold_us_ = std::atoi(h);
+  if (const char* n = std::getenv("FLASHWRITE_TEST_POOL_LIST_TWICE")) test_list_twice_ = std::atol(n);
+  if (const char* n = std::getenv("FLASHWRITE_TEST_POOL_RELEASE_TWICE")) test_release_twice_ = std::atol(n);
   uint64_t slab = defaults::kPinSlabBytes;
   if (const char* v = std::getenv("FLASHWRITE_PIN_SLAB_BYTES"); v && *v) {
     char* end = nullptr;
@@ -370,6 +372,7 @@ double StagingPool::grow_locked(std::unique_lock<std::mutex>& lk, size_t add, co
     if (node >= 0) numa_error_ = numa_err;
     if (!pages.empty()) pages_ = pages;
     for (size_t i = 0; i < n; ++i) free_.push_back(slab->mem.data() + i * slot_bytes_);
+    slab->out.assign(n, 0);
     total_slots_ += n;
     growing_slots_ -= n;
     left.n -= n;
@@ -408,9 +411,16 @@ char* StagingPool::acquire(const std::atomic<bool>* cancel, const std::function<
   adopt_after_fork();
   for (;;) {
     if (cancel && cancel->load()) return nullptr;
+    if (!fault_.empty()) throw std::logic_error(fault_);
     if (!free_.empty()) {
       char* p = free_.back();
       free_.pop_back();
+      uint8_t* out = out_flag(p);
+      if (!out || *out) {
+        note_fault("was found in the free list while handed out (listed twice: two chunks would be staged into it)", p);
+        throw std::logic_error(fault_);
+      }
+      *out = 1;
       return p;
     }
     if (interrupt && interrupt()) return nullptr;
@@ -422,9 +432,19 @@ char* StagingPool::acquire(const std::atomic<bool>* cancel, const std::function<
 }
 
 void StagingPool::release(char* slot) {
+  bool again = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if ((adopt_after_fork() || forked_) && !owns(slot)) return;  // a slot of the parent's
+    uint8_t* out = out_flag(slot);
+    if (!out || !*out) {  // never listed twice: the fault is reported instead
+      note_fault(out ? "was released while free (two chunks would be staged into it)" : "is no slot of this pool", slot);
+      return;
+    }
+    *out = 0;
+    const long nth = ++test_releases_;
+    again = nth == test_release_twice_;
+    if (nth == test_list_twice_) free_.push_back(slot);  // test: the fault acquire() must see
     bool parked = false;
     if (pinning_slabs_)  // a slot of a slab being registered waits for the registration
       for (auto& s : slabs_)
@@ -439,6 +459,7 @@ void StagingPool::release(char* slot) {
   // All waiters: one of them may be waiting only for its interrupt and would
   // swallow a notify_one meant for a waiter that needs the slot.
   cv_.notify_all();
+  if (again) release(slot);  // test: a caller that gives the slot back twice
 }
 
 void StagingPool::wake() {

@@ -30,6 +30,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -119,9 +120,18 @@ class StagingPool {
   // other work which would free slots (a landed chunk to write) gets back to
   // it instead of starving the pool.
   // wait (optional): the time acquire() waits is added to it, with its reason.
+  // Each slot is handed out once until it is released: a slot released while free
+  // (it would be listed twice in the free list, and two chunks staged into it) or
+  // found in the list while handed out is a fault of the pool's bookkeeping or of
+  // its caller. It is not listed again; acquire() and check() throw
+  // std::logic_error naming it from then on (the pool's slots can no longer be
+  // trusted to be one chunk's each).
   char* acquire(const std::atomic<bool>* cancel, const std::function<bool()>& interrupt = {},
                 StagingWait* wait = nullptr);
   void release(char* slot);
+  // Throws std::logic_error if a fault of the slot bookkeeping was seen, or is seen
+  // now in the whole free list (a slot listed twice, or listed while handed out).
+  void check();
   // Wakes every acquire() to re-check its cancel flag and interrupt.
   void wake();
   // Frees every slab (only when no slot is in use or reserved). Returns bytes freed.
@@ -163,6 +173,7 @@ class StagingPool {
     bool pin_tried = false;    // the pin hook was called for it
     bool pinning = false;      // being registered by pin_existing(): its slots wait in `parked`
     std::vector<char*> parked;
+    std::vector<uint8_t> out;  // per slot: handed out by acquire() and not yet released
   };
   // Grows `add` slots (already counted in growing_slots_), one slab at a time;
   // called and returns with lk held. Returns the seconds spent pinning.
@@ -174,6 +185,9 @@ class StagingPool {
   // parent made. Returns true when it did so now.
   bool adopt_after_fork();
   bool owns(const char* slot) const;  // under mu_
+  // Under mu_: the slot's handed-out flag; nullptr for an address that is no slot of this pool.
+  uint8_t* out_flag(const char* slot);
+  void note_fault(const char* what, const char* slot);  // under mu_: the first fault is kept
   // Faults in (on numa_node_ when set) and pins a new slab; called with mu_
   // released while busy_ is set. Returns the seconds spent pinning.
   // pages: what its HugePageWatch chose for a private slab.
@@ -211,6 +225,11 @@ class StagingPool {
   static void before_fork();
   static void after_fork();
   int test_hold_us_ = 0;  // FLASHWRITE_TEST_POOL_LOCK_HOLD_US: release() holds mu_ this long
+  // Test only, planting the faults check() is for: the Nth release() lists its slot
+  // twice in the free list (FLASHWRITE_TEST_POOL_LIST_TWICE=N), or is made twice, as
+  // by a caller that gives a slot back twice (FLASHWRITE_TEST_POOL_RELEASE_TWICE=N).
+  long test_list_twice_ = 0, test_release_twice_ = 0, test_releases_ = 0;
+  std::string fault_;  // the first fault of the slot bookkeeping seen, or empty
   int owner_pid_;       // the process the slabs belong to
   bool forked_ = false;  // adopted after a fork: release() checks its slots
 };

@@ -352,6 +352,7 @@ void SaveJob::run() {
   backend_.reset();
   if (!failed()) {
     try {
+      pool_->check();  // its slots are back: the free list must list each slot once, none handed out
       finish_files();
     } catch (...) {
       fail(std::current_exception());

@@ -225,6 +225,23 @@ def test_damaged_flashwrite_source_does_not_convert(capsys, tmp_path):
     assert rc == 1 and "checksum mismatch" in err and not os.path.exists(tmp_path / "x.safetensors")
 
 
+def test_a_truncated_stripe_is_called_that_by_convert_as_by_verify(capsys, tmp_path):
+    """Issue 44 item 5: convert read the short stripe and reported the short piece as a
+    checksum mismatch, where verify says "truncated". One check and one text for both
+    (``read_plan.check_stripe_size``), before any byte is read or written."""
+    src = save(str(tmp_path / "src"))
+    stripe = sorted(n for n in os.listdir(src) if n.startswith("model-"))[0]
+    with open(os.path.join(src, stripe), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(src, stripe)) - 1)
+    rc, _, verify_err = run(capsys, "verify", src, "-q")
+    said = next(ln for ln in verify_err.splitlines() if "truncated" in ln).split("FAILED: ", 1)[1]
+    assert rc == 1 and said.startswith(f"stripe {stripe} is "), verify_err
+    for out, to in ((tmp_path / "x.safetensors", "safetensors"), (tmp_path / "fw", "flashwrite")):
+        rc, _, err = run(capsys, "convert", src, out, "--to", to)
+        assert rc == 1 and said in err and "checksum" not in err, err
+        assert not os.path.exists(out)
+
+
 def test_missing_and_unknown_sources(capsys, tmp_path):
     assert run(capsys, "convert", tmp_path / "nope", tmp_path / "o")[0] == 2
     (tmp_path / "junk").write_bytes(b"hello world, not a checkpoint")

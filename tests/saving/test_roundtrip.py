@@ -221,6 +221,27 @@ def test_overwrite_replaces_only_checkpoints(writer, ckdir):
     assert sorted(os.listdir(ckdir)) == ["empty", "file", "run1"]
 
 
+def test_refusal_of_what_is_not_a_checkpoint_does_not_advise_overwrite(writer, ckdir):
+    """Issue 44 item 5: without overwrite=True, a run directory or a file in the way was
+    answered "pass overwrite=True", which then refused it differently. Say at once that
+    it is not a checkpoint and will not be replaced."""
+    run = ckdir / "run1"
+    run.mkdir()
+    (run / "train.log").write_text("precious")
+    (ckdir / "file").write_text("x")
+    for path in (run, ckdir / "file"):
+        with pytest.raises(fw.CheckpointExistsError, match="not a flashwrite checkpoint") as e:
+            writer.save({"a": torch.ones(2)}, path)
+        assert "pass overwrite=True" not in str(e.value)
+    writer.save({"a": torch.ones(2)}, ckdir / "ck")
+    with pytest.raises(fw.CheckpointExistsError, match="pass overwrite=True"):  # a checkpoint: the advice holds
+        writer.save({"a": torch.ones(2)}, ckdir / "ck")
+    (ckdir / "empty").mkdir()
+    with pytest.raises(fw.CheckpointExistsError, match="empty directory.*pass overwrite=True"):
+        writer.save({"a": torch.ones(2)}, ckdir / "empty")
+    assert (run / "train.log").read_text() == "precious"
+
+
 def test_cancel_before_commit(ckdir):
     import concurrent.futures
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,3 +145,51 @@ def test_nothing_outlives_a_process_killed_with_the_test_bed_up(tmp_path):
             child.wait()
         child.stdout.close()
     assert _gone(pids, dev), f"left behind after SIGKILL: pids {[p for p in pids if _alive(p)]}, dev {dev}"
+
+
+def _rpcbind_alone(link: ShapedLink) -> subprocess.Popen:
+    """rpcbind in the link's namespace with no NFS server registered yet (the moments
+    after a server host boots, or before ganesha registers: as tools/nfs_server.py once met)."""
+    rb = subprocess.Popen(link.ns_cmd(["setpriv", "--pdeathsig", "KILL", "--", "rpcbind", "-f"]),
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while rb.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection((link.ns_ip, 111), timeout=0.5).close()
+            return rb
+        except OSError:
+            time.sleep(0.05)
+    rb.kill()
+    rb.wait()
+    pytest.skip("rpcbind did not start in the namespace")
+
+
+def test_a_server_not_yet_registered_with_rpcbind_is_called_that(tmp_path):
+    """Issue 44 item 5: the port-less URL of a server that has not registered with rpcbind
+    was refused as "Connection refused". Say so, and give nfsport=/mountport=; once the
+    server registers, the same URL works."""
+    link = ShapedLink(rate_mbit=1000)
+    try:
+        link.start()
+    except NfsServerUnavailable as e:
+        pytest.skip(f"no shaped link here: {e}")
+    rb, server = None, None
+    try:
+        rb = _rpcbind_alone(link)
+        workdir = tmp_path / "nfs"
+        url = f"nfs://{link.ns_ip}{workdir / 'export'}/ck?timeout=3"
+        with pytest.raises(ConnectionRefusedError) as ei:
+            fw.load(url)
+        msg = str(ei.value)
+        assert "has not registered MOUNT" in msg and "rpcbind" in msg and "mountport=" in msg, msg
+        server = LinkedNfsServer(link=link, workdir=str(workdir))
+        server.start()  # registers with the rpcbind already there
+        fw.save({"w": torch.arange(8.0)}, url)
+        assert torch.equal(fw.load(url)["w"], torch.arange(8.0))
+    finally:
+        if server is not None:
+            server.stop()
+        if rb is not None:
+            rb.kill()
+            rb.wait()
+        link.stop()

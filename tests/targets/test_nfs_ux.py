@@ -56,3 +56,20 @@ def test_a_second_server_on_the_portmapper_is_told_apart_by_its_ports(capsys, nf
         fw.save(state(), other.url("ck"))  # the registered one, without ports
         assert os.listdir(nfs_server.export) == ["ck"] and os.listdir(other.export) == ["ck"]
         assert_same(fw.load(nfs_server.url_ports("ck")), state())
+
+
+def test_backend_info_of_an_nfs_url_gives_the_targets_facts(nfs_server):
+    """Issue 44 item 5: ``fw.backend_info("nfs://...")`` probed the URL as a local directory
+    and failed with FileNotFoundError (create probe file). It now reaches the server and
+    says where the path is and how saves and loads there go; the machine's facts stay."""
+    url = nfs_server.url_ports("run/ck") + "&depth=8"
+    info = fw.backend_info(url)
+    t = info["target"]
+    assert t["server"] == "127.0.0.1" and t["export"] == nfs_server.export and t["path"] == "/run/ck", t
+    assert t["exists"] is False and t["depth"] == 8 and t["connections"] >= 1, t
+    assert (t["nfs_port"], t["mount_port"]) == (nfs_server.nfs_port, nfs_server.mount_port), t
+    assert "direct_io" not in info and "directory" not in info and info["backend"] in ("io_uring", "threads")
+    fw.save(state(), url)
+    assert fw.backend_info(url)["target"]["exists"] is True
+    with pytest.raises(fw.UnsupportedTargetError, match="s3://"):
+        fw.backend_info("s3://bucket/ck")

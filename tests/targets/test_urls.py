@@ -11,13 +11,16 @@ that is not there, naming the URL and creating nothing either.
 from __future__ import annotations
 
 import os
+import socket
+import struct
+import threading
 
 import pytest
 import torch
 
 import flashwrite as fw
 from flashwrite.ops import main as cli
-from flashwrite.targets import target
+from flashwrite.targets import nfs_reach, target
 from flashwrite.integrations.dcp import FlashwriteStorageReader, FlashwriteStorageWriter
 
 URLS = ["s3://bucket/ck", "file:///tmp/ck", "gs://b/ck?x=1"]
@@ -199,3 +202,76 @@ def test_local_snapshots_to_nfs_are_refused_before_anything_is_reached():
         with pytest.raises(fw.UnsupportedTargetError, match="local snapshots with nfs://") as ei:
             w.save({"w": torch.arange(4.0)}, "nfs://192.0.2.1/export/ck")
     assert ei.value.scheme == "nfs" and ei.value.url == "nfs://192.0.2.1/export/ck"
+
+
+BAD_SYNTAX = ["nfs://[bad/export/ck", "nfs://ho st/export/ck"]
+
+
+@pytest.mark.parametrize("url", BAD_SYNTAX)
+def test_bad_url_syntax_is_a_usage_error(in_empty_dir, capsys, url):
+    """Issue 44 item 5: "nfs://[bad/..." failed with urlsplit's bare ValueError, which the
+    commands took for a damaged checkpoint (exit 1, verify's "FAILED"). The URL's syntax is
+    the operator's to fix: UnsupportedTargetError from the API, exit 2 from every command."""
+    with pytest.raises(fw.UnsupportedTargetError, match="expected nfs://HOST"):
+        fw.load(url)
+    for argv in (["ls", url], ["inspect", url], ["verify", url], ["convert", url, "out.safetensors"]):
+        rc = cli.main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and "expected nfs://HOST" in err and "FAILED" not in err, (argv, rc, err)
+
+
+@pytest.mark.parametrize("url", ["nfs://no-such-host.invalid/export/ck",
+                                 "nfs://no-such-host.invalid:2049/export/ck?mountport=20048&timeout=2"])
+def test_a_host_name_that_does_not_resolve_is_called_that(in_empty_dir, capsys, url):
+    """Issue 44 item 5: libnfs reported it as "Connection refused" (without ports) or "the
+    server mounts no prefix" (with mountport=, exit 2, as if the path were wrong)."""
+    with pytest.raises(OSError) as ei:
+        fw.load(url)
+    msg = str(ei.value)
+    assert "does not resolve" in msg and "no-such-host.invalid" in msg, msg
+    assert "refused" not in msg and "mounts no prefix" not in msg, msg
+    rc = cli.main(["ls", url])
+    err = capsys.readouterr().err
+    assert rc == 1 and "does not resolve" in err, err
+
+
+class FakePortmapper(threading.Thread):
+    """A portmapper on a free port that answers every GETPORT with ``port`` (0: not registered)."""
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True)
+        self.port, self.sock = port, socket.create_server(("127.0.0.1", 0))
+        self.asked: list[int] = []
+
+    def run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                call = conn.recv(4096)[4:]
+                xid, prog = struct.unpack_from(">I", call)[0], struct.unpack_from(">I", call, 40)[0]
+                self.asked.append(prog)
+                reply = struct.pack(">7I", xid, 1, 0, 0, 0, 0, self.port)
+                conn.sendall(struct.pack(">I", 0x80000000 | len(reply)) + reply)
+
+
+def test_a_server_not_registered_with_the_portmapper_is_called_that(monkeypatch):
+    """Issue 44 item 5: a port-less URL to a server the portmapper does not (yet) list was
+    "Connection refused". Say the server has not registered, and give the way around it.
+    (tests/targets/test_nfs_ux.py meets the same with a real rpcbind and ganesha.)"""
+    pm = FakePortmapper(0)
+    pm.start()
+    monkeypatch.setattr(nfs_reach, "PMAP_PORT", pm.sock.getsockname()[1])
+    try:
+        why = nfs_reach.why_unreachable("127.0.0.1", 0, 0, 2.0)
+        assert isinstance(why, ConnectionRefusedError)
+        assert "has not registered MOUNT and NFS" in str(why) and "mountport=" in str(why), why
+        assert pm.asked == [nfs_reach.MOUNT_PROGRAM, nfs_reach.NFS_PROGRAM]
+        assert "registered NFS " in str(nfs_reach.why_unreachable("127.0.0.1", 0, 635, 2.0))  # mountport= given
+        assert nfs_reach.why_unreachable("127.0.0.1", 2049, 635, 2.0) is None  # both given: none was asked
+        pm.port = 2049
+        assert nfs_reach.why_unreachable("127.0.0.1", 0, 0, 2.0) is None  # registered: libnfs's error stands
+    finally:
+        pm.sock.close()

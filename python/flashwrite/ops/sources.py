@@ -23,6 +23,7 @@ import torch
 
 from .. import _core
 from ..format import dtypes
+from ..loading.read_plan import check_stripe_size
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError
 from ..state.flatten import flatten, referenced_keys
 from ..format import MANIFEST_NAME, check_member_name, piece_ranges, safetensors_header
@@ -206,6 +207,8 @@ class FlashwriteSource(Source):
         where = locate(path, "convert")
         self.target, self.root = where.target, where.path
         self.m = read_located(where, "convert", shown=shown(path))
+        for f in self.m.files:  # verify's check and words: a truncated stripe is no checksum mismatch
+            check_stripe_size(self.target, os.path.join(self.root, f.name), f.name, shown(path), f.size)
         items = [Item(k, dtypes.dtype_from_name(e.dtype), e.shape) for k, e in self.m.tensors.items()]
         super().__init__("flashwrite", path, items, self.m.tree, dict(self.m.aliases), dict(self.m.metadata))
 

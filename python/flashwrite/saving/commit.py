@@ -32,12 +32,16 @@ def target_problem(final: str, overwrite: bool, target: Target = LOCAL) -> str |
     logs, a file): that would delete data that is not ours."""
     if not target.exists(final):
         return None
-    if not overwrite:
-        return "checkpoint already exists (pass overwrite=True to replace it)"
-    if target.is_dir(final):
-        if target.is_file(os.path.join(final, MANIFEST_NAME)) or not target.list(final):
-            return None
-    return "exists and is not a flashwrite checkpoint; refusing to replace it (overwrite=True replaces only checkpoints)"
+    if not target.is_dir(final):
+        return NOT_OURS
+    if target.is_file(os.path.join(final, MANIFEST_NAME)):
+        return None if overwrite else "checkpoint already exists (pass overwrite=True to replace it)"
+    if target.list(final):
+        return NOT_OURS  # said whatever overwrite is: advising overwrite=True would only meet this refusal
+    return None if overwrite else "an empty directory is there (pass overwrite=True to replace it)"
+
+
+NOT_OURS = "exists and is not a flashwrite checkpoint; refusing to replace it (overwrite=True replaces only checkpoints)"
 
 
 def check_target(final: str, overwrite: bool, target: Target = LOCAL) -> None:

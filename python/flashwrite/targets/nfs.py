@@ -32,12 +32,14 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
 
 from .. import _core
+from .nfs_reach import why_unreachable
 from .target import Target, UnsupportedTargetError
 from .tuning import config_dir
 
@@ -47,6 +49,7 @@ DEFAULT_CONNECTIONS = 4
 DEFAULT_DEPTH = 16
 DEFAULT_TIMEOUT_S = 10.0
 _QUERY_KEYS = {"connections", "depth", "timeout", "nfsport", "mountport"}
+_HOST_RE = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]+)?")  # a name, IPv4, or IPv6 (unbracketed)
 
 
 @dataclass(frozen=True)
@@ -63,16 +66,20 @@ class NfsUrl:
 
 def parse_url(url: str) -> NfsUrl:
     """Split an nfs:// URL; a malformed one raises UnsupportedTargetError saying what is wrong."""
-    u = urllib.parse.urlsplit(url)
-
     def bad(why: str) -> UnsupportedTargetError:
         return UnsupportedTargetError(f"{url!r}: {why} (expected nfs://HOST[:PORT]/EXPORT/PATH"
                                       "[?connections=N&depth=D&timeout=S&mountport=P])", url=url, scheme="nfs")
 
+    try:
+        u = urllib.parse.urlsplit(url)
+    except ValueError as e:  # "Invalid IPv6 URL": the URL's syntax, not a damaged checkpoint
+        raise bad(str(e)) from None
     if u.scheme.lower() != "nfs":
         raise bad("not an nfs:// URL")
     if not u.hostname:
         raise bad("no server")
+    if not _HOST_RE.fullmatch(u.hostname):
+        raise bad(f"{u.hostname!r} is not a host name or address")
     path = os.path.normpath("/" + u.path.lstrip("/")) if u.path else "/"
     if path == "/":
         raise bad("no export path")
@@ -162,6 +169,15 @@ class NfsTarget(Target):
         the URL gave one: what it shows must reach the same server again."""
         url = self.client.url(path)
         return f"{url}?mountport={self.url.mount_port}" if self.url.mount_port else url
+
+    def facts(self, path: str) -> dict:
+        """The server, the export holding ``path`` and the path inside it, and the transfer
+        settings saves and loads there use (``connections`` from the URL, a saved tuning, or
+        the default)."""
+        u = self.url
+        return {**super().facts(path), "server": u.server, "export": self.export, "path": path,
+                "nfs_port": u.nfs_port or None, "mount_port": u.mount_port or None, "connections": u.connections,
+                "depth": u.depth, "timeout_s": u.timeout_s}
 
     def exists(self, path: str) -> bool:
         return self.client.stat(path)[0]
@@ -341,16 +357,28 @@ def target_for(url: str, what: str) -> tuple[NfsTarget, str]:
     key = (u.server, u.nfs_port, u.mount_port, u.connections, u.depth, u.timeout_s)
     with _targets_lock:
         cached = [(e, t) for (k, e), t in _targets.items() if k == key]
-    if u.mount_port:
-        # The export list needs the portmapper; an explicit mount port means it is not asked.
-        hits = [(e, t) for e, t in cached if u.path == e or u.path.startswith(e.rstrip("/") + "/")]
-        export, t = max(hits, key=lambda h: len(h[0])) if hits else _mount_longest(u)
-    else:
-        export = find_export(u.server, u.path, u.timeout_s)  # asked each time: exports come and go
-        t = dict(cached).get(export) or NfsTarget(u, export)
+    try:
+        export, t = _reach(u, cached)
+    except OSError as e:
+        # libnfs says "Connection refused" (or "mounts no prefix") for a name that does not
+        # resolve and for a portmapper that lacks the server alike: say which it was.
+        why = why_unreachable(u.server, u.nfs_port, u.mount_port, u.timeout_s)
+        if why is None:
+            raise
+        raise why from e
     with _targets_lock:
         t = _targets.setdefault((key, export), t)
     return t, u.path[len(export):] or "/"
+
+
+def _reach(u: NfsUrl, cached: list[tuple[str, NfsTarget]]) -> tuple[str, NfsTarget]:
+    """(the export holding ``u.path``, its target): a cached one, or one connected now."""
+    if u.mount_port:
+        # The export list needs the portmapper; an explicit mount port means it is not asked.
+        hits = [(e, t) for e, t in cached if u.path == e or u.path.startswith(e.rstrip("/") + "/")]
+        return max(hits, key=lambda h: len(h[0])) if hits else _mount_longest(u)
+    export = find_export(u.server, u.path, u.timeout_s)  # asked each time: exports come and go
+    return export, dict(cached).get(export) or NfsTarget(u, export)
 
 
 def forget(t: NfsTarget) -> None:

@@ -186,6 +186,11 @@ class Target:
         """How ``path`` is named to the user (a URL for remote targets)."""
         return path
 
+    def facts(self, path: str) -> dict[str, Any]:
+        """What ``backend_info`` reports of a target whose paths are not this machine's
+        (those are probed as directories): where ``path`` is and how it is reached."""
+        return {"url": self.show(path), "exists": self.exists(path)}
+
     # Incremental saves (``incremental.py``) link stripes of an earlier checkpoint.
     def link(self, src: str, dst: str) -> None:
         """Make ``dst`` a second name (hard link) of the file ``src``; durable with its
