@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.thread  # registers its executors' join at exit before ours: ours runs first
 import os
-import signal
 import sys
 import threading
 import time
@@ -27,6 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from .system.sigint import ignoring_sigint, sigint_deferred, wait_until
+
+
+# concurrent.futures.Future's states in which done() is True (stable names since Python 3.2).
+_ENDED = ("CANCELLED", "CANCELLED_AND_NOTIFIED", "FINISHED")
 
 
 class CheckpointFuture(concurrent.futures.Future):
@@ -39,10 +44,20 @@ class CheckpointFuture(concurrent.futures.Future):
         self.path = path
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the work has ended, well or not (GIL released); True when it has,
-        False when ``timeout`` ran out first. Its outcome is for ``result()`` to raise."""
-        done, _ = concurrent.futures.wait([self], timeout)
-        return bool(done)
+        """Block until the work has ended, well or not; True when it has, False when
+        ``timeout`` ran out first. Its outcome is for ``result()`` to raise. The caller
+        waits holding no lock (``system.sigint.wait_until``): a Ctrl-C in
+        ``concurrent.futures``' own wait could leave the future's Condition held, and the
+        thread completing the future then blocked on it for ever (issue 44 item 1)."""
+        return wait_until(lambda: self._state in _ENDED, timeout)  # a plain read of the state that done() reads
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.wait(timeout)
+        return super().result(timeout=0)  # ended: returns or raises at once (TimeoutError if not)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.wait(timeout)
+        return super().exception(timeout=0)
 
     @property
     def stats(self) -> Any:
@@ -100,7 +115,7 @@ class LoadFuture(CheckpointFuture):
 def launch_load(path: str, load: Callable[[], Any], submit: Callable[[Callable[[], None]], Any]) -> LoadFuture:
     """A ``LoadFuture`` for ``load()``, which ``submit`` runs on a loader thread."""
     fut = LoadFuture(path)
-    submit(lambda: fut._run(load))
+    sigint_deferred(lambda: submit(lambda: fut._run(load)))  # may start the pool's thread: see system.sigint
     return fut
 
 
@@ -246,7 +261,9 @@ class SaveFuture(CheckpointFuture):
             if block:
                 self.wait_staged()
             self.set_running_or_notify_cancel()
-            submit(run)  # raises if the thread that commits was shut down meanwhile
+            # Raises if the thread that commits was shut down meanwhile. Its first call
+            # starts that thread, which a Ctrl-C must not cut short (system.sigint).
+            sigint_deferred(lambda: submit(run))
             _UNFINISHED_STARTS.pop(id(self), None)
         except BaseException as e:
             undo = abandon if abandon is not None else (lambda _e: cleanup())
@@ -378,7 +395,7 @@ def clean_up_later(cleanup: Callable[[], None], what: str) -> None:
     with _CLEANUPS_LOCK:
         _CLEANUPS[:] = [c for c in _CLEANUPS if c.is_alive()]
         _CLEANUPS.append(t)
-    t.start()
+    sigint_deferred(t.start)
 
 
 def reap_later(job: Any) -> None:
@@ -406,10 +423,10 @@ def _drain_at_exit() -> None:
     cancelled at its commit gate, its temporary directory removed, nothing committed
     that had not begun to commit) and exits with status 130. Every join after that
     point, and the clean-up threads' join on every exit, ignores further Ctrl-Cs
-    (``_ignoring_sigint``): an interrupted join let the interpreter finalise under a
+    (``system.sigint.ignoring_sigint``): an interrupted join let the interpreter finalise under a
     native thread still at work (``terminate called without an active exception``) or
     end before a temporary directory was removed."""
-    _ignoring_sigint(_finish_interrupted_starts, keep=False)
+    ignoring_sigint(_finish_interrupted_starts, keep=False)
     live = [f for f in list(_IN_FLIGHT) if not f.done()]
     if live:
         names = ", ".join(f.path for f in live[:3]) + (f" and {len(live) - 3} more" if len(live) > 3 else "")
@@ -420,8 +437,8 @@ def _drain_at_exit() -> None:
             for f in live:
                 f.wait()
         except KeyboardInterrupt:
-            _ignoring_sigint(lambda: _abandon(live))
-    _ignoring_sigint(lambda: (join_cleanups(), _pay_exit_debts()))
+            ignoring_sigint(lambda: _abandon(live))
+    ignoring_sigint(lambda: (join_cleanups(), _pay_exit_debts()))
 
 
 def _finish_interrupted_starts() -> None:
@@ -433,23 +450,6 @@ def _finish_interrupted_starts() -> None:
         _UNFINISHED_STARTS.pop(key, None)
         if not fut.done():
             fut.set_exception(KeyboardInterrupt())
-
-
-def _ignoring_sigint(step: Callable[[], None], keep: bool = True) -> None:
-    """Run ``step`` (bounded: joins of cancelled jobs, removals) to its end whatever
-    Ctrl-Cs come. With ``keep``, SIGINT stays ignored for the rest of the exit, whose
-    joins of the remaining threads must not be broken either. A KeyboardInterrupt already
-    pending when it was set is raised once more, and ``step`` is run again (idempotent)."""
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    while True:
-        try:
-            step()
-            break
-        except KeyboardInterrupt:
-            continue
-    if main and not keep and before is not None:
-        signal.signal(signal.SIGINT, before)
 
 
 def _abandon(live: list[SaveFuture]) -> None:

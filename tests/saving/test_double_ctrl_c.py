@@ -81,3 +81,42 @@ def test_two_ctrl_cs_around_a_staging_save_leave_nothing_many(tmp_path):
     for rep in range(3):
         for i, (f, s) in enumerate(TIMES):
             check(trial(str(tmp_path / f"r{rep}-{i}"), 512, f * 4, s))
+
+
+def test_a_ctrl_c_during_a_deferred_step_is_raised_after_it():
+    """``sigint_deferred`` (around every thread start on a save's path): the step runs to its
+    end, the Ctrl-C then comes as it would have, and the handler is the one before."""
+    from flashwrite.system.sigint import sigint_deferred
+
+    ran = []
+
+    def step():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler has run by now: a plain one would have raised here
+        ran.append(True)
+        return 7
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        sigint_deferred(step)
+    assert ran == [True] and signal.getsignal(signal.SIGINT) is before
+    assert sigint_deferred(lambda: 8) == 8  # no Ctrl-C: the step's value
+
+
+def test_a_future_waits_holding_no_lock_and_times_out():
+    """``CheckpointFuture.wait`` polls (system.sigint.wait_until): a timeout is kept, and the
+    future's Condition is free while it waits (a thread completing it is never blocked)."""
+    import threading
+
+    from flashwrite.future import CheckpointFuture
+
+    f = CheckpointFuture("x")
+    t0 = time.monotonic()
+    assert f.wait(0.05) is False and 0.04 < time.monotonic() - t0 < 1.0
+    threading.Timer(0.05, lambda: f.set_result(3)).start()
+    assert f.result(timeout=5) == 3 and f.wait(0) is True
+    g = CheckpointFuture("y")
+    with pytest.raises(TimeoutError):
+        g.result(timeout=0.01)
+    g.cancel()
+    assert g.wait(0) is True
