@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 from .. import _core
 from ..errors import CheckpointExistsError
@@ -50,8 +50,10 @@ def check_target(final: str, overwrite: bool, target: Target = LOCAL) -> None:
         raise CheckpointExistsError(17, problem, target.show(final))
 
 
-def prepare(final: str, overwrite: bool, target: Target = LOCAL) -> str:
-    """Create the temp dir (and missing parents). Raises now for a bad target, not later."""
+def prepare(final: str, overwrite: bool, target: Target = LOCAL, named: Callable[[str], None] | None = None) -> str:
+    """Create the temp dir (and missing parents). Raises now for a bad target, not later.
+    ``named(tmp)`` is told the temp dir's name before it is made: a Ctrl-C landing after
+    the mkdir, before this returns, still leaves its owner a name to remove."""
     final = os.path.abspath(final)
     check_target(final, overwrite, target)
     parent = os.path.dirname(final)
@@ -60,6 +62,8 @@ def prepare(final: str, overwrite: bool, target: Target = LOCAL) -> str:
     if target.sweeps_dead_saves:
         clean_dead_saves(parent)
     tmp = temp_dir_for(final)
+    if named is not None:
+        named(tmp)
     try:
         target.make_dirs(parent)
         target.make_dir(tmp)

@@ -89,8 +89,9 @@ class RenameCommit(Commit):
         self.encoded: dict[str, bytes] | None = None
 
     def prepare(self) -> str:
-        self.tmp = commit.prepare(self.final, self.overwrite, self.target)
-        return self.tmp
+        def named(tmp: str) -> None:
+            self.tmp = tmp  # before the mkdir: discard() finds it whenever a Ctrl-C lands
+        return commit.prepare(self.final, self.overwrite, self.target, named)
 
     def discard(self) -> None:
         if self.tmp is not None:

@@ -27,6 +27,7 @@ from ..format import build_manifest
 from ..format import codec
 from . import compress as _compress
 from ..future import SaveStats, stop_job
+from ..system.sigint import ignoring_sigint
 from ..incremental.link import annotate
 from ..layout.plan import PlannedFile, plan_files
 
@@ -74,13 +75,11 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                 # unchanged ones are held files, linked by the job once staged.
                 iplan = incremental(columns, stripes=stripes, prefix=prefix, metadata=metadata,
                                     block=engine.chunk_bytes, stage_all=hold_slots)
-            if split is not None:
-                pass
-            elif iplan is not None:
+            if iplan is not None:
                 files = iplan.files
-            elif hf_model is None:
+            elif split is None and hf_model is None:
                 files = plan_files(None, stripes, prefix=prefix, metadata=metadata, columns=columns)
-            else:
+            elif split is None:
                 model, rest = hf.split(state_dict, tree, columns.flat(), aliases, hf_model)
                 files = plan_files(model, stripes, prefix=hf.MODEL_PREFIX, metadata=metadata)
                 hf_section = {"model_key": hf_model, "files": [f.name for f in files]}
@@ -103,30 +102,36 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                             hold_slots=hold_slots, host_files=host_files,
                             remote=remote,  # the target's native_files(): nfs://, straight to the server
                             held=held.specs(iplan) if iplan is not None else [], planes=planes)
-    pin_warned = bool(streams and engine.pin_error)
-    if pin_warned:
-        _warn_unpinned(engine.pin_error)
-    stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(columns.keys),
-                      stripes=len(files), pool_wait_s=job.pool_wait_s)
-    stats.bytes_written = sum(f.size for f in written)
-    sw = StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
-    sw.hf_section = hf_section
-    sw.pin_warned = pin_warned  # a GPU save pins on its own thread: a failure there is warned of once durable
-    sw.compressed = bool(planes)
-    if split is not None:
-        split.record(sw)
-    if iplan is not None:
-        sw.incremental = iplan
-        _incremental_stats(stats, iplan)
-        stats.compared_bytes, stats.watched_bytes = iplan.compared_bytes, iplan.watched_bytes
-        stats.rechecked_bytes, stats.watch_misses = iplan.rechecked_bytes, iplan.watch_misses
+    try:  # the job runs now: whatever stops this before its StripeWrite is handed on stops the job too
+        pin_warned = bool(streams and engine.pin_error)
+        if pin_warned:
+            _warn_unpinned(engine.pin_error)
+        stats = SaveStats(path=directory, bytes=sum(f.size for f in files), tensors=len(columns.keys),
+                          stripes=len(files), pool_wait_s=job.pool_wait_s)
+        stats.bytes_written = sum(f.size for f in written)
+        sw = StripeWrite(engine, job, files, tree, aliases, metadata, stats, t0, direct)
+        sw.hf_section = hf_section
+        sw.pin_warned = pin_warned  # a GPU save pins on its own thread: a failure there is warned of once durable
+        sw.compressed = bool(planes)
+        if split is not None:
+            split.record(sw)
+        if iplan is not None:
+            sw.incremental = iplan
+            _incremental_stats(stats, iplan, planned=True)
+    except BaseException:
+        ignoring_sigint(lambda: stop_job(job), keep=False)  # a Ctrl-C here must not leave it writing
+        raise
     return sw
 
 
-def _incremental_stats(stats: SaveStats, iplan: Any) -> None:
-    """What an incremental save wrote and linked (again once its held files are settled)."""
+def _incremental_stats(stats: SaveStats, iplan: Any, planned: bool = False) -> None:
+    """What an incremental save wrote and linked (again once its held files are settled);
+    ``planned``: also what its plan compared and watched."""
     stats.bytes_written, stats.bytes_linked = sum(f.size for f in iplan.written), iplan.linked_bytes
     stats.stripes_linked, stats.link_fallbacks = len(iplan.linked) + len(iplan.settled), iplan.fallbacks
+    if planned:
+        stats.compared_bytes, stats.watched_bytes = iplan.compared_bytes, iplan.watched_bytes
+        stats.rechecked_bytes, stats.watch_misses = iplan.rechecked_bytes, iplan.watch_misses
 
 
 def _stage_sources(files: list[PlannedFile]) -> tuple[list, list[tuple[int, int, int, int, int]], list[tuple],

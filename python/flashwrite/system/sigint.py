@@ -46,18 +46,19 @@ def sigint_deferred(step: Callable[[], T]) -> T:
     """Run ``step`` (short: it starts a thread, hands over work) with a Ctrl-C that comes
     meanwhile held back and raised once it has returned. Off the main thread, or where
     SIGINT is not Python's to handle, ``step`` just runs."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        return step()
     held: list[int] = []
-    before = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:  # first of all: until this has returned, a Ctrl-C interrupts as usual
+        before = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    except ValueError:  # not the main thread: no handler runs here
+        return step()
     try:
         out = step()
     finally:
-        signal.signal(signal.SIGINT, before)
+        signal.signal(signal.SIGINT, before if before is not None else signal.SIG_DFL)
     if held:
         if callable(before):
             before(signal.SIGINT, None)  # Python's default raises KeyboardInterrupt here
-        elif before == signal.SIG_DFL:
+        elif before != signal.SIG_IGN:
             raise KeyboardInterrupt
     return out
 
