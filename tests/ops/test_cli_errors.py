@@ -61,7 +61,7 @@ BAD_INPUT = [
     ("verify-bad-nfs-url", ["verify", "nfs://host"], ["nfs://host", "expected nfs://HOST"]),
     ("verify-no-path", ["verify"], ["path", "usage:"]),
     ("info-missing", ["info", "{missing}"], ["{missing}", "pass an existing directory"]),
-    ("info-nfs", ["info", "nfs://127.0.0.1/export/x"], ["nfs://127.0.0.1/export/x", "flashwrite tune"]),
+    ("info-bad-nfs-url", ["info", "nfs://host"], ["nfs://host", "expected nfs://HOST"]),
     ("info-other-scheme", ["info", "s3://bucket/x"], ["s3://bucket/x", "nfs:// URLs"]),
     ("ls-missing", ["ls", "{missing}"], ["{missing}", "check the path"]),
     ("ls-plain-file", ["ls", "{notes}"], ["{notes}", "pass a directory"]),
@@ -101,6 +101,7 @@ PROBLEMS = [
     ("inspect-no-manifest", ["inspect", "{emptydir}"], ["{emptydir}", "flashwrite ls"]),
     ("diff-no-manifest", ["diff", "{ck}", "{emptydir}"], ["{emptydir}", "flashwrite ls"]),
     ("convert-damaged", ["convert", "{damaged}", "{tmp}/x.safetensors"], ["{damaged}", "checksum"]),
+    ("info-nfs-host-unknown", ["info", "nfs://nonexistent.invalid/export/x"], ["nonexistent.invalid", "does not resolve"]),
     ("convert-refused-pickle", ["convert", "{unsafe}", "{out}"], ["{unsafe}", "--allow-pickle", "Linear"]),
 ]
 

@@ -9,6 +9,7 @@ interpreter that does not load flashwrite, so only the time rule can keep its
 directories (a flashwrite process is kept also where the clock says otherwise).
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -51,40 +52,37 @@ def test_a_live_saves_temporary_directories_are_kept(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_recycled_pid_that_is_no_flashwrite_process_is_not_the_owner(tmp_path):
-    """The other side of the rule: a live pid whose process started well after the
-    directory last changed, and that does not run flashwrite, did not make it."""
-    p = subprocess.Popen([sys.executable, "-S", "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+@contextlib.contextmanager
+def _temp_dir_of_a_child(tmp_path, imports: str, age_s: float, *flags: str):
+    """A live child (``python *flags``) that imports ``imports``, prints "up" and waits,
+    and a temp directory named for its pid, last changed ``age_s`` seconds ago."""
+    p = subprocess.Popen([sys.executable, *flags, "-c", f"import {imports}; print('up', flush=True); sys.stdin.read()"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "up"
         d = tmp_path / f".ck.flashwrite-tmp-{p.pid}-0123456789ab-h{HOST_TAG}"
         d.mkdir()
-        old = time.time() - 60
+        old = time.time() - age_s
         os.utime(d, (old, old))
-        assert not commit.temp_owner_alive(d.name, str(d))
-        assert commit.clean_dead_saves(str(tmp_path)) == [d.name]
+        yield d
     finally:
         p.stdin.close()
         p.wait(timeout=30)
         p.stdout.close()
+
+
+def test_a_recycled_pid_that_is_no_flashwrite_process_is_not_the_owner(tmp_path):
+    """The other side of the rule: a live pid whose process started well after the
+    directory last changed, and that does not run flashwrite, did not make it."""
+    with _temp_dir_of_a_child(tmp_path, "sys", 60, "-S") as d:
+        assert not commit.temp_owner_alive(d.name, str(d))
+        assert commit.clean_dead_saves(str(tmp_path)) == [d.name]
 
 
 def test_a_flashwrite_process_the_clock_calls_younger_is_kept(tmp_path):
     """A wall clock stepped forward after the directory last changed (NTP's first sync
     after a restart, a resumed VM) makes its owner look younger than it: a process that
     runs flashwrite is kept all the same (never delete what might be live)."""
-    p = subprocess.Popen([sys.executable, "-c", "import sys, flashwrite; print('up', flush=True); sys.stdin.read()"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "up"
-        d = tmp_path / f".ck.flashwrite-tmp-{p.pid}-0123456789ab-h{HOST_TAG}"
-        d.mkdir()
-        old = time.time() - 3600
-        os.utime(d, (old, old))
+    with _temp_dir_of_a_child(tmp_path, "sys, flashwrite", 3600) as d:
         assert commit.temp_owner_alive(d.name, str(d))
         assert commit.clean_dead_saves(str(tmp_path)) == []
-    finally:
-        p.stdin.close()
-        p.wait(timeout=30)
-        p.stdout.close()

@@ -73,3 +73,20 @@ def test_backend_info_of_an_nfs_url_gives_the_targets_facts(nfs_server):
     assert fw.backend_info(url)["target"]["exists"] is True
     with pytest.raises(fw.UnsupportedTargetError, match="s3://"):
         fw.backend_info("s3://bucket/ck")
+
+
+def test_flashwrite_info_of_an_nfs_url_prints_the_targets_facts(nfs_server):
+    """``flashwrite info nfs://...`` used to refuse ("info probes a local directory"):
+    it now prints what ``backend_info`` says of the URL, with the server asked."""
+    import json
+    import subprocess
+    import sys
+
+    url = nfs_server.url_ports("run/ck")
+    r = subprocess.run([sys.executable, "-m", "flashwrite", "info", "--json", url], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    t = json.loads(r.stdout)["target"]
+    assert t["export"] == nfs_server.export and t["path"] == "/run/ck" and t["exists"] is False, t
+    r = subprocess.run([sys.executable, "-m", "flashwrite", "info", url], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "target" in r.stdout and nfs_server.export in r.stdout, (r.stdout, r.stderr)

@@ -86,18 +86,29 @@ def cmd_info(a: argparse.Namespace) -> int:
         kind = kind_of(a.dir, "info")
     except UnsupportedTargetError:
         kind = None  # a URL of a scheme flashwrite does not handle
-    if kind is None or not kind.os_paths:
-        other = (f"for an nfs:// target, `flashwrite tune {a.dir}` measures it and `flashwrite ls {a.dir}` lists it"
-                 if kind is not None else "flashwrite reads local (or mounted) paths and nfs:// URLs")
-        print(f"flashwrite info: error: {a.dir}: info probes a local directory (O_DIRECT, io_uring, CUDA); {other}",
+    if kind is None:
+        print(f"flashwrite info: error: {a.dir}: flashwrite reads local (or mounted) paths and nfs:// URLs",
               file=sys.stderr)
         return 2
+    if not kind.os_paths:  # nfs://: the machine's facts, and the server asked where the path is
+        try:
+            info = backend_info(a.dir)
+        except (ValueError, UnsupportedTargetError) as e:  # the URL itself is wrong
+            print(f"flashwrite info: error: {e}", file=sys.stderr)
+            return 2
+        except (OSError, FlashwriteError) as e:  # the server: unreachable, refused, no such export
+            print(f"flashwrite info: error: {e}", file=sys.stderr)
+            return 1
+        return _print_info(info, a.json)
     if not os.path.exists(a.dir):
         print(f"flashwrite info: error: {a.dir}: no such directory; pass an existing directory to probe "
               "(default: the current one)", file=sys.stderr)
         return 2
-    info = backend_info(a.dir)
-    if a.json:
+    return _print_info(backend_info(a.dir), a.json)
+
+
+def _print_info(info: dict, as_json: bool) -> int:
+    if as_json:
         print(json.dumps(info, indent=1, default=str))
         return 0
     width = max(len(k) for k in info)
