@@ -120,3 +120,27 @@ def test_a_future_waits_holding_no_lock_and_times_out():
         g.result(timeout=0.01)
     g.cancel()
     assert g.wait(0) is True
+
+
+def test_a_ctrl_c_right_after_the_temp_dir_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """The narrow window the trials found once in 144: a Ctrl-C after the temporary
+    directory's mkdir, before ``commit.prepare`` returned its name. The save's clean-up
+    must still know the name and remove the directory."""
+    import torch
+
+    import flashwrite as fw
+    from flashwrite.future import join_cleanups
+    from flashwrite.targets.target import LocalTarget
+
+    made = LocalTarget.make_dir
+
+    def make_dir_then_ctrl_c(self, path):
+        made(self, path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalTarget, "make_dir", make_dir_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        fw.save({"w": torch.ones(4)}, str(tmp_path / "ck"))
+    monkeypatch.undo()
+    join_cleanups()  # the clean-up thread the Ctrl-C handed the removal to
+    assert os.listdir(tmp_path) == []
