@@ -81,7 +81,10 @@ def _save(root: str, kind: str, step: int, flip_rank: int = -1, where: int = 0, 
         return {"error": str(e), "divergence": e.divergence}
     for t in sd["model"].values():
         t.zero_()  # the snapshot was taken when save_async returned
-    st = fut.result(120)
+    try:
+        st = fut.result(120)
+    except fw.DistributedSaveError as e:  # another group's replicas disagreed
+        return {"error": str(e), "peer": True}
     return {"written": st.bytes, "diverged": st.diverged}
 
 
@@ -192,12 +195,32 @@ def test_a_flipped_bit_on_one_replica_fails_every_rank_and_commits_nothing(clust
     assert not [e for e in os.listdir(tmp_path) if commit.is_temp_name(e)]
 
 
-def _owner_of_layer5(root: str) -> int:
+def _owner_of_layer5(root: str, shard_rank: int = 0) -> int:
+    """The rank that wrote layer5 of the replicas led by ``shard_rank`` in step-1."""
     from flashwrite.format import parse_manifest
     with open(os.path.join(root, "step-1", "flashwrite.json"), "rb") as f:
         m = parse_manifest(f.read())
-    fi = m.tensors["0.model.layer5.w"].file
+    fi = m.tensors[f"{shard_rank}.model.layer5.w"].file
     return next(r for r, (first, n) in enumerate(m.raw["ranks"]["files"]) if first <= fi < first + n)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "hsdp"])
+def test_a_flip_is_caught_where_the_staging_takes_the_digest_and_where_it_is_hashed(cluster4, tmp_path, kind):
+    # In raise mode the rank that stages a stripe takes its digests as it copies; the
+    # others hash it in place. A flip on either kind of rank fails the save.
+    cluster4.run(_save, str(tmp_path), kind, 1)
+    writer = _owner_of_layer5(str(tmp_path), shard_rank=0)
+    group = [0, 1, 2, 3] if kind == "ddp" else [0, 2]
+    other = next(r for r in group if r != writer)
+    for step, flip in ((2, writer), (3, other)):
+        out = cluster4.run(_save, str(tmp_path), kind, step, flip, 100)
+        for r, o in enumerate(out):
+            if r in group:
+                (d,) = o["divergence"]
+                assert d["tensor"] == "model.layer5.w" and [flip] in d["digests"].values(), (flip, o)
+            else:  # the other shard's group agreed; the save fails on it all the same, saying why
+                assert o.get("peer") and "DivergedReplicasError" in o["error"] and "model.layer5.w" in o["error"], o
+        assert sorted(os.listdir(tmp_path)) == ["step-1"], (flip, os.listdir(tmp_path))
 
 
 def test_warn_commits_the_majority_even_when_the_odd_rank_would_write(cluster4, tmp_path, capsys):

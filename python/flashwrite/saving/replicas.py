@@ -1,18 +1,23 @@
 """The save side of replica groups: each replicated byte written once, replicas checked.
 
 Every rank of a replica group plans the replicated part of its state identically
-(stored under the group leader's keys, in stripes ``model-group<leader>-*``), hashes
-every checksummed piece of it straight from its own tensors (XXH3 on the copy threads,
-GIL released, before ``save_async`` returns), and the group all-gathers the digests on
-its own gloo group: only digests cross, never data. Then
+(stored under the group leader's keys, in stripes ``model-group<leader>-*``), takes the
+digest (XXH3) of every checksummed piece of it before ``save_async`` returns, and the
+group all-gathers the digests on its own gloo group: only digests cross, never data.
+Each stripe goes to one rank of the group (balanced by bytes), which stages and writes
+only its share: 1/R of the bytes, 1/R of the staging pool.
 
-- the replicas agree: each stripe goes to one rank of the group (balanced by bytes),
-  which stages and writes only its share: 1/R of the bytes, 1/R of the staging pool;
-- they disagree: ``on_divergence="raise"`` (default) raises ``DivergedReplicasError`` on
-  every rank before anything is created; ``"warn"`` gives each stripe with a disagreeing
-  piece to a rank that holds the majority's bytes (or the most common ones where there
-  is no majority), and the disagreement goes into the manifest's ``replicas`` section
-  and ``SaveStats.diverged``.
+- ``on_divergence="raise"`` (default): the shares are fixed by the plan, so each rank
+  starts staging its share at once, and its staging copy takes those digests as it
+  copies (one pass over the bytes, as a save without replicas does); meanwhile the
+  caller's thread hashes the rest in place (the other ranks' shares: (R-1)/R, on the
+  copy threads, GIL released). ``Split.agree`` then compares, still inside the call;
+  a disagreement stops the staging and raises ``DivergedReplicasError`` on every rank,
+  and the group's failure removes the temporary directory: nothing is committed.
+- ``"warn"``: which rank writes a stripe depends on the bytes (a rank that holds the
+  majority's, or the most common ones where there is no majority), so every piece is
+  hashed in place and compared before anything is staged; the disagreement goes into
+  the manifest's ``replicas`` section and ``SaveStats.diverged``.
 
 Rank-local leaves (``rank_local=``: key prefixes such as ``"rng"``) are stored per rank
 under the rank's own keys (``model-rank<r>-*``) and never compared. Each rank's tree
@@ -82,6 +87,41 @@ class Split:
     hash_s: float = 0.0
     exchange_s: float = 0.0
     replicated_bytes: int = 0
+    pending: _Pieces | None = None  # raise mode: compared by ``agree`` once the share is staging  # raise mode: compared by ``agree`` once the share is staged
+
+    def agree(self, job: Any) -> None:
+        """Raise mode, with this rank's share staging on ``job``: hash the other ranks'
+        shares in place, take this rank's digests from the staging, and compare with the
+        group (``DivergedReplicasError`` on a disagreement). A job that ended before it
+        had checksummed everything (it failed) is reported to the group, which then
+        skips the comparison: the save fails in its commit rounds instead."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        t0 = time.perf_counter()
+        others = [i for i, w in enumerate(p.where) if w[0] not in p.mine]
+        digests = [0] * len(p.spans)
+        for i, d in zip(others, digests_of_spans([p.spans[i] for i in others], p.threads)):
+            digests[i] = d
+        p.hold.clear()
+        job.wait_checksummed()
+        staged = bool(job.checksummed)
+        if staged:
+            sums = iter(job.checksums())  # one list per non-empty tensor of the staged files, in plan order
+            per_tensor = {(fi, j): next(sums) for fi in sorted(p.mine) for j in p.files[fi].members
+                          if p.columns.nbytes[j]}
+            seen: Counter = Counter()
+            for i, (fi, j, _, _) in enumerate(p.where):
+                if fi in p.mine:
+                    digests[i] = per_tensor[(fi, j)][seen[(fi, j)]]
+                    seen[(fi, j)] += 1
+        self.hashed_bytes = sum(p.spans[i][1] for i in others)
+        t1 = time.perf_counter()
+        diverged, _ = p.compare(digests, staged)
+        self.hash_s, self.exchange_s = t1 - t0, time.perf_counter() - t1
+        if diverged:
+            self.section["diverged"] = diverged
+            raise p.diverged_error(diverged)
 
     def record(self, sw: Any) -> None:
         """Into a ``StripeWrite``: the manifest's section, and what SaveStats reports."""
@@ -104,10 +144,12 @@ def _fingerprint(files: list[PlannedFile]) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def _pieces(files: list[PlannedFile], columns: Columns, block: int) -> tuple[list[tuple[int, int, int]], list, list]:
+def _pieces(files: list[PlannedFile], columns: Columns, block: int,
+            staged: set[int]) -> tuple[list[tuple[int, int, int, int]], list, list]:
     """Every checksummed piece of the replicated stripes, in plan order: ((file, tensor
     index, start in tensor, end), ...), the (address, length) to hash, and host copies
-    of device tensors (kept alive for the hash)."""
+    of device tensors (kept alive for the hash). staged: stripes whose digests the
+    staging takes (their device tensors get no host copy: their spans are never hashed)."""
     where: list = []
     spans: list[tuple[int, int]] = []
     hold: list = []
@@ -117,7 +159,7 @@ def _pieces(files: list[PlannedFile], columns: Columns, block: int) -> tuple[lis
             if not n:
                 continue
             base = columns.ptrs[j]
-            if columns.devices[j] != "cpu":  # no native hash of device memory: a host copy, hashed
+            if columns.devices[j] != "cpu" and fi not in staged:  # no native hash of device memory: a host copy
                 host = columns.sources[j].to("cpu")
                 hold.append(host)
                 base = host.data_ptr()
@@ -149,11 +191,53 @@ def _gather(layout: ReplicaLayout, values: list[int]) -> list[list[int]]:
     return [o.tolist() for o in out]
 
 
+@dataclass
+class _Pieces:
+    """The replicated pieces of one rank's save and what comparing them needs."""
+    layout: ReplicaLayout
+    ranks: list[int]                  # the group's global ranks
+    files: list[PlannedFile]          # the group's replicated stripes
+    columns: Columns
+    where: list[tuple[int, int, int, int]]
+    spans: list[tuple[int, int]]
+    hold: list                        # host copies of device tensors, while they are hashed
+    mine: set[int]                    # the stripes this rank stages (raise mode), whose digests the staging takes
+    threads: int
+    shown: str
+
+    def compare(self, digests: list[int], staged: bool = True) -> tuple[list[dict], dict[int, list[int]]]:
+        """All-gather the group's digests and compare (see ``_compare``); raises
+        ``DivergedReplicasError`` if the ranks hold different tensors. staged: False if
+        this rank's digests are incomplete (its job failed): then nobody compares."""
+        try:
+            shapes = _gather(self.layout, [_fingerprint(self.files), len(digests), int(staged)])
+            if any(s[:2] != shapes[0][:2] for s in shapes):
+                odd = [self.ranks[i] for i, s in enumerate(shapes) if s[:2] != shapes[0][:2]]
+                raise DivergedReplicasError(
+                    f"save to {self.shown}: ranks {self.ranks} were declared replicas (replica_group=) but rank(s) "
+                    f"{odd} hold other tensors than rank {self.ranks[0]} (names, dtypes or shapes differ); nothing was "
+                    "committed. Declare per-rank leaves with rank_local=", [])
+            if not all(s[2] for s in shapes):
+                return [], {}
+            table = _gather(self.layout, [_signed(d) for d in digests])
+        except PeerLost as e:
+            raise DistributedSaveError(f"save to {self.shown}: lost a peer of the replica group {self.ranks} while "
+                                       f"comparing digests; nothing was committed. {e}") from e
+        return _compare(table, self.where, self.files, self.columns, self.ranks)
+
+    def diverged_error(self, diverged: list[dict]) -> DivergedReplicasError:
+        return DivergedReplicasError(
+            f"save to {self.shown}: the replicas of ranks {self.ranks} disagree on {len(diverged)} piece(s), nothing "
+            f"was committed: {describe_divergence(diverged)}. This is silent data corruption or nondeterminism on a "
+            "rank (on_divergence='warn' commits the majority's bytes)", diverged)
+
+
 def split(layout: ReplicaLayout, rank: int, tree: Any, aliases: dict[str, str], columns: Columns, *, stripes: int,
           metadata: dict[str, str] | None, block: int, threads: int, rank_local: tuple[str, ...],
           on_divergence: str, shown: str, global_rank: Any) -> Split:
-    """Plan, hash, agree (see the module doc). ``columns``: the flattening of
-    ``{rank: state}``; global_rank(r): the global rank of coordination-group rank r."""
+    """Plan, and hash and agree in warn mode (see the module doc; in raise mode
+    ``Split.agree`` does the rest once the share is staging). ``columns``: the
+    flattening of ``{rank: state}``; global_rank(r): the global rank of coordination-group rank r."""
     mine, lead = f"{rank}.", f"{layout.leader}."
     rep_idx, loc_idx, rename = [], [], {}
     for j, k in enumerate(columns.keys):
@@ -171,42 +255,31 @@ def split(layout: ReplicaLayout, rank: int, tree: Any, aliases: dict[str, str], 
                        columns=rep) if rep_idx else []
     local = plan_files(None, 1, prefix=rank_prefix(rank), metadata=metadata,
                        columns=_subset(columns, loc_idx, [columns.keys[j] for j in loc_idx])) if loc_idx else []
+    sizes = {fi: f.size for fi, f in enumerate(files)}
+    section = {"ranks": [global_rank(m) for m in layout.members], "rank_local": list(rank_local)}
+    replicated = sum(sizes.values())
+    owner = balance(sizes, layout.size)
+    own = {fi for fi in owner if owner[fi] == layout.index} if on_divergence == "raise" else set()
+    where, spans, hold = _pieces(files, rep, block, own)
+    pieces = _Pieces(layout, section["ranks"], files, rep, where, spans, hold, own, threads, shown)
+    if on_divergence == "raise":
+        share = [f for fi, f in enumerate(files) if fi in own]
+        return Split(tree, aliases, share + local, section, replicated_bytes=replicated, pending=pieces)
     # Hash every replicated piece before the call returns (the caller may change its tensors after).
     t0 = time.perf_counter()
-    where, spans, hold = _pieces(files, rep, block)
     digests = digests_of_spans(spans, threads)
-    del hold
+    hold.clear()
     t1 = time.perf_counter()
-    ranks = [global_rank(m) for m in layout.members]
-    try:
-        shapes = _gather(layout, [_fingerprint(files), len(digests)])
-        if any(s != shapes[0] for s in shapes):
-            odd = [ranks[i] for i, s in enumerate(shapes) if s != shapes[0]]
-            raise DivergedReplicasError(
-                f"save to {shown}: ranks {ranks} were declared replicas (replica_group=) but rank(s) {odd} hold other "
-                f"tensors than rank {ranks[0]} (names, dtypes or shapes differ); nothing was committed. Declare "
-                "per-rank leaves with rank_local=", [])
-        table = _gather(layout, [_signed(d) for d in digests])
-    except PeerLost as e:
-        raise DistributedSaveError(f"save to {shown}: lost a peer of the replica group {ranks} while comparing "
-                                   f"digests; nothing was committed. {e}") from e
+    diverged, prefer = pieces.compare(digests)
     t2 = time.perf_counter()
-    diverged, prefer = _compare(table, where, files, rep, ranks)
-    section = {"ranks": ranks, "rank_local": list(rank_local)}
     if diverged:
         section["diverged"] = diverged
-        text = describe_divergence(diverged)
-        if on_divergence == "raise":
-            raise DivergedReplicasError(
-                f"save to {shown}: the replicas of ranks {ranks} disagree on {len(diverged)} piece(s), nothing was "
-                f"committed: {text}. This is silent data corruption or nondeterminism on a rank (on_divergence='warn' "
-                "commits the majority's bytes)", diverged)
         log.warning("flashwrite: save to %s: replicas disagree on %d piece(s); the majority's bytes are committed: %s",
-                    shown, len(diverged), text)
-    owner = balance({fi: f.size for fi, f in enumerate(files)}, layout.size, prefer)
+                    shown, len(diverged), describe_divergence(diverged))
+    owner = balance(sizes, layout.size, prefer)
     share = [f for fi, f in enumerate(files) if owner[fi] == layout.index]
     return Split(tree, aliases, share + local, section, diverged, sum(n for _, n in spans), t1 - t0, t2 - t1,
-                 sum(f.size for f in files))
+                 replicated)
 
 
 def _compare(table: list[list[int]], where: list, files: list[PlannedFile], rep: Columns,

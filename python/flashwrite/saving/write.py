@@ -103,6 +103,8 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                             remote=remote,  # the target's native_files(): nfs://, straight to the server
                             held=held.specs(iplan) if iplan is not None else [], planes=planes)
     try:  # the job runs now: whatever stops this before its StripeWrite is handed on stops the job too
+        if split is not None:
+            split.agree(job)  # raise mode: the replicas' digests compared while this rank's share stages
         pin_warned = bool(streams and engine.pin_error)
         if pin_warned:
             _warn_unpinned(engine.pin_error)
