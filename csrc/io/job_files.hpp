@@ -57,6 +57,9 @@ class JobFiles {
   // Bytes sent to a remote server straight from the job's buffers, with no user-space
   // copy on the way (nfs:// saves, nfs_wire.hpp); 0 for local files.
   virtual uint64_t bytes_sent_uncopied() const { return 0; }
+  // Bytes received from a remote server straight into the job's destinations (slots,
+  // tensors), with no user-space copy on the way (nfs:// loads); 0 for local files.
+  virtual uint64_t bytes_received_uncopied() const { return 0; }
   // Compressed saves: a file's size is set by its writes only (no truncate: the
   // last chunk of a file is then never framed), and `bytes` of its span will stay
   // holes (finish() must not wait for them).

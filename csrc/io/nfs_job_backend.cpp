@@ -201,6 +201,15 @@ void WriteBackend::on_wire_replies(std::vector<WireReply>& replies) {
       res.status = static_cast<nfsstat3>(r.status);
       std::memcpy(res.COMMIT3res_u.resok.verf, r.verf, NFS3_WRITEVERFSIZE);
       on_commit(op, status, r.ok ? static_cast<void*>(&res) : data);
+    } else if (!op.sub.q->r->write) {
+      READ3res res{};
+      res.status = static_cast<nfsstat3>(r.status);
+      res.READ3res_u.resok.count = r.count;
+      res.READ3res_u.resok.eof = r.eof;
+      res.READ3res_u.resok.data.data_len = r.count;
+      res.READ3res_u.resok.data.data_val = nullptr;  // in its destination already
+      if (r.ok) files_->note_received(r.count);
+      on_read(op, status, r.ok ? static_cast<void*>(&res) : data);
     } else {
       WRITE3res res{};
       res.status = static_cast<nfsstat3>(r.status);

@@ -99,9 +99,10 @@ class WriteBackend;
 struct WLoop {
   WriteBackend* be = nullptr;
   std::unique_ptr<Client::Conn> conn;
-  // The save's WRITEs and COMMITs, sent from the staging slots (nfs_wire.hpp); made
-  // on the first WRITE. Without it (FLASHWRITE_NFS_WIRE=0, or it could not connect)
-  // they go through conn, whose libnfs copies each payload.
+  // The save's WRITEs and COMMITs, sent from the staging slots, and the load's READs,
+  // received into their slots and tensors (nfs_wire.hpp); made on the first WRITE or
+  // READ. Without it (FLASHWRITE_NFS_WIRE=0, or it could not connect) they go through
+  // conn, whose libnfs copies each payload.
   std::unique_ptr<WireConn> wire;
   bool wire_tried = false;
   std::string wire_err;  // why the wire connection is down now ("" while it is up)
@@ -167,7 +168,7 @@ class WriteBackend : public IoBackend {
   const Options& o_;
   uint64_t wmax_, rmax_;
   int pause_ms_ = 0;
-  bool use_wire_ = true;  // FLASHWRITE_NFS_WIRE=0: WRITEs and COMMITs through libnfs
+  bool use_wire_ = true;  // FLASHWRITE_NFS_WIRE=0: WRITEs, COMMITs and READs through libnfs
   // Test only (FLASHWRITE_NFS_TEST_SPOIL_COMMIT_VERIFIER=N, read per job): the first N
   // COMMIT replies are taken as if the server had restarted (their verifier altered),
   // so the rewrite of what they cover is exercised deterministically. 0: off.
@@ -262,6 +263,8 @@ class NfsFiles : public JobFiles {
   uint64_t rewrites() const override { return rewrites_.load(); }
   void note_uncopied(uint64_t n) { uncopied_.fetch_add(n, std::memory_order_relaxed); }
   uint64_t bytes_sent_uncopied() const override { return uncopied_.load(); }
+  void note_received(uint64_t n) { received_.fetch_add(n, std::memory_order_relaxed); }
+  uint64_t bytes_received_uncopied() const override { return received_.load(); }
 
  private:
   int add(std::unique_ptr<WFile> f) {
@@ -276,6 +279,7 @@ class NfsFiles : public JobFiles {
   std::unordered_map<const IoRequest*, ErrInfo> errors_;
   std::atomic<uint64_t> rewrites_{0};
   std::atomic<uint64_t> uncopied_{0};
+  std::atomic<uint64_t> received_{0};
 };
 
 }  // namespace fw::nfs::detail

@@ -174,7 +174,9 @@ void register_load_job(py::module_& m) {
            })
       .def_property_readonly("elapsed_s", [](const PyLoadJob& l) { return l.job->elapsed_s(); })
       .def_property_readonly("backend", [](const PyLoadJob& l) { return l.job->backend(); })
-      .def_property_readonly("files_direct", [](const PyLoadJob& l) { return l.job->files_direct(); });
+      .def_property_readonly("files_direct", [](const PyLoadJob& l) { return l.job->files_direct(); })
+      .def_property_readonly("received_uncopied", [](const PyLoadJob& l) { return l.job->received_uncopied(); },
+                             "Bytes received from an NFS server straight into their destinations (no copy).");
 }
 
 }  // namespace

@@ -83,6 +83,7 @@ class LoadJob {
   double elapsed_s() const { return done_s_; }
   std::string backend() const { return backend_name_; }
   unsigned files_direct() const { return files_direct_.load(); }
+  uint64_t received_uncopied() const { return opt_.files->bytes_received_uncopied(); }
 
  private:
   void run();

@@ -219,6 +219,61 @@ def test_save_sends_its_writes_from_the_slots_and_through_libnfs_alike(nfs_serve
         assert_same(fw.load(local), state)
 
 
+def _read(url: str, zero_copy: bool = True):
+    """The load's read of every tensor of the checkpoint at url (its LoadResult)."""
+    from flashwrite.loading.read import CheckpointDir
+    from flashwrite.targets.locate import locate
+    with CheckpointDir(locate(url, "load")) as ck:
+        return ck.read(zero_copy=zero_copy)
+
+
+def test_load_receives_its_reads_into_the_tensors_and_through_libnfs_alike(nfs_server, monkeypatch):
+    """A load's READ replies come in on flashwrite's own connections straight into the
+    slots and tensors (csrc/io/nfs_wire.cpp): every payload byte is counted as received
+    uncopied. FLASHWRITE_NFS_WIRE=0 reads through libnfs (which copies; none counted).
+    Both return the same, verified bytes; a flipped byte is named either way."""
+    state = _big_state(24, seed=6)
+    state["small"] = torch.arange(1000, dtype=torch.int16)  # shares a bounce slot with a stripe's header
+    fw.save(state, nfs_server.url("ck"), stripes=2, chunk_bytes=4 << 20)
+    url = nfs_server.url("ck") + "?connections=3&depth=4"
+    total = sum(t.nbytes for t in state.values())
+    for zero_copy in (False, True):
+        res = _read(url, zero_copy=zero_copy)
+        assert res.received_uncopied >= total, (zero_copy, res.received_uncopied, total)
+        assert_same(fw.load(url), state)
+    monkeypatch.setenv("FLASHWRITE_NFS_WIRE", "0")
+    res = _read(url)
+    assert res.received_uncopied == 0
+    assert_same(fw.load(url), state)
+    monkeypatch.delenv("FLASHWRITE_NFS_WIRE")
+    local = os.path.join(nfs_server.export, "ck")
+    stripe = sorted(n for n in os.listdir(local) if n.endswith(".safetensors"))[1]
+    flip_byte(os.path.join(local, stripe), os.path.getsize(os.path.join(local, stripe)) - 5)
+    with pytest.raises(fw.ChecksumMismatchError, match=stripe):
+        fw.load(url)
+
+
+def test_load_takes_replies_in_fragments_pieces_and_twice(nfs_server):
+    """Through a proxy that cuts each reply to the wire connections into record fragments
+    (a boundary inside the READ header and inside the payload), sends the first ones a
+    few bytes at a time, and sends every reply twice (tests/rpc_refragment.py): the load
+    returns the same bytes, all received straight into their destinations, and a save
+    through it commits the same."""
+    from rpc_refragment import Refragmenter
+    state = _big_state(12, seed=7)
+    fw.save(state, nfs_server.url("ck"), stripes=2, chunk_bytes=2 << 20)
+    export = nfs_server.exports[0].path
+    with Refragmenter("127.0.0.1", nfs_server.nfs_port) as proxy:
+        url = f"nfs://127.0.0.1:{proxy.port}{export}/ck?mountport={nfs_server.mount_port}&connections=2&depth=3"
+        res = _read(url, zero_copy=False)
+        assert res.received_uncopied >= sum(t.nbytes for t in state.values())
+        assert_same(fw.load(url), state)
+        saved = url.replace("/ck?", "/again?")
+        fw.save(state, saved, stripes=2, chunk_bytes=2 << 20)
+        assert_same(fw.load(saved), state)
+        assert proxy.wire_conns >= 2 and proxy.replies > 12, (proxy.wire_conns, proxy.replies)
+
+
 SPOIL_ENV = "FLASHWRITE_NFS_TEST_SPOIL_COMMIT_VERIFIER"
 
 

@@ -72,12 +72,14 @@ class LoadResult:
     """Tensors of one checkpoint, keyed by stored name, plus the manifest."""
 
     def __init__(self, manifest: Manifest, tensors: dict[str, torch.Tensor], elapsed_s: float, backend: str,
-                 direct: bool):
+                 direct: bool, received_uncopied: int = 0):
         self.manifest = manifest
         self.tensors = tensors
         self.elapsed_s = elapsed_s
         self.backend = backend
         self.direct = direct
+        # nfs://: bytes the READ replies put straight into slots and tensors (nfs_wire.hpp)
+        self.received_uncopied = received_uncopied
 
 
 class CheckpointDir:
@@ -211,6 +213,7 @@ class CheckpointDir:
                 raise read_plan.mismatch(m, file_ids, pieces, owners, bad)
             bases = read_plan.checked_bases(m, file_ids, job.buffers(), headers, stripes)
             backend_used, direct_used = job.backend, job.files_direct == len(file_ids)
+            uncopied = job.received_uncopied
             del job  # from here the bases own the read buffers
             tensors = {}
             scatter.finish()
@@ -226,7 +229,7 @@ class CheckpointDir:
                     raw = bases[e.file][e.offset:e.offset + e.nbytes] if e.nbytes else torch.empty(0, dtype=torch.uint8)
                     t = raw.view(stored_dtype(e.dtype)).view(e.shape)
                 tensors[k] = t
-        return LoadResult(shown_manifest, tensors, time.perf_counter() - t0, backend_used, direct_used)
+        return LoadResult(shown_manifest, tensors, time.perf_counter() - t0, backend_used, direct_used, uncopied)
 
 
 def read_tensors(path: str | os.PathLike, *, keys: set[str] | None = None, verify: bool = True,
