@@ -88,8 +88,9 @@ def _save(root: str, kind: str, step: int, flip_rank: int = -1, where: int = 0, 
     return {"written": st.bytes, "diverged": st.diverged}
 
 
-def _load(root: str, kind: str, step: int, load_kind: str | None, into: bool = False) -> dict:
+def _load(root: str, kind: str, step: int, load_kind: str | None, into: bool = False, shm: bool = True) -> dict:
     rank = dist.get_rank()
+    os.environ["FLASHWRITE_REPLICA_SHM"] = "1" if shm else "0"  # one host: shared memory, unless told not to
     _, shard = layout(kind)
     group = layout(load_kind)[0] if load_kind else None
     path = os.path.join(root, f"step-{step}")
@@ -116,8 +117,8 @@ def checkpoint_bytes(path: str) -> int:
     return sum(f["size"] for f in m["files"])
 
 
-@pytest.mark.parametrize("kind", ["ddp", "hsdp"])
-def test_replicated_bytes_are_written_once_and_read_once(cluster4, tmp_path, kind):
+@pytest.mark.parametrize("kind,shm", [("ddp", True), ("hsdp", True), ("ddp", False), ("hsdp", False)])
+def test_replicated_bytes_are_written_once_and_read_once(cluster4, tmp_path, kind, shm):
     out = cluster4.run(_save, str(tmp_path), kind, 1)
     path = str(tmp_path / "step-1")
     shards = 1 if kind == "ddp" else 2
@@ -137,8 +138,9 @@ def test_replicated_bytes_are_written_once_and_read_once(cluster4, tmp_path, kin
     from safetensors.torch import load_file
     for f in m["files"]:
         load_file(os.path.join(path, f["name"]))
-    res = cluster4.run(_load, str(tmp_path), kind, 1, kind)
+    res = cluster4.run(_load, str(tmp_path), kind, 1, kind, shm=shm)
     assert all(r["same"] and r["owns"] and r["tied"] for r in res), res
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("flashwrite-replicas-")]
     reads = [r["read"] for r in res]
     assert sum(reads) <= 1.05 * on_disk + 4 * (64 << 10), (reads, on_disk)
     r = 4 // shards
@@ -168,6 +170,39 @@ def test_a_checkpoint_without_replicas_loads_with_replica_group(cluster4, tmp_pa
     cluster4.run(_plain_save, str(tmp_path))
     res = cluster4.run(_load_own, str(tmp_path))
     assert all(res), res
+
+
+def _spoil_in_transit(root: str, shm: bool) -> str:
+    """Rank 0 changes one byte of a tensor it read after reading it (as memory or the
+    transport could): the ranks that receive it must catch it where it lands, and every
+    rank fails (none waits for the others past the exchange)."""
+    from flashwrite.loading import replicas
+    os.environ["FLASHWRITE_REPLICA_SHM"] = "1" if shm else "0"
+    real = replicas._exchange
+
+    def spoiling(layout, m, shared, owner, have, *a, **k):
+        if dist.get_rank() == 0:
+            key = next(k for k in sorted(have) if k in shared and m.tensors[k].nbytes >= 4096)
+            have[key].view(-1).view(torch.uint8)[4095] ^= 0x10
+        return real(layout, m, shared, owner, have, *a, **k)
+
+    replicas._exchange = spoiling
+    try:
+        fw.load(os.path.join(root, "step-1"), process_group=dist.group.WORLD, replica_group=dist.group.WORLD)
+    except (fw.ChecksumMismatchError, fw.DistributedLoadError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        replicas._exchange = real
+    return "loaded"
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_bytes_spoiled_in_transit_are_caught_where_they_land(cluster4, tmp_path, shm):
+    cluster4.run(_save, str(tmp_path), "ddp", 1)
+    out = cluster4.run(_spoil_in_transit, str(tmp_path), shm)
+    assert out[0].startswith("DistributedLoadError") and "rank(s) [1, 2, 3]" in out[0], out
+    for text in out[1:]:
+        assert text.startswith("ChecksumMismatchError") and "received from rank 0" in text, out
 
 
 def _load_own(root: str) -> bool:

@@ -4,10 +4,19 @@ A multi-rank load with ``replica_group=`` finds the tensors every rank of its re
 group needs (the group's replicated state, wherever and however it was saved), gives
 each stripe holding them to one rank of the group (balanced by bytes, as a save does),
 reads with O_DIRECT only its share and its own tensors, and then the group exchanges
-the shared tensors on its own gloo group (``system.replicas``): each rank broadcasts
-what it read, large tensors straight from their memory, small ones packed into
-buckets. Every piece is checked against its checksum where it lands (XXH3 while it is
-copied out of a bucket, or in place). A failure on any rank (a corrupt stripe, an I/O
+the shared tensors:
+
+- ranks on one host (the group's members all see the same host, boot and /dev/shm):
+  through shared memory. Each rank copies what it read into a file in /dev/shm, every
+  rank maps its peers' files (removed once all have mapped them) and copies each tensor
+  out, checking it against its checksum in the same pass: one copy per byte per rank,
+  as a read from a shared page cache costs, where TCP on loopback costs two and a
+  checksum pass. ``FLASHWRITE_REPLICA_SHM=0`` turns it off; a rank that cannot make
+  its file (no /dev/shm, ENOSPC) sends the whole group the other way.
+- otherwise on the group's own gloo group (``system.replicas``): each rank broadcasts
+  what it read, large tensors straight from their memory, small ones packed into
+  buckets. Every piece is checked against its checksum where it lands (XXH3 while it
+  is copied out of a bucket, or in place). A failure on any rank (a corrupt stripe, an I/O
 error) is agreed on before the exchange, so every rank raises instead of waiting for
 it; a peer that dies mid-exchange fails the others with ``DistributedLoadError`` at
 once (its connections close) or after the group's timeout.
@@ -18,6 +27,9 @@ the host tensors once exchanged.
 
 from __future__ import annotations
 
+import itertools
+import os
+import socket
 from typing import Any, Callable
 
 import torch
@@ -36,9 +48,12 @@ from .read import CheckpointDir, fill_into, tensor_placer
 
 BUCKET_BYTES = 64 << 20   # small tensors go in buckets of up to this many bytes
 DIRECT_BYTES = 16 << 20   # a tensor this large is broadcast from its own memory
+SHM_DIR = "/dev/shm"
+_exchanges = itertools.count()
+_one_host: dict[int, bool] = {}  # id(layout) -> whether its members share a host (asked once)
 
 
-def _agree(layout: ReplicaLayout, error: BaseException | None, what: str) -> None:
+def _agree(layout: ReplicaLayout, error: BaseException | None, what: str, doing: str = "read their share") -> None:
     """Every rank learns whether one failed; a failed rank raises its own error."""
     flag = torch.tensor([int(error is not None)], dtype=torch.int64)
     flags = [torch.zeros_like(flag) for _ in range(layout.size)]
@@ -51,7 +66,7 @@ def _agree(layout: ReplicaLayout, error: BaseException | None, what: str) -> Non
         raise error
     failed = [layout.members[i] for i, f in enumerate(flags) if f.item()]
     if failed:
-        raise DistributedLoadError(f"{what}: rank(s) {failed} of the replica group failed to read their share; "
+        raise DistributedLoadError(f"{what}: rank(s) {failed} of the replica group failed to {doing}; "
                                    "see their errors")
 
 
@@ -88,7 +103,12 @@ def load_replicated(path: Any, layout: ReplicaLayout, rank: int, size: int, *, m
             raise error
         assert res is not None
         if shared:
-            got = _exchange(layout, m0, shared, owner, res.tensors, verify, what, ck.path)
+            bad = None
+            try:
+                got = _exchange(layout, m0, shared, owner, res.tensors, verify, what, ck.path)
+            except ChecksumMismatchError as e:  # what a peer sent differs from the manifest: every rank fails
+                bad, got = e, {}
+            _agree(layout, bad, what, "check what they received")
             res.tensors.update(got)
         stats.update(read_bytes=sum(m0.tensors[k].nbytes for k in read_keys),
                      shared_bytes=sum(m0.tensors[k].nbytes for k in shared))
@@ -111,15 +131,132 @@ def _pieces(e: Any, base: int, verify: bool) -> list[tuple[int, int, int]]:
     return [(po - e.offset, n, h) for (po, n), h in zip(ranges, sums)]
 
 
+def _host_key() -> str:
+    """What ranks on one host (one kernel, one /dev/shm) have alike; "" without /dev/shm."""
+    try:
+        dev = os.stat(SHM_DIR).st_dev
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return ""
+    return f"{socket.gethostname()}|{boot}|{dev}"
+
+
+def _on_one_host(layout: ReplicaLayout, what: str) -> bool:
+    """Whether every member of the group runs on this host (and may use shared memory)."""
+    if os.environ.get("FLASHWRITE_REPLICA_SHM", "1") == "0":
+        return False
+    got = _one_host.get(id(layout))
+    if got is None:
+        keys: list = [None] * layout.size
+        try:
+            dist.all_gather_object(keys, _host_key(), group=layout.group)
+        except Exception as e:  # noqa: BLE001 - gloo: a closed connection or a timeout
+            raise DistributedLoadError(f"{what}: lost a peer of the replica group (ranks {list(layout.members)}): "
+                                       f"{type(e).__name__}: {e}") from e
+        got = _one_host[id(layout)] = bool(keys[0]) and all(k == keys[0] for k in keys)
+    return got
+
+
 def _exchange(layout: ReplicaLayout, m: Any, shared: set[str], owner: dict[int, int], have: dict[str, torch.Tensor],
               verify: bool, what: str, shown: str) -> dict[str, torch.Tensor]:
+    """The shared tensors this rank did not read, from the ranks that did (verified):
+    through shared memory on one host, else over gloo (see the module doc)."""
+    order = sorted(shared, key=lambda k: (m.tensors[k].file, m.tensors[k].offset, k))
+    out: dict[str, torch.Tensor] = {}
+    for k in shared:  # empty tensors: nothing to send
+        if not m.tensors[k].nbytes and k not in have:
+            e = m.tensors[k]
+            out[k] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+    by_src = [[k for k in order if owner[m.tensors[k].file] == src and m.tensors[k].nbytes]
+              for src in range(layout.size)]
+    got = _exchange_shm(layout, m, by_src, have, verify, what, shown) if _on_one_host(layout, what) else None
+    if got is None:
+        got = _exchange_gloo(layout, m, by_src, have, verify, what, shown)
+    out.update(got)
+    return out
+
+
+def _flags(layout: ReplicaLayout, values: list[int], what: str) -> list[list[int]]:
+    t = torch.tensor(values, dtype=torch.int64)
+    out = [torch.zeros_like(t) for _ in range(layout.size)]
+    try:
+        dist.all_gather(out, t, group=layout.group)
+    except Exception as e:  # noqa: BLE001 - gloo: a closed connection or a timeout
+        raise DistributedLoadError(f"{what}: lost a peer of the replica group (ranks {list(layout.members)}) during "
+                                   f"the exchange of what each rank read: {type(e).__name__}: {e}") from e
+    return [o.tolist() for o in out]
+
+
+def _shm_name(pid: int, n: int, index: int) -> str:
+    return os.path.join(SHM_DIR, f"flashwrite-replicas-{pid}-{n}-{index}")
+
+
+def _exchange_shm(layout: ReplicaLayout, m: Any, by_src: list[list[str]], have: dict[str, torch.Tensor],
+                  verify: bool, what: str, shown: str) -> dict[str, torch.Tensor] | None:
+    """Through files in /dev/shm (see the module doc); None when a rank could not make
+    its file or map its peers' (nothing is left behind, and the caller exchanges over
+    gloo instead: every rank still holds what it read)."""
+    sizes = [sum(m.tensors[k].nbytes for k in keys) for keys in by_src]
+    n = next(_exchanges)
+    mine = _shm_name(os.getpid(), n, layout.index)
+    ok = 1
+    try:
+        if sizes[layout.index]:
+            fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, sizes[layout.index])  # ENOSPC here, not SIGBUS in the copy
+            finally:
+                os.close(fd)
+            buf = torch.from_file(mine, shared=True, size=sizes[layout.index], dtype=torch.uint8)
+            spans, at = [], buf.data_ptr()
+            for k in by_src[layout.index]:
+                spans.append((at, have[k].data_ptr(), m.tensors[k].nbytes, 0))
+                at += m.tensors[k].nbytes
+            _core.copy_verify(spans, False, _threads())
+            del buf
+    except OSError:
+        ok = 0
+    try:
+        peers = _flags(layout, [ok, os.getpid(), n], what)
+        if not all(p[0] for p in peers):
+            return None
+        try:
+            views = {src: torch.from_file(_shm_name(peers[src][1], peers[src][2], src), shared=True, size=sizes[src],
+                                          dtype=torch.uint8)
+                     for src in range(layout.size) if src != layout.index and sizes[src]}
+        except (OSError, RuntimeError):
+            ok, views = 0, {}
+        # Every rank has mapped its peers' files (or says it could not): they may go.
+        if not all(p[0] for p in _flags(layout, [ok], what)):
+            return None
+    finally:
+        if os.path.exists(mine):
+            os.unlink(mine)
+    out: dict[str, torch.Tensor] = {}
+    for src, view in views.items():
+        at, src_rank = view.data_ptr(), dist.get_global_rank(layout.group, src)
+        for k in by_src[src]:
+            e = m.tensors[k]
+            t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            if verify:
+                verify_received(m, k, t, src_rank, shown, src_ptr=at)
+            else:
+                _core.copy_verify([(t.data_ptr(), at, e.nbytes, 0)], False, _threads())
+            out[k] = t
+            at += e.nbytes
+    return out
+
+
+def _exchange_gloo(layout: ReplicaLayout, m: Any, by_src: list[list[str]], have: dict[str, torch.Tensor],
+                   verify: bool, what: str, shown: str) -> dict[str, torch.Tensor]:
     """Broadcast every shared tensor from the rank that read it; the tensors this rank
     received, verified."""
     block = m.block_bytes
-    order = sorted(shared, key=lambda k: (m.tensors[k].file, m.tensors[k].offset, k))
     out: dict[str, torch.Tensor] = {}
+    bad: ChecksumMismatchError | None = None
     for src in range(layout.size):
-        keys = [k for k in order if owner[m.tensors[k].file] == src and m.tensors[k].nbytes]
+        keys = by_src[src]
         src_rank = dist.get_global_rank(layout.group, src)
         bucket: list[str] = []
         filled = 0
@@ -127,19 +264,23 @@ def _exchange(layout: ReplicaLayout, m: Any, shared: set[str], owner: dict[int, 
             n = m.tensors[k].nbytes if k is not None else 0
             if k is None or (bucket and filled + n > BUCKET_BYTES) or (k is not None and n >= DIRECT_BYTES):
                 if bucket:
-                    _send_bucket(layout, m, bucket, src, src_rank, have, out, verify, block, what, shown)
+                    try:
+                        _send_bucket(layout, m, bucket, src, src_rank, have, out, verify, block, what, shown)
+                    except ChecksumMismatchError as e:
+                        bad = bad or e
                 bucket, filled = [], 0
             if k is None:
                 break
             if n >= DIRECT_BYTES:
-                _send_one(layout, m, k, src, src_rank, have, out, verify, block, what, shown)
+                try:
+                    _send_one(layout, m, k, src, src_rank, have, out, verify, block, what, shown)
+                except ChecksumMismatchError as e:  # the first is raised once every broadcast is done
+                    bad = bad or e
             else:
                 bucket.append(k)
                 filled += n
-        for k in shared:  # empty tensors: nothing to send
-            if not m.tensors[k].nbytes and k not in have:
-                e = m.tensors[k]
-                out[k] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+    if bad is not None:
+        raise bad
     return out
 
 
