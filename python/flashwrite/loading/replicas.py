@@ -27,7 +27,10 @@ the host tensors once exchanged.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
+import mmap
 import os
 import socket
 from typing import Any, Callable
@@ -221,31 +224,52 @@ def _exchange_shm(layout: ReplicaLayout, m: Any, by_src: list[list[str]], have: 
         peers = _flags(layout, [ok, os.getpid(), n], what)
         if not all(p[0] for p in peers):
             return None
+        views = contextlib.ExitStack()
         try:
-            views = {src: torch.from_file(_shm_name(peers[src][1], peers[src][2], src), shared=True, size=sizes[src],
-                                          dtype=torch.uint8)
-                     for src in range(layout.size) if src != layout.index and sizes[src]}
-        except (OSError, RuntimeError):
-            ok, views = 0, {}
+            at = {src: views.enter_context(_mapped(_shm_name(peers[src][1], peers[src][2], src), sizes[src]))
+                  for src in range(layout.size) if src != layout.index and sizes[src]}
+        except OSError:
+            ok, at = 0, {}
+            views.close()
         # Every rank has mapped its peers' files (or says it could not): they may go.
         if not all(p[0] for p in _flags(layout, [ok], what)):
+            views.close()
             return None
     finally:
         if os.path.exists(mine):
             os.unlink(mine)
     out: dict[str, torch.Tensor] = {}
-    for src, view in views.items():
-        at, src_rank = view.data_ptr(), dist.get_global_rank(layout.group, src)
-        for k in by_src[src]:
-            e = m.tensors[k]
-            t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-            if verify:
-                verify_received(m, k, t, src_rank, shown, src_ptr=at)
-            else:
-                _core.copy_verify([(t.data_ptr(), at, e.nbytes, 0)], False, _threads())
-            out[k] = t
-            at += e.nbytes
+    with views:
+        for src, addr in at.items():
+            src_rank = dist.get_global_rank(layout.group, src)
+            for k in by_src[src]:
+                e = m.tensors[k]
+                t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+                if verify:
+                    verify_received(m, k, t, src_rank, shown, src_ptr=addr)
+                else:
+                    _core.copy_verify([(t.data_ptr(), addr, e.nbytes, 0)], False, _threads())
+                out[k] = t
+                addr += e.nbytes
     return out
+
+
+@contextlib.contextmanager
+def _mapped(path: str, size: int) -> Any:
+    """The address of a peer's file in /dev/shm, mapped with its page tables filled in
+    at once (MAP_POPULATE: far cheaper than a fault per 4 KiB page as it is read)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+    try:
+        head = ctypes.c_char.from_buffer(mm)
+        addr = ctypes.addressof(head)
+        del head  # the mapping's buffer is not exported while it is read by address
+        yield addr
+    finally:
+        mm.close()
 
 
 def _exchange_gloo(layout: ReplicaLayout, m: Any, by_src: list[list[str]], have: dict[str, torch.Tensor],
