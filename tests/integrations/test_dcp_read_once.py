@@ -46,7 +46,8 @@ def _save(path: str) -> None:
     dcp.save(replicated_state(True), storage_writer=FlashwriteStorageWriter(path))
 
 
-def _load(path: str, read_once: bool) -> dict:
+def _load(path: str, read_once: bool, shm: bool = True) -> dict:
+    os.environ["FLASHWRITE_REPLICA_SHM"] = "1" if shm else "0"  # one host: shared memory, unless told not to
     sd = replicated_state(False)
     before = read_bytes()
     dcp.load(sd, storage_reader=FlashwriteStorageReader(path, read_once=read_once))
@@ -57,17 +58,19 @@ def _load(path: str, read_once: bool) -> dict:
     return {"same": same, "read": n}
 
 
-def test_each_stripe_is_read_once_and_sent_to_the_other_ranks(cluster4, tmp_path):
+@pytest.mark.parametrize("shm", [True, False])
+def test_each_stripe_is_read_once_and_sent_to_the_other_ranks(cluster4, tmp_path, shm):
     path = str(tmp_path / "ddp")
     cluster4.run(_save, path)
     total = stored_bytes(path)
     assert total >= N_TENSORS * NUMEL * 4  # stored once (DCP's dedup), not 4 times
     assert total < 1.05 * N_TENSORS * NUMEL * 4 + (1 << 20)
-    once = cluster4.run(_load, path, True)
+    once = cluster4.run(_load, path, True, shm)
     assert all(o["same"] for o in once), once
     reads = [o["read"] for o in once]
     assert sum(reads) <= 1.05 * total, (reads, total)
     assert max(reads) <= (1 / 4 + 0.05) * total + (256 << 10), (reads, total)  # + one page-rounded edge
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("flashwrite-replicas-")]
     # The control: without read_once every rank reads the checkpoint itself.
     each = cluster4.run(_load, path, False)
     assert all(o["same"] for o in each)
@@ -95,6 +98,36 @@ def test_a_corrupt_stripe_fails_every_rank_and_names_it(cluster4, tmp_path):
     out = cluster4.run(_load_corrupt, path)
     assert all(o != "loaded" for o in out), out
     assert all(victim in o for o in out), out  # every rank names the stripe (its reader's error, gathered by DCP)
+
+
+def _spoil_in_transit(path: str, shm: bool) -> str:
+    """Rank 0 changes one byte of what it read before the exchange (as memory or the
+    transport could): the ranks it sends to catch it where it lands, and every rank
+    fails instead of waiting for the others in the next round."""
+    from flashwrite.integrations.dcp import read_once
+    os.environ["FLASHWRITE_REPLICA_SHM"] = "1" if shm else "0"
+    real = read_once.exchange
+
+    def spoiling(group, sched, files, m, have, *a, **k):
+        if dist.get_rank() == 0 and have:
+            key = next(k for k in sorted(have) if m.tensors[k].nbytes >= 4096)
+            have[key].reshape(-1).view(torch.uint8)[100] ^= 0x01
+        return real(group, sched, files, m, have, *a, **k)
+
+    read_once.exchange = spoiling
+    try:
+        return _load_corrupt(path)
+    finally:
+        read_once.exchange = real
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_bytes_spoiled_in_transit_fail_every_rank(cluster4, tmp_path, shm):
+    path = str(tmp_path / "ddp")
+    cluster4.run(_save, path)
+    out = cluster4.run(_spoil_in_transit, path, shm)
+    assert all(o != "loaded" for o in out), out
+    assert any("received from rank 0" in o for o in out), out
 
 
 def _plans(path: str) -> list:

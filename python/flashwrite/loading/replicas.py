@@ -27,12 +27,6 @@ the host tensors once exchanged.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import itertools
-import mmap
-import os
-import socket
 from typing import Any, Callable
 
 import torch
@@ -47,13 +41,11 @@ from ..state.flatten import flatten
 from ..state.rebuild import unflatten
 from ..system.replicas import ReplicaLayout, balance
 from ..system import gcpause
+from . import shm_exchange
 from .read import CheckpointDir, fill_into, tensor_placer
 
 BUCKET_BYTES = 64 << 20   # small tensors go in buckets of up to this many bytes
 DIRECT_BYTES = 16 << 20   # a tensor this large is broadcast from its own memory
-SHM_DIR = "/dev/shm"
-_exchanges = itertools.count()
-_one_host: dict[int, bool] = {}  # id(layout) -> whether its members share a host (asked once)
 
 
 def _agree(layout: ReplicaLayout, error: BaseException | None, what: str, doing: str = "read their share") -> None:
@@ -134,33 +126,6 @@ def _pieces(e: Any, base: int, verify: bool) -> list[tuple[int, int, int]]:
     return [(po - e.offset, n, h) for (po, n), h in zip(ranges, sums)]
 
 
-def _host_key() -> str:
-    """What ranks on one host (one kernel, one /dev/shm) have alike; "" without /dev/shm."""
-    try:
-        dev = os.stat(SHM_DIR).st_dev
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        return ""
-    return f"{socket.gethostname()}|{boot}|{dev}"
-
-
-def _on_one_host(layout: ReplicaLayout, what: str) -> bool:
-    """Whether every member of the group runs on this host (and may use shared memory)."""
-    if os.environ.get("FLASHWRITE_REPLICA_SHM", "1") == "0":
-        return False
-    got = _one_host.get(id(layout))
-    if got is None:
-        keys: list = [None] * layout.size
-        try:
-            dist.all_gather_object(keys, _host_key(), group=layout.group)
-        except Exception as e:  # noqa: BLE001 - gloo: a closed connection or a timeout
-            raise DistributedLoadError(f"{what}: lost a peer of the replica group (ranks {list(layout.members)}): "
-                                       f"{type(e).__name__}: {e}") from e
-        got = _one_host[id(layout)] = bool(keys[0]) and all(k == keys[0] for k in keys)
-    return got
-
-
 def _exchange(layout: ReplicaLayout, m: Any, shared: set[str], owner: dict[int, int], have: dict[str, torch.Tensor],
               verify: bool, what: str, shown: str) -> dict[str, torch.Tensor]:
     """The shared tensors this rank did not read, from the ranks that did (verified):
@@ -173,103 +138,23 @@ def _exchange(layout: ReplicaLayout, m: Any, shared: set[str], owner: dict[int, 
             out[k] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
     by_src = [[k for k in order if owner[m.tensors[k].file] == src and m.tensors[k].nbytes]
               for src in range(layout.size)]
-    got = _exchange_shm(layout, m, by_src, have, verify, what, shown) if _on_one_host(layout, what) else None
+    got = None
+    if shm_exchange.on_one_host(layout.group, layout.size, what):
+        def receive(k: str, src: int, addr: int) -> torch.Tensor:
+            e = m.tensors[k]
+            t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            if verify:
+                verify_received(m, k, t, dist.get_global_rank(layout.group, src), shown, src_ptr=addr)
+            else:
+                _core.copy_verify([(t.data_ptr(), addr, e.nbytes, 0)], False, _threads())
+            return t
+        published = [[(k, m.tensors[k].nbytes) for k in keys] for keys in by_src]
+        wanted = {src: set(keys) for src, keys in enumerate(by_src) if src != layout.index}
+        got = shm_exchange.exchange(layout.group, layout.index, layout.size, published, have, wanted, receive, what)
     if got is None:
         got = _exchange_gloo(layout, m, by_src, have, verify, what, shown)
     out.update(got)
     return out
-
-
-def _flags(layout: ReplicaLayout, values: list[int], what: str) -> list[list[int]]:
-    t = torch.tensor(values, dtype=torch.int64)
-    out = [torch.zeros_like(t) for _ in range(layout.size)]
-    try:
-        dist.all_gather(out, t, group=layout.group)
-    except Exception as e:  # noqa: BLE001 - gloo: a closed connection or a timeout
-        raise DistributedLoadError(f"{what}: lost a peer of the replica group (ranks {list(layout.members)}) during "
-                                   f"the exchange of what each rank read: {type(e).__name__}: {e}") from e
-    return [o.tolist() for o in out]
-
-
-def _shm_name(pid: int, n: int, index: int) -> str:
-    return os.path.join(SHM_DIR, f"flashwrite-replicas-{pid}-{n}-{index}")
-
-
-def _exchange_shm(layout: ReplicaLayout, m: Any, by_src: list[list[str]], have: dict[str, torch.Tensor],
-                  verify: bool, what: str, shown: str) -> dict[str, torch.Tensor] | None:
-    """Through files in /dev/shm (see the module doc); None when a rank could not make
-    its file or map its peers' (nothing is left behind, and the caller exchanges over
-    gloo instead: every rank still holds what it read)."""
-    sizes = [sum(m.tensors[k].nbytes for k in keys) for keys in by_src]
-    n = next(_exchanges)
-    mine = _shm_name(os.getpid(), n, layout.index)
-    ok = 1
-    try:
-        if sizes[layout.index]:
-            fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, sizes[layout.index])  # ENOSPC here, not SIGBUS in the copy
-            finally:
-                os.close(fd)
-            buf = torch.from_file(mine, shared=True, size=sizes[layout.index], dtype=torch.uint8)
-            spans, at = [], buf.data_ptr()
-            for k in by_src[layout.index]:
-                spans.append((at, have[k].data_ptr(), m.tensors[k].nbytes, 0))
-                at += m.tensors[k].nbytes
-            _core.copy_verify(spans, False, _threads())
-            del buf
-    except OSError:
-        ok = 0
-    try:
-        peers = _flags(layout, [ok, os.getpid(), n], what)
-        if not all(p[0] for p in peers):
-            return None
-        views = contextlib.ExitStack()
-        try:
-            at = {src: views.enter_context(_mapped(_shm_name(peers[src][1], peers[src][2], src), sizes[src]))
-                  for src in range(layout.size) if src != layout.index and sizes[src]}
-        except OSError:
-            ok, at = 0, {}
-            views.close()
-        # Every rank has mapped its peers' files (or says it could not): they may go.
-        if not all(p[0] for p in _flags(layout, [ok], what)):
-            views.close()
-            return None
-    finally:
-        if os.path.exists(mine):
-            os.unlink(mine)
-    out: dict[str, torch.Tensor] = {}
-    with views:
-        for src, addr in at.items():
-            src_rank = dist.get_global_rank(layout.group, src)
-            for k in by_src[src]:
-                e = m.tensors[k]
-                t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-                if verify:
-                    verify_received(m, k, t, src_rank, shown, src_ptr=addr)
-                else:
-                    _core.copy_verify([(t.data_ptr(), addr, e.nbytes, 0)], False, _threads())
-                out[k] = t
-                addr += e.nbytes
-    return out
-
-
-@contextlib.contextmanager
-def _mapped(path: str, size: int) -> Any:
-    """The address of a peer's file in /dev/shm, mapped with its page tables filled in
-    at once (MAP_POPULATE: far cheaper than a fault per 4 KiB page as it is read)."""
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-    try:
-        head = ctypes.c_char.from_buffer(mm)
-        addr = ctypes.addressof(head)
-        del head  # the mapping's buffer is not exported while it is read by address
-        yield addr
-    finally:
-        mm.close()
 
 
 def _exchange_gloo(layout: ReplicaLayout, m: Any, by_src: list[list[str]], have: dict[str, torch.Tensor],

@@ -7,9 +7,11 @@ balanced by bytes (``system.replicas.balance``, as replica-group loads do), and 
 stripes into rounds of at most ``max_read_bytes``. Every rank's plan carries that
 schedule. In ``read_data`` each rank reads with O_DIRECT only the stripes given to it
 (verified as they are read), the ranks agree on any failure before they exchange, and
-each reader sends every other needer the tensors it needs from that stripe, packed, on a
-gloo group of the load's ranks (point to point). What a rank receives is checked
-against the manifest's checksums while it is copied out of the packed buffer. A peer
+each reader hands every other needer the tensors it needs from that stripe: through
+shared memory when the load's ranks are on one host (``loading/shm_exchange.py``: each
+reader publishes once what any needer wants of its stripes, each needer copies out its
+own), else packed, on a gloo group of the load's ranks (point to point). What a rank
+receives is checked against the manifest's checksums while it is copied out. A peer
 lost mid-exchange fails the load with ``DistributedLoadError``.
 """
 
@@ -23,8 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import _core, defaults
 from ...errors import DistributedLoadError
 from ...format.dtypes import dtype_from_name
+from ...loading import shm_exchange
 from ...loading.replicas import as_bytes, verify_received
 from ...system.coord import DEFAULT_TIMEOUT_S
 from ...system.replicas import balance
@@ -85,8 +89,9 @@ def _lost(group: Any, e: BaseException, what: str) -> DistributedLoadError:
                                 f"during the exchange of what each rank read: {type(e).__name__}: {e}")
 
 
-def agree(group: Any, error: BaseException | None, what: str) -> None:
-    """Every rank learns whether one failed to read its share; a failed rank raises its own error."""
+def agree(group: Any, error: BaseException | None, what: str, doing: str = "read their share of the stripes") -> None:
+    """Every rank learns whether one failed to read its share (or to check what it
+    received: ``doing``); a failed rank raises its own error."""
     flag = torch.tensor([int(error is not None)], dtype=torch.int64)
     flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
     try:
@@ -97,8 +102,7 @@ def agree(group: Any, error: BaseException | None, what: str) -> None:
         raise error
     failed = [dist.get_global_rank(group, i) for i, f in enumerate(flags) if f.item()]
     if failed:
-        raise DistributedLoadError(f"{what}: rank(s) {failed} failed to read their share of the stripes; "
-                                   "see their errors")
+        raise DistributedLoadError(f"{what}: rank(s) {failed} failed to {doing}; see their errors")
 
 
 def _pack(keys: list[str], have: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -116,6 +120,11 @@ def exchange(group: Any, sched: dict, files: list[str], m: Any, have: dict[str, 
     """Send what this rank read of ``files`` to every other rank that needs it and receive
     what it needs from theirs; the received tensors, verified against ``m``."""
     me, works, inbound = sched["me"], [], []
+    size = dist.get_world_size(group)
+    if shm_exchange.on_one_host(group, size, what):
+        got = _exchange_shm(group, size, sched, files, m, have, verify, what, shown)
+        if got is not None:
+            return got
     packed: dict[tuple, torch.Tensor] = {}
     try:
         for name in files:
@@ -138,6 +147,39 @@ def exchange(group: Any, sched: dict, files: list[str], m: Any, have: dict[str, 
     except Exception as e:  # noqa: BLE001 - gloo: a closed connection or a timeout
         raise _lost(group, e, what) from e
     return _unpack(inbound, m, group, verify, shown)
+
+
+def _exchange_shm(group: Any, size: int, sched: dict, files: list[str], m: Any, have: dict[str, torch.Tensor],
+                  verify: bool, what: str, shown: str) -> dict[str, torch.Tensor] | None:
+    """``exchange`` through shared memory: each reader publishes, once, every key another
+    rank needs of its stripes; each rank copies out what it needs (None: the gloo way)."""
+    me = sched["me"]
+    published: list[list[tuple[str, int]]] = [[] for _ in range(size)]
+    seen: list[set[str]] = [set() for _ in range(size)]
+    wanted: dict[int, set[str]] = {}
+    for name in files:  # the same order on every rank
+        src = sched["reader"][name]
+        for dst, keys in sorted(sched["needs"][name].items()):
+            keys = [k for k in keys if m.tensors[k].nbytes]
+            if dst == src or not keys:
+                continue
+            for k in keys:
+                if k not in seen[src]:
+                    seen[src].add(k)
+                    published[src].append((k, m.tensors[k].nbytes))
+            if dst == me:
+                wanted.setdefault(src, set()).update(keys)
+
+    def receive(k: str, src: int, addr: int) -> torch.Tensor:
+        e = m.tensors[k]
+        t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+        if verify:
+            verify_received(m, k, t, dist.get_global_rank(group, src), shown, src_ptr=addr)
+        else:
+            _core.copy_verify([(t.data_ptr(), addr, e.nbytes, 0)], False, defaults.COPY_THREADS)
+        return t
+
+    return shm_exchange.exchange(group, me, size, published, have, wanted, receive, what)
 
 
 def _unpack(inbound: list, m: Any, group: Any, verify: bool, shown: str) -> dict[str, torch.Tensor]:

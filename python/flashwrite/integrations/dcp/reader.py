@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ... import defaults
-from ...errors import CorruptCheckpointError
+from ...errors import ChecksumMismatchError, CorruptCheckpointError
 from ...format import MANIFEST_NAME
 from ...loading.read import CheckpointDir
 from ...targets.locate import Located, kind_of, locate
@@ -159,7 +159,13 @@ class FlashwriteStorageReader(StorageReader):
                 except Exception as e:  # noqa: BLE001 - agreed on below, then raised on this rank
                     error = e
                 read_once.agree(group, error, what)
-                have.update(read_once.exchange(group, sched, files, m, have, self.verify, what, str(self.path)))
+                bad = None
+                try:
+                    got = read_once.exchange(group, sched, files, m, have, self.verify, what, str(self.path))
+                except ChecksumMismatchError as e:  # what a peer sent differs from the manifest: every rank fails
+                    bad, got = e, {}
+                read_once.agree(group, bad, what, "check what they received")
+                have.update(got)
                 need = {k for f in files for k in sched["needs"][f].get(sched["me"], ())}
                 have.update(read_once.empty_tensors(need - have.keys(), m))
                 self._apply([pair for f in files for pair in by_file.get(f, ())], have, m.aliases, planner)
