@@ -25,6 +25,14 @@ import threading
 CUTS = (1, 3, 9, 17, 30, 53, 71, 200, 4093, 65536, 262144)
 
 
+def _shut(*socks: socket.socket) -> None:
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 class Refragmenter:
     """Listens on 127.0.0.1:port and forwards to (host, target_port)."""
 
@@ -43,10 +51,7 @@ class Refragmenter:
         self._stop = True
         self.sock.close()
         for s in self._socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(s)
             s.close()
 
     def __enter__(self) -> "Refragmenter":
@@ -80,11 +85,7 @@ class Refragmenter:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(src, dst)
 
     def _refragment(self, src: socket.socket, dst: socket.socket) -> None:
         buf = b""
@@ -110,11 +111,7 @@ class Refragmenter:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(src, dst)
 
     @staticmethod
     def _send_fragmented(dst: socket.socket, record: bytes) -> None:

@@ -172,6 +172,50 @@ def test_a_checkpoint_without_replicas_loads_with_replica_group(cluster4, tmp_pa
     assert all(res), res
 
 
+def big_state(shard: int) -> dict:
+    """Tensors the load reads straight into their memory (1 MiB and more), one at an odd
+    offset in its stripe (after a 6-byte tensor), and small ones between them."""
+    g = torch.Generator().manual_seed(500 + shard)
+    sd = {f"big{i}": torch.randn((1 << 18) + 1000 * i, generator=g) for i in range(6)}
+    sd["a_tiny"] = torch.arange(3, dtype=torch.int16)
+    sd["small"] = torch.randn(5000, generator=g)
+    return sd
+
+
+def _big_round_trip(root: str, kind: str) -> dict:
+    from flashwrite.loading import shm_exchange
+    os.environ["FLASHWRITE_REPLICA_SHM"] = "1"
+    group, shard = layout(kind)
+    path = os.path.join(root, kind)
+    fw.save(big_state(shard), path, replica_group=group, **OPTS)
+    made = []
+    real = shm_exchange.Board.tensor
+
+    def counting(self, *a, **k):
+        t = real(self, *a, **k)
+        made.append(t is not None)
+        return t
+
+    shm_exchange.Board.tensor = counting
+    try:
+        got = fw.load(path, process_group=dist.group.WORLD, replica_group=group)
+    finally:
+        shm_exchange.Board.tensor = real
+    want = big_state(shard)
+    return {"same": all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys(),
+            "owns": all(t.untyped_storage().nbytes() == t.nbytes for t in got.values()), "made": made}
+
+
+@pytest.mark.parametrize("kind", ["ddp", "hsdp"])
+def test_large_tensors_are_read_into_shared_memory_and_handed_over(cluster4, tmp_path, kind):
+    """On one host each rank reads its share's large tensors straight into its /dev/shm
+    file (the tensors it returns), its peers copy them out of it, and nothing is left."""
+    out = cluster4.run(_big_round_trip, str(tmp_path), kind)
+    assert all(o["same"] and o["owns"] for o in out), out
+    assert sum(len(o["made"]) for o in out) >= 6 and all(all(o["made"]) for o in out), out
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("flashwrite-replicas-")]
+
+
 def _spoil_in_transit(root: str, shm: bool) -> str:
     """Rank 0 changes one byte of a tensor it read after reading it (as memory or the
     transport could): the ranks that receive it must catch it where it lands, and every

@@ -141,7 +141,8 @@ class CheckpointDir:
     def read(self, *, manifest: Manifest | None = None, keys: set[str] | None = None, verify: bool = True,
              backend: str = "auto", direct: bool = True, queue_depth: int = defaults.READ_QUEUE_DEPTH,
              device_targets: dict[str, torch.Tensor] | None = None, zero_copy: bool = True,
-             host_targets: dict[str, torch.Tensor] | None = None) -> LoadResult:
+             host_targets: dict[str, torch.Tensor] | None = None,
+             owned_into: dict[str, torch.Tensor] | None = None) -> LoadResult:
         """Read and verify the stripes holding ``keys`` (default: every tensor); return CPU
         tensors that view whole-stripe read buffers (zero_copy) or own their bytes (filled
         by the native job out of its bounce buffers).
@@ -154,15 +155,17 @@ class CheckpointDir:
         as a whole. host_targets may name, per key, a contiguous CPU tensor of the stored
         dtype and size that the native job fills in place (``load(into=)``): each verified
         chunk is copied there from its bounce slot, so no second buffer or pass is made.
-        The destinations must not overlap one another.
+        The destinations must not overlap one another. owned_into (not with zero_copy):
+        for keys read straight into their memory (``read_plan.reads_direct``), the tensors
+        to read into and return (``read_plan.place_owned``).
         """
         with self._user_paths():
             return self._read(manifest or self.manifest, keys, verify, backend, direct, queue_depth,
-                              device_targets or {}, zero_copy, host_targets or {})
+                              device_targets or {}, zero_copy, host_targets or {}, owned_into)
 
     def _read(self, shown_manifest: Manifest, keys: set[str] | None, verify: bool, backend: str, direct: bool,
               queue_depth: int, device_targets: dict[str, torch.Tensor], zero_copy: bool,
-              host_targets: dict[str, torch.Tensor]) -> LoadResult:
+              host_targets: dict[str, torch.Tensor], owned_into: dict[str, torch.Tensor] | None = None) -> LoadResult:
         with gcpause.paused():  # per-tensor work on both sides of the wait: see gcpause
             m = self.manifest
             wanted = set(m.tensors) if keys is None else keys
@@ -188,7 +191,7 @@ class CheckpointDir:
                 # Large tensors are read straight into their own memory: no copy out of a bounce slot
                 # (nfs://: the READ replies are copied there, not to a slot first).
                 read_plan.place_owned(m, wanted, file_ids, slot, targets, hosted, placements, owned, headers,
-                                      direct=not frames)
+                                      direct=not frames, owned_into=owned_into)
             t0 = time.perf_counter()
             # The job holds `targets`, `hosted`, `owned`, `headers` and `stripes` (the destinations) until it
             # is joined, whatever order an interrupted frame frees its locals in.

@@ -144,18 +144,27 @@ def direct_empty(e: TensorEntry) -> torch.Tensor:
     return raw.view(stored_dtype(e.dtype)).view(e.shape)
 
 
+def reads_direct(e: TensorEntry) -> bool:
+    """Whether a load reads stored entry ``e`` straight into the memory of the tensor it
+    returns (O_DIRECT, no bounce slot): DIRECT_TENSOR_BYTES and more, at an offset its
+    dtype's alignment allows."""
+    return e.nbytes >= defaults.DIRECT_TENSOR_BYTES and e.offset % max(1, dtypes.itemsize(stored_dtype(e.dtype))) == 0
+
+
 def place_owned(m: Manifest, wanted: set[str], file_ids: list[int], slot: dict[int, int], targets: dict,
                  hosted: dict, placements: list, owned: dict[str, torch.Tensor],
-                 headers: dict[int, torch.Tensor], direct: bool = False) -> None:
+                 headers: dict[int, torch.Tensor], direct: bool = False,
+                 owned_into: dict[str, torch.Tensor] | None = None) -> None:
     """Owned CPU tensors (into ``owned``) for the keys no target takes, and each stripe's header (into ``headers``).
-    direct: tensors of DIRECT_TENSOR_BYTES and more (at an offset their dtype's alignment
-    allows) are read straight into their memory, the rest copied out of bounce slots."""
+    direct: tensors that ``reads_direct`` are read straight into their memory, the rest
+    copied out of bounce slots. owned_into: for such keys, the tensor to read into and
+    return instead of a new one (its address agrees with the entry's file offset modulo
+    4096, and whole pages around it are its own: ``shm_exchange.Board``)."""
     for k in wanted:
         if k not in targets and k not in hosted:
             e = m.tensors[k]
-            if direct and e.nbytes >= defaults.DIRECT_TENSOR_BYTES and \
-                    e.offset % max(1, dtypes.itemsize(stored_dtype(e.dtype))) == 0:
-                t = owned[k] = direct_empty(e)
+            if direct and reads_direct(e):
+                t = owned[k] = owned_into[k] if owned_into and k in owned_into else direct_empty(e)
                 placements.append((slot[e.file], e.offset, e.nbytes, DIRECT, t.data_ptr()))
                 continue
             t = owned[k] = host_empty(e)

@@ -41,7 +41,7 @@ from ..state.flatten import flatten
 from ..state.rebuild import unflatten
 from ..system.replicas import ReplicaLayout, balance
 from ..system import gcpause
-from . import shm_exchange
+from . import read_plan, shm_exchange
 from .read import CheckpointDir, fill_into, tensor_placer
 
 BUCKET_BYTES = 64 << 20   # small tensors go in buckets of up to this many bytes
@@ -84,27 +84,35 @@ def load_replicated(path: Any, layout: ReplicaLayout, rank: int, size: int, *, m
             sizes[e.file] = sizes.get(e.file, 0) + e.nbytes
         owner = balance(sizes, layout.size)
         read_keys = {k for k in mine_all if k not in shared or owner[m0.tensors[k].file] == layout.index}
-        error = None
-        res = None
-        try:
-            res = ck.read(manifest=m, keys=read_keys, verify=verify, backend=backend, direct=direct,
-                          queue_depth=queue_depth, zero_copy=False)
-        except Exception as e:  # noqa: BLE001 - agreed on with the group, then raised
-            error = e
         what = f"load of {ck.path}"
-        if layout.group is not None:
-            _agree(layout, error, what)
-        elif error is not None:
-            raise error
-        assert res is not None
-        if shared:
-            bad = None
+        published, board = None, None
+        if shared and shm_exchange.on_one_host(layout.group, layout.size, what):
+            published, board = _board(layout, m0, shared, owner)
+        try:
+            error = None
+            res = None
             try:
-                got = _exchange(layout, m0, shared, owner, res.tensors, verify, what, ck.path)
-            except ChecksumMismatchError as e:  # what a peer sent differs from the manifest: every rank fails
-                bad, got = e, {}
-            _agree(layout, bad, what, "check what they received")
-            res.tensors.update(got)
+                res = ck.read(manifest=m, keys=read_keys, verify=verify, backend=backend, direct=direct,
+                              queue_depth=queue_depth, zero_copy=False, owned_into=_read_into(board, published, m0,
+                                                                                              layout.index))
+            except Exception as e:  # noqa: BLE001 - agreed on with the group, then raised
+                error = e
+            if layout.group is not None:
+                _agree(layout, error, what)
+            elif error is not None:
+                raise error
+            assert res is not None
+            if shared:
+                bad = None
+                try:
+                    got = _exchange(layout, m0, shared, owner, res.tensors, verify, what, ck.path, board=board)
+                except ChecksumMismatchError as e:  # what a peer sent differs from the manifest: every rank fails
+                    bad, got = e, {}
+                _agree(layout, bad, what, "check what they received")
+                res.tensors.update(got)
+        finally:
+            if board is not None:
+                board.remove()
         stats.update(read_bytes=sum(m0.tensors[k].nbytes for k in read_keys),
                      shared_bytes=sum(m0.tensors[k].nbytes for k in shared))
     wrap: Callable[[Any], Any] = (lambda x: x) if keys is None else (lambda x: {rank: x})
@@ -126,20 +134,50 @@ def _pieces(e: Any, base: int, verify: bool) -> list[tuple[int, int, int]]:
     return [(po - e.offset, n, h) for (po, n), h in zip(ranges, sums)]
 
 
-def _exchange(layout: ReplicaLayout, m: Any, shared: set[str], owner: dict[int, int], have: dict[str, torch.Tensor],
-              verify: bool, what: str, shown: str) -> dict[str, torch.Tensor]:
-    """The shared tensors this rank did not read, from the ranks that did (verified):
-    through shared memory on one host, else over gloo (see the module doc)."""
+def _by_src(m: Any, shared: set[str], owner: dict[int, int], size: int) -> list[list[str]]:
+    """The shared keys with bytes that each rank of the group reads, in stripe order."""
     order = sorted(shared, key=lambda k: (m.tensors[k].file, m.tensors[k].offset, k))
+    return [[k for k in order if owner[m.tensors[k].file] == src and m.tensors[k].nbytes] for src in range(size)]
+
+
+def _board(layout: ReplicaLayout, m: Any, shared: set[str], owner: dict[int, int]) -> tuple[list, Any]:
+    """What each rank publishes in /dev/shm, [(key, nbytes, offset in its first page)]
+    (a tensor the load reads straight into its memory keeps its offset in the stripe's
+    page), and this rank's ``Board``."""
+    published = [[(k, m.tensors[k].nbytes, m.tensors[k].offset % shm_exchange.PAGE
+                   if read_plan.reads_direct(m.tensors[k]) else 0) for k in keys]
+                 for keys in _by_src(m, shared, owner, layout.size)]
+    return published, shm_exchange.Board(layout.index, published)
+
+
+def _read_into(board: Any, published: list | None, m: Any, index: int) -> dict[str, torch.Tensor] | None:
+    """This rank's large published tensors, made on its board for the load to read into."""
+    if board is None or published is None:
+        return None
+    into: dict[str, torch.Tensor] = {}
+    for k, n, _ in published[index]:
+        e = m.tensors[k]
+        if read_plan.reads_direct(e):
+            t = board.tensor(k, n, read_plan.stored_dtype(e.dtype), e.shape)
+            if t is None:  # the board failed: these keys get memory of their own
+                break
+            into[k] = t
+    return into
+
+
+def _exchange(layout: ReplicaLayout, m: Any, shared: set[str], owner: dict[int, int], have: dict[str, torch.Tensor],
+              verify: bool, what: str, shown: str, board: Any = None) -> dict[str, torch.Tensor]:
+    """The shared tensors this rank did not read, from the ranks that did (verified):
+    through shared memory on one host (``board``: this rank's, made before the read),
+    else over gloo (see the module doc)."""
     out: dict[str, torch.Tensor] = {}
     for k in shared:  # empty tensors: nothing to send
         if not m.tensors[k].nbytes and k not in have:
             e = m.tensors[k]
             out[k] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-    by_src = [[k for k in order if owner[m.tensors[k].file] == src and m.tensors[k].nbytes]
-              for src in range(layout.size)]
+    by_src = _by_src(m, shared, owner, layout.size)
     got = None
-    if shm_exchange.on_one_host(layout.group, layout.size, what):
+    if board is not None:
         def receive(k: str, src: int, addr: int) -> torch.Tensor:
             e = m.tensors[k]
             t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
@@ -148,9 +186,8 @@ def _exchange(layout: ReplicaLayout, m: Any, shared: set[str], owner: dict[int, 
             else:
                 _core.copy_verify([(t.data_ptr(), addr, e.nbytes, 0)], False, _threads())
             return t
-        published = [[(k, m.tensors[k].nbytes) for k in keys] for keys in by_src]
         wanted = {src: set(keys) for src, keys in enumerate(by_src) if src != layout.index}
-        got = shm_exchange.exchange(layout.group, layout.index, layout.size, published, have, wanted, receive, what)
+        got = shm_exchange.exchange(layout.group, layout.index, layout.size, board, have, wanted, receive, what)
     if got is None:
         got = _exchange_gloo(layout, m, by_src, have, verify, what, shown)
     out.update(got)

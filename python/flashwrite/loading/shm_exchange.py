@@ -3,14 +3,17 @@
 A load that reads each stored byte once (replica groups: ``loading/replicas.py``; DCP's
 read-once loads: ``integrations/dcp/read_once.py``) then hands each rank the tensors
 other ranks read. Between processes of one host that is cheapest through shared
-memory: each rank copies what it publishes into a file in /dev/shm
-(``flashwrite-replicas-<pid>-<n>-<index>``, allocated up front so that a full /dev/shm
-fails there and not in the copy), every rank maps its peers' files with their page
-tables filled in at once (``MAP_POPULATE``), the files are removed as soon as every
-rank has mapped them, and each rank copies out the tensors it wants, checking each
-against its checksums in the same pass (the caller's ``receive``). That is one copy
-per byte per receiving rank, what a read from a shared page cache costs; TCP on
-loopback costs two copies in the kernel and a checksum pass.
+memory. Each rank publishes its tensors in a file in /dev/shm (a ``Board``:
+``flashwrite-replicas-<pid>-<n>-<index>``, allocated up front so that a full /dev/shm
+fails there and not in a copy), each tensor in pages of its own at the offset within
+its page it has in its stripe, so the load reads the large ones with O_DIRECT straight
+into the file (``Board.tensor``: the tensor the load returns on this rank, mapping
+just its own pages) and copies in only the others. Every rank maps its peers' files
+with their page tables filled in at once (``MAP_POPULATE``), the files are removed as
+soon as every rank has mapped them, and each rank copies out the tensors it wants,
+checking each against its checksums in the same pass (the caller's ``receive``). That
+is one copy per byte per receiving rank, what a read from a shared page cache costs;
+TCP on loopback costs two copies in the kernel and a checksum pass.
 
 ``exchange`` returns None when a rank could not make its file or map its peers' (no
 /dev/shm, ENOSPC): nothing is left behind, every rank still holds what it read, and
@@ -83,21 +86,6 @@ def _name(pid: int, n: int, index: int) -> str:
     return os.path.join(SHM_DIR, f"flashwrite-replicas-{pid}-{n}-{index}")
 
 
-def _publish(path: str, spans: list[tuple[int, int]], size: int) -> None:
-    """A file of ``size`` bytes at ``path`` holding the (address, nbytes) spans in turn."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS in the copy
-    finally:
-        os.close(fd)
-    with _mapped(path, size) as at:
-        pieces = []
-        for addr, n in spans:
-            pieces.append((at, addr, n, 0))
-            at += n
-        _core.copy_verify(pieces, False, defaults.COPY_THREADS)
-
-
 @contextlib.contextmanager
 def _mapped(path: str, size: int) -> Iterator[int]:
     """The address of a file in /dev/shm, mapped shared with its page tables filled in at
@@ -116,46 +104,116 @@ def _mapped(path: str, size: int) -> Iterator[int]:
         mm.close()
 
 
-def exchange(group: Any, index: int, size: int, published: list[list[tuple[str, int]]],
-             have: dict[str, torch.Tensor], wanted: dict[int, set[str]],
-             receive: Callable[[str, int, int], torch.Tensor], what: str) -> dict[str, torch.Tensor] | None:
+PAGE = 4096
+
+
+def places(published: list[list[tuple[str, int, int]]]) -> list[tuple[int, dict[str, int]]]:
+    """Each rank's file for ``published[r]``, [(key, nbytes, align)] in order: its size,
+    and where each key's first byte is (in pages of its own, at ``align`` in its first
+    page). The same on every rank."""
+    out = []
+    for keys in published:
+        at, where = 0, {}
+        for k, n, align in keys:
+            where[k] = at + align
+            at += -(-(align + n) // PAGE) * PAGE
+        out.append((at, where))
+    return out
+
+
+class Board:
+    """This rank's file of published tensors in /dev/shm (see the module doc); ``ok``
+    False when it could not be made (then nothing is left, and ``tensor`` gives None)."""
+
+    def __init__(self, index: int, published: list[list[tuple[str, int, int]]]):
+        """published: what every rank publishes (see ``places``); this rank is ``index``."""
+        self.n, self.index, self.published = next(_exchanges), index, published
+        self.lay = places(published)
+        size, self.where = self.lay[index]
+        self.path, self.size = _name(os.getpid(), self.n, index), size
+        self.made: dict[str, int] = {}  # key -> address of the tensor made on the file
+        self.ok = True
+        if size:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS in a copy
+                finally:
+                    os.close(fd)
+            except OSError:
+                self.ok = False
+                self.remove()
+
+    def tensor(self, key: str, nbytes: int, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
+        """A tensor of exactly ``key``'s bytes in the file, on a mapping of its own pages
+        (kept alive by the tensor, after the file is gone); None if the board failed."""
+        if not self.ok:
+            return None
+        at = self.where[key]
+        start = at // PAGE * PAGE
+        length = -(-(at + nbytes) // PAGE) * PAGE - start
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, offset=start)
+            finally:
+                os.close(fd)
+        except OSError:
+            self.ok = False
+            return None
+        t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=at - start)
+        self.made[key] = t.data_ptr()
+        return t.view(dtype).view(shape)
+
+    def fill(self, keys: list[tuple[str, int, int]], have: dict[str, torch.Tensor]) -> None:
+        """Copy into the file each of ``keys`` not already read into it."""
+        with _mapped(self.path, self.size) as base:
+            pieces = [(base + self.where[k], have[k].data_ptr(), n, 0) for k, n, _ in keys
+                      if self.made.get(k) != have[k].data_ptr()]
+            if pieces:
+                _core.copy_verify(pieces, False, defaults.COPY_THREADS)
+
+    def remove(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def exchange(group: Any, index: int, size: int, board: Board, have: dict[str, torch.Tensor],
+             wanted: dict[int, set[str]], receive: Callable[[str, int, int], torch.Tensor],
+             what: str) -> dict[str, torch.Tensor] | None:
     """Collective over ``group`` (this rank is ``index`` of ``size``): rank r publishes
-    ``published[r]``, [(key, nbytes)] in that order (every rank passes the same lists;
-    rank r holds those keys in ``have``); this rank takes ``wanted[src]`` from each src,
-    each through ``receive(key, src, address)``, which makes, fills and checks the
-    tensor. The tensors received, or None (see the module doc)."""
-    sizes = [sum(n for _, n in keys) for keys in published]
-    n = next(_exchanges)
-    mine = _name(os.getpid(), n, index)
-    ok = 1
+    ``board.published[r]`` (every rank's board made from the same lists; rank r holds
+    those keys in ``have``, some maybe read into its board already); this rank takes
+    ``wanted[src]`` from each src, each through ``receive(key, src, address)``, which
+    makes, fills and checks the tensor. The tensors received, or None (see the module
+    doc). The board's file is gone when this returns."""
+    published, lay = board.published, board.lay
+    ok = board.ok
     views = contextlib.ExitStack()
     try:
         try:
-            if sizes[index]:
-                _publish(mine, [(have[k].data_ptr(), nb) for k, nb in published[index]], sizes[index])
+            if ok and board.size:
+                board.fill(published[index], have)
         except OSError:
-            ok = 0
-        peers = _flags(group, size, [ok, os.getpid(), n], what)
+            ok = False
+        peers = _flags(group, size, [int(ok), os.getpid(), board.n], what)
         if not all(p[0] for p in peers):
             return None
         try:
-            at = {src: views.enter_context(_mapped(_name(peers[src][1], peers[src][2], src), sizes[src]))
+            at = {src: views.enter_context(_mapped(_name(peers[src][1], peers[src][2], src), lay[src][0]))
                   for src in sorted(wanted) if wanted[src] and src != index}
         except OSError:
-            ok, at = 0, {}
+            ok, at = False, {}
             views.close()
         # Every rank has mapped its peers' files (or says it could not): they may go.
-        if not all(p[0] for p in _flags(group, size, [ok], what)):
+        if not all(p[0] for p in _flags(group, size, [int(ok)], what)):
             views.close()
             return None
     finally:
-        if os.path.exists(mine):
-            os.unlink(mine)
+        board.remove()
     out: dict[str, torch.Tensor] = {}
     with views:
-        for src, addr in at.items():
-            for k, nb in published[src]:
-                if k in wanted[src]:
-                    out[k] = receive(k, src, addr)
-                addr += nb
+        for src, base in at.items():
+            for k in wanted[src]:
+                out[k] = receive(k, src, base + lay[src][1][k])
     return out

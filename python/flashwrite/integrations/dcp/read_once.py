@@ -154,7 +154,7 @@ def _exchange_shm(group: Any, size: int, sched: dict, files: list[str], m: Any, 
     """``exchange`` through shared memory: each reader publishes, once, every key another
     rank needs of its stripes; each rank copies out what it needs (None: the gloo way)."""
     me = sched["me"]
-    published: list[list[tuple[str, int]]] = [[] for _ in range(size)]
+    published: list[list[tuple[str, int, int]]] = [[] for _ in range(size)]
     seen: list[set[str]] = [set() for _ in range(size)]
     wanted: dict[int, set[str]] = {}
     for name in files:  # the same order on every rank
@@ -166,7 +166,7 @@ def _exchange_shm(group: Any, size: int, sched: dict, files: list[str], m: Any, 
             for k in keys:
                 if k not in seen[src]:
                     seen[src].add(k)
-                    published[src].append((k, m.tensors[k].nbytes))
+                    published[src].append((k, m.tensors[k].nbytes, 0))
             if dst == me:
                 wanted.setdefault(src, set()).update(keys)
 
@@ -179,7 +179,7 @@ def _exchange_shm(group: Any, size: int, sched: dict, files: list[str], m: Any, 
             _core.copy_verify([(t.data_ptr(), addr, e.nbytes, 0)], False, defaults.COPY_THREADS)
         return t
 
-    return shm_exchange.exchange(group, me, size, published, have, wanted, receive, what)
+    return shm_exchange.exchange(group, me, size, shm_exchange.Board(me, published), have, wanted, receive, what)
 
 
 def _unpack(inbound: list, m: Any, group: Any, verify: bool, shown: str) -> dict[str, torch.Tensor]:
