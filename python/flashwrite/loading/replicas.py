@@ -7,12 +7,14 @@ reads with O_DIRECT only its share and its own tensors, and then the group excha
 the shared tensors:
 
 - ranks on one host (the group's members all see the same host, boot and /dev/shm):
-  through shared memory. Each rank copies what it read into a file in /dev/shm, every
-  rank maps its peers' files (removed once all have mapped them) and copies each tensor
-  out, checking it against its checksum in the same pass: one copy per byte per rank,
-  as a read from a shared page cache costs, where TCP on loopback costs two and a
-  checksum pass. ``FLASHWRITE_REPLICA_SHM=0`` turns it off; a rank that cannot make
-  its file (no /dev/shm, ENOSPC) sends the whole group the other way.
+  through shared memory (``shm_exchange.py``). Each rank reads its share's large
+  tensors straight into a file in /dev/shm made before the read (a ``Board``) and
+  copies in the rest; every rank maps its peers' files (removed once all have mapped
+  them) and copies each tensor out, checking it against its checksum in the same pass:
+  one copy per byte per receiving rank, as a read from a shared page cache costs, where
+  TCP on loopback costs two and a checksum pass. ``FLASHWRITE_REPLICA_SHM=0`` turns it
+  off; a rank that cannot make its file (no /dev/shm, ENOSPC) sends the whole group the
+  other way.
 - otherwise on the group's own gloo group (``system.replicas``): each rank broadcasts
   what it read, large tensors straight from their memory, small ones packed into
   buckets. Every piece is checked against its checksum where it lands (XXH3 while it
