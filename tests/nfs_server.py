@@ -50,6 +50,15 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _server_env() -> dict[str, str]:
+    """The environment the servers run in: this one without a preloaded sanitizer runtime
+    (the sanitizer job preloads libasan for flashwrite's core; ganesha is not under test,
+    and its dlopen with RTLD_DEEPBIND refuses to run beside it)."""
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
 def _listening(port: int, host: str = "127.0.0.1") -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5):
@@ -124,7 +133,7 @@ class NfsServer:
             return  # one already runs (ours from an earlier start, or the machine's)
         # -f: stay in the foreground, so the pid is ours to stop.
         self._rpcbind = subprocess.Popen(self.prefix + [RPCBIND, "-f"], stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_server_env())
         deadline = time.monotonic() + 5
         while not _listening(111, self.host):
             if self._rpcbind.poll() is not None or time.monotonic() > deadline:
@@ -171,7 +180,8 @@ NFS_KRB5 {{ Active_krb5 = false; }}
     def _start_ganesha(self) -> None:
         self._ganesha = subprocess.Popen(
             self.prefix + [GANESHA, "-F", "-f", self.config_path, "-L", self.log_path, "-p", os.path.join(self.workdir, "pid"),
-             "-N", "NIV_EVENT"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "-N", "NIV_EVENT"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=_server_env())
         deadline = time.monotonic() + self.start_timeout_s
         while not (_listening(self.nfs_port, self.host) and _registered(self.nfs_port, self.host)):
             if self._ganesha.poll() is not None:
