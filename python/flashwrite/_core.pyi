@@ -222,6 +222,9 @@ class LoadJob:
     def backend(self) -> str: ...
     @property
     def files_direct(self) -> int: ...
+    @property
+    def received_uncopied(self) -> int:
+        """Bytes received from an NFS server straight into their destinations (no copy)."""
 
 # ----------------------------------------------------------------- functions
 

@@ -103,8 +103,6 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
                             remote=remote,  # the target's native_files(): nfs://, straight to the server
                             held=held.specs(iplan) if iplan is not None else [], planes=planes)
     try:  # the job runs now: whatever stops this before its StripeWrite is handed on stops the job too
-        if split is not None:
-            split.agree(job)  # raise mode: the replicas' digests compared while this rank's share stages
         pin_warned = bool(streams and engine.pin_error)
         if pin_warned:
             _warn_unpinned(engine.pin_error)
@@ -115,7 +113,8 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
         sw.hf_section = hf_section
         sw.pin_warned = pin_warned  # a GPU save pins on its own thread: a failure there is warned of once durable
         sw.compressed = bool(planes)
-        if split is not None:
+        if split is not None:  # raise mode: the replicas' digests compared once this rank's share is staged
+            split.agree(job)
             split.record(sw)
         if iplan is not None:
             sw.incremental = iplan
