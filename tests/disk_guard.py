@@ -73,13 +73,27 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
+def _shared_helpers() -> set[int]:
+    """multiprocessing's resource tracker and fork server: started once, used by every later
+    test's processes. Killing them turns the next test's start into a failure of its own
+    ("resource_tracker: process died unexpectedly"), so the guard spares them."""
+    import multiprocessing.forkserver as fs
+    import multiprocessing.resource_tracker as rt
+
+    pids = {getattr(rt._resource_tracker, "_pid", None), getattr(fs._forkserver, "_forkserver_pid", None)}
+    return {p for p in pids if p}
+
+
 def _kill_children() -> list[int]:
     try:
         import psutil
     except ImportError:  # pragma: no cover - psutil is a test dependency
         return []
     killed = []
+    spare = _shared_helpers()
     for child in psutil.Process().children(recursive=True):
+        if child.pid in spare:
+            continue
         try:
             child.kill()
             killed.append(child.pid)

@@ -11,9 +11,17 @@ _TESTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 RUNAWAY = textwrap.dedent('''
-    import os, subprocess, sys
+    import multiprocessing, os, subprocess, sys, warnings
+
+    def _forked():
+        # multiprocessing's fork server and resource tracker: started once, shared by later tests
+        p = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+        p.start()
+        p.join(60)
+        return p.exitcode
 
     def test_runaway_in_process(tmp_path):
+        assert _forked() == 0
         buf = os.urandom(1 << 20)
         with open(tmp_path / "f", "wb") as f:
             for _ in range(20_000):          # 20 GB if nothing stopped it
@@ -29,6 +37,9 @@ RUNAWAY = textwrap.dedent('''
 
     def test_small_one_after(tmp_path):
         (tmp_path / "small").write_bytes(b"x" * 4096)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "resource_tracker: process died unexpectedly" fails it
+            assert _forked() == 0
 ''')
 
 
