@@ -4,7 +4,8 @@ of the state (torch ``copy_`` into fresh tensors: the reference), an owned ``fw.
 ``zero_copy`` one from the local disk, and with ``--nfs`` an owned load through ``nfs://``
 from nfs-ganesha on loopback (tests/nfs_server.py) beside ``nfs-cp`` reading the same
 bytes, and ``fw.save`` to ``nfs://`` (the state made before the clock starts; the call
-returns once the checkpoint is durable and committed) beside ``nfs-cp`` writing one
+returns once the checkpoint is durable and committed), and ``fw.save_async(...).result()``
+(which checksums after staging, to return sooner), beside ``nfs-cp`` writing one
 stripe's bytes. ``--what save`` (or ``load``) runs only those rows.
 Each measurement is a fresh child process; the page cache is dropped before each load
 (run as root). Rows are interleaved round by round and reported as medians, so builds
@@ -57,7 +58,10 @@ n, parts = int(sys.argv[2]), 64
 g = torch.Generator().manual_seed(0)
 state = {f"layer{i}.weight": torch.randn(n // 4 // parts, generator=g) for i in range(parts)}
 r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-fw.save(state, sys.argv[1])
+if sys.argv[3] == "async":  # returns once staged; checksums after staging, to shorten the stall
+    fw.save_async(state, sys.argv[1]).result()
+else:  # blocking: each chunk checksummed as it is copied
+    fw.save(state, sys.argv[1])
 t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"wall": t1 - t0, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
                   "bytes": sum(t.nbytes for t in state.values())}))
@@ -147,9 +151,11 @@ def main() -> None:
             rows["one memcpy of the state (torch copy_)"].append(_child(sys.executable, CHILD_COPY, str(nbytes)))
             if saves:
                 for i, (name, py) in enumerate(builds.items()):
-                    rows.setdefault(f"fw.save nfs:// loopback ({name})", []).append(
-                        _child(py, CHILD_SAVE, server.url_ports(f"saved-{r}-{i}"), str(nbytes)))
-                    shutil.rmtree(os.path.join(export, f"saved-{r}-{i}"), ignore_errors=True)
+                    for how, call in (("save", "fw.save"), ("async", "fw.save_async(...).result()")):
+                        where = f"saved-{r}-{i}-{how}"
+                        rows.setdefault(f"{call} nfs:// loopback ({name})", []).append(
+                            _child(py, CHILD_SAVE, server.url_ports(where), str(nbytes), how))
+                        shutil.rmtree(os.path.join(export, where), ignore_errors=True)
                 rows.setdefault("nfs-cp write of one stripe (reference)", []).append(
                     _nfs_cp_write(shm_stripe, server.libnfs_url(f"written-{r}.bin")))
                 os.unlink(os.path.join(export, f"written-{r}.bin"))

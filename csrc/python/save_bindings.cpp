@@ -141,7 +141,7 @@ std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<
                                       unsigned queue_depth, unsigned copy_threads, bool direct, const GivenStreams& streams,
                                       bool hold_slots, const py::sequence& host_files, const py::object& remote,
                                       const std::vector<HeldSpec>& held, const std::vector<PlaneRuns>& planes,
-                                      int compress_level) {
+                                      int compress_level, bool hash_while_copying) {
   std::vector<FileSpec> fs;
   for (auto& [path, header, size] : files) fs.push_back(FileSpec{path, buffer_bytes(header), size});
   if (!planes.empty() && planes.size() != fs.size()) throw py::value_error("planes: one list per file");
@@ -168,6 +168,7 @@ std::unique_ptr<PySaveJob> start_save(Engine& eng, const std::vector<std::tuple<
   opt.copy_threads = copy_threads;
   opt.hold_slots = hold_slots;
   opt.compress_level = compress_level;
+  opt.hash_while_copying = hash_while_copying;
   auto out = std::make_unique<PySaveJob>();
   out->keepalive = std::move(keepalive);
   out->job = start_interruptible(eng, std::move(fs), std::move(segs), std::move(opt), devices, streams);
@@ -306,7 +307,7 @@ void register_engine(py::module_& m) {
            py::arg("direct") = true, py::arg("streams") = std::vector<std::pair<int, uintptr_t>>{},
            py::arg("hold_slots") = false, py::arg("host_files") = py::list(), py::arg("remote") = py::none(),
            py::arg("held") = std::vector<HeldSpec>{}, py::arg("planes") = std::vector<PlaneRuns>{},
-           py::arg("compress_level") = defaults::kCompressLevel,
+           py::arg("compress_level") = defaults::kCompressLevel, py::arg("hash_while_copying") = false,
            "Open the stripes and start staging + writing. files: [(path, header, size)], segments: "
            "[(address, nbytes, file, offset[, device])] with device -1 for host memory; host_files: more "
            "host-memory segments as columns, [(file, members, offsets, ptrs, nbytes)] (member k of a file is "
@@ -320,7 +321,8 @@ void register_engine(py::module_& m) {
            "written only if a checksum differs, else hard-linked from the base stripe (see "
            "SaveJob.held_results; only where the target can hard-link: local files). planes: [] (nothing compressed), "
            "or per file [(offset, element width)] runs ([] for a file written plain): its chunks are framed by the "
-           "codec (byte planes + zstd at compress_level) and SaveJob.chunk_frames says how.")
+           "codec (byte planes + zstd at compress_level) and SaveJob.chunk_frames says how. hash_while_copying: "
+           "the caller waits for the whole save: checksum each chunk as it is copied, not in a pass after staging.")
       .def("reserve",
            [](Engine& e, uint64_t bytes, int device) {
              py::gil_scoped_release nogil;

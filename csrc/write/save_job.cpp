@@ -111,7 +111,8 @@ void SaveJob::start() {
     const double pin0 = pool_->pin_seconds();
     const uint64_t cap0 = pool_->capacity_bytes();
     grow_later_ = !device_chunks_.empty();
-    defer_hash_ = pool_->reserve(plan_.chunks.size(), /*hold=*/true, opt_.abort.get(), grow_later_ ? &grow_slots_ : nullptr);
+    const bool all = pool_->reserve(plan_.chunks.size(), /*hold=*/true, opt_.abort.get(), grow_later_ ? &grow_slots_ : nullptr);
+    defer_hash_ = all && !opt_.hash_while_copying;
     reserved_ = true;
     // Slabs still to be pinned (made by CPU saves) are kept from the copies
     // until the grower has pinned them.
@@ -122,7 +123,7 @@ void SaveJob::start() {
     staging_wait_.add(pool_->capacity_bytes() > cap0 ? "fault-in" : "pool busy", pool_wait_s_ - pinned_s);
     // A held file keeps its slots until all of its chunks are staged: only safe
     // when the pool has a slot for every chunk of the save.
-    holding_ = defer_hash_;
+    holding_ = all;
     if (!holding_) stop_holding();
     slot_refs_.reset(new std::atomic<uint8_t>[plan_.chunks.size()]());
     ctl_.start([this] { run(); });

@@ -97,6 +97,11 @@ struct SaveOptions {
   std::shared_ptr<std::atomic<bool>> abort;
   // zstd level for the files whose FileSpec has planes (codec.hpp).
   int compress_level = defaults::kCompressLevel;
+  // The caller waits for the whole save (a blocking save): each chunk is
+  // checksummed as it is copied, from cache, instead of in a pass after staging
+  // that reads every slot again (which only shortens a save's stall, the time
+  // until save_async returns).
+  bool hash_while_copying = false;
 };
 
 // Where one chunk of a held save lies: stripe, offset in it, bytes, and the

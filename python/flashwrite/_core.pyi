@@ -170,7 +170,7 @@ class Engine:
                    direct: bool = True, streams: Sequence[Stream] = ..., hold_slots: bool = False,
                    host_files: Sequence[HostFile] = ..., remote: Any = None,
                    held: Sequence[HeldFile] = ..., planes: Sequence[Sequence[tuple[int, int]]] = ...,
-                   compress_level: int = 1) -> SaveJob:
+                   compress_level: int = 1, hash_while_copying: bool = False) -> SaveJob:
         """Open the stripes and start staging + writing; keepalive must own every
         segment address until staged. host_files: more host-memory segments as a
         plan's columns (no tuple per tensor). Returns once the GPU copies are ordered after

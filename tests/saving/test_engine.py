@@ -185,6 +185,38 @@ def test_a_slot_is_reused_only_after_its_deferred_checksum(shmdir, monkeypatch):
             assert f.read() == t.numpy().tobytes()
 
 
+def test_a_blocking_save_checksums_each_chunk_as_it_copies(tmp_path, monkeypatch):
+    """hash_while_copying (fw.save, Writer.save: the caller waits for the whole save): the
+    chunks are checksummed as they are copied, so the job is checksummed as staging ends, even
+    with the deferred checksums held back by the test hook; a save_async's job defers them
+    (it returns sooner). Both give the same checksums, and fw.save writes what save_async
+    does."""
+    monkeypatch.setenv("FLASHWRITE_TEST_DEFER_HASH_DELAY_MS", "4000")
+    mib = 1 << 20
+    src = torch.randint(0, 256, (8 * mib,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    want = [[_core.checksum(src[i * mib:(i + 1) * mib].numpy()) for i in range(8)]]
+    eng = _core.Engine(mib)
+    seen = {}
+    for fused in (True, False):
+        job = eng.start_save([(str(tmp_path / f"e{fused}"), b"", src.nbytes)], [(src.data_ptr(), src.nbytes, 0, 0, -1)],
+                             [src], copy_threads=2, hash_while_copying=fused)
+        assert job.wait_staged(60)
+        seen[fused] = job.wait_checksummed(1.5)  # the copy threads' ends; the hook holds deferred ones 4 s
+        assert job.wait(60)
+        job.rethrow()
+        assert job.checksums() == want, fused
+    assert seen == {True: True, False: False}, seen
+    monkeypatch.delenv("FLASHWRITE_TEST_DEFER_HASH_DELAY_MS")
+    sd = {"a": torch.randn(3 * mib), "b": torch.arange(mib // 2)}
+    with fw.Writer(chunk_bytes=mib) as w:
+        w.save(sd, tmp_path / "blocking")
+        w.save_async(sd, tmp_path / "async").result()
+    m1, m2 = (fw.format.read_manifest(tmp_path / n) for n in ("blocking", "async"))
+    assert {k: (e.file, e.offset, e.checksums) for k, e in m1.tensors.items()} == \
+        {k: (e.file, e.offset, e.checksums) for k, e in m2.tensors.items()}
+    assert _equal(fw.load(tmp_path / "blocking"), sd)
+
+
 def test_flipped_byte_named_precisely(writer, tmp_path):
     sd = {"a": torch.randn(50_000), "b": torch.randn(70_000), "c": torch.arange(1000)}
     writer.save(sd, tmp_path / "ck")

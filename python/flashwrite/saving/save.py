@@ -357,7 +357,8 @@ class Writer:
 
     def save(self, state_dict: Any, path: str | os.PathLike, **kwargs: Any) -> SaveStats:
         """Blocking save: returns once the checkpoint is durable and committed."""
-        return self.save_async(state_dict, path, **kwargs).result()
+        with _write.caller_waits():  # each chunk checksummed as it is copied
+            return self.save_async(state_dict, path, **kwargs).result()
 
     def close(self, keep_local: bool = False) -> None:
         """Wait for saves in flight, then free the staging pool. With local snapshots,
@@ -459,4 +460,5 @@ def prepare(state_dict: Any, path: str | os.PathLike, **options: Any) -> concurr
 
 def save(state_dict: Any, path: str | os.PathLike, **options: Any) -> SaveStats:
     """Save and wait until the checkpoint is durable and committed."""
-    return save_async(state_dict, path, **options).result()
+    wopts, sopts = _split_options(dict(options))
+    return default_writer(path, **wopts).save(state_dict, path, **sopts)

@@ -8,6 +8,8 @@ asks for. ``StripeWriter`` is what those callers need of a ``Writer``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -32,6 +34,21 @@ from ..incremental.link import annotate
 from ..layout.plan import PlannedFile, plan_files
 
 log = logging.getLogger("flashwrite")
+
+# Set while a blocking save (``save``, ``Writer.save``) stages: its caller waits for the
+# whole save anyway, so each chunk is checksummed as it is copied, from cache, instead of
+# in a pass after staging that reads every slot again (a pass that only shortens the stall
+# of a ``save_async``; measured in docs/nfs.md section 14).
+_CALLER_WAITS: contextvars.ContextVar[bool] = contextvars.ContextVar("flashwrite_caller_waits", default=False)
+
+
+@contextlib.contextmanager
+def caller_waits() -> Any:
+    token = _CALLER_WAITS.set(True)
+    try:
+        yield
+    finally:
+        _CALLER_WAITS.reset(token)
 
 
 class StripeWriter(Protocol):
@@ -99,7 +116,7 @@ def start(engine: Any, state_dict: Any, directory: str, t0: float, *, stripes: i
             raise
     job = engine.start_save([(os.path.join(directory, f.name), f.header, f.size) for f in written], segments,
                             keepalive, backend, queue_depth, copy_threads, direct, streams=streams,
-                            hold_slots=hold_slots, host_files=host_files,
+                            hold_slots=hold_slots, host_files=host_files, hash_while_copying=_CALLER_WAITS.get(),
                             remote=remote,  # the target's native_files(): nfs://, straight to the server
                             held=held.specs(iplan) if iplan is not None else [], planes=planes)
     try:  # the job runs now: whatever stops this before its StripeWrite is handed on stops the job too
