@@ -369,7 +369,8 @@ def _die_mid_exchange(root: str, victim: int) -> str:
 
 
 @pytest.mark.slow
-def test_a_rank_killed_mid_exchange_fails_every_load(tmp_path):
+def test_a_rank_killed_mid_exchange_fails_every_load(tmp_path, monkeypatch):
+    from flashwrite.loading import shm_exchange
     with Cluster(4) as c:
         c.run(_save, str(tmp_path), "ddp", 1)
         res = c.run_raw(_die_mid_exchange, str(tmp_path), 2, timeout=90)
@@ -377,6 +378,13 @@ def test_a_rank_killed_mid_exchange_fails_every_load(tmp_path):
     for r in (0, 1, 3):
         tag, text = res[r]
         assert tag == "ok" and "DistributedLoadError" in text and "lost a peer" in text, res
+    # The killed rank could not remove its board from /dev/shm; the next board made removes it.
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(shm_exchange.PREFIX)]
+    assert [n.rsplit("-", 1)[1] for n in left] == ["2"], left
+    monkeypatch.setattr(shm_exchange, "STALE_AFTER_S", 0.0)
+    board = shm_exchange.Board(0, [[("a", 1, 0)]])
+    board.remove()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(shm_exchange.PREFIX)]
 
 
 def test_options_are_checked(tmp_path):

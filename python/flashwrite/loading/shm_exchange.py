@@ -18,16 +18,24 @@ TCP on loopback costs two copies in the kernel and a checksum pass.
 ``exchange`` returns None when a rank could not make its file or map its peers' (no
 /dev/shm, ENOSPC): nothing is left behind, every rank still holds what it read, and
 the caller exchanges another way (gloo). ``FLASHWRITE_REPLICA_SHM=0`` always does.
+
+A rank killed before its file is removed (kill -9, the OOM killer) cannot remove it, and
+/dev/shm is memory. So each rank holds an flock on its file for as long as the file is
+its, and every new board first removes the files no process holds (``sweep``): the lock
+goes with the process, whatever its pid namespace, so a live rank's file is never taken.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import itertools
+import logging
 import mmap
 import os
 import socket
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -37,6 +45,10 @@ from .. import _core, defaults
 from ..errors import DistributedLoadError
 
 SHM_DIR = "/dev/shm"
+PREFIX = "flashwrite-replicas-"
+# A file younger than this is left to its maker, which locks it right after making it.
+STALE_AFTER_S = 5.0
+log = logging.getLogger("flashwrite")
 _exchanges = itertools.count()
 _one_host: dict[int, bool] = {}  # id(group) -> whether its ranks share a host (asked once)
 
@@ -83,7 +95,38 @@ def _flags(group: Any, size: int, values: list[int], what: str) -> list[list[int
 
 
 def _name(pid: int, n: int, index: int) -> str:
-    return os.path.join(SHM_DIR, f"flashwrite-replicas-{pid}-{n}-{index}")
+    return os.path.join(SHM_DIR, f"{PREFIX}{pid}-{n}-{index}")
+
+
+def sweep(shm_dir: str = SHM_DIR) -> int:
+    """Remove the boards left by processes that died holding them (no lock held, not
+    made in the last STALE_AFTER_S seconds); the bytes freed. Never raises."""
+    freed = 0
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if time.time() - st.st_ctime < STALE_AFTER_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # EWOULDBLOCK: its process lives
+            if os.stat(path).st_ino == st.st_ino:
+                os.unlink(path)
+                freed += st.st_blocks * 512
+                log.warning("flashwrite: removed %s (%d MiB), left in shared memory by a load whose "
+                            "process died", path, st.st_blocks * 512 >> 20)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return freed
 
 
 @contextlib.contextmanager
@@ -133,13 +176,13 @@ class Board:
         self.path, self.size = _name(os.getpid(), self.n, index), size
         self.made: dict[str, int] = {}  # key -> address of the tensor made on the file
         self.ok = True
+        self._lock = -1  # held (flock) while the file is this rank's; see ``sweep``
         if size:
+            sweep()
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS in a copy
-                finally:
-                    os.close(fd)
+                self._lock = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fcntl.flock(self._lock, fcntl.LOCK_EX)
+                os.posix_fallocate(self._lock, 0, size)  # ENOSPC here, not SIGBUS in a copy
             except OSError:
                 self.ok = False
                 self.remove()
@@ -174,8 +217,12 @@ class Board:
                 _core.copy_verify(pieces, False, defaults.COPY_THREADS)
 
     def remove(self) -> None:
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        """Remove the file (idempotent); tensors made on it keep their mappings."""
+        if self._lock >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            os.close(self._lock)
+            self._lock = -1
 
 
 def exchange(group: Any, index: int, size: int, board: Board, have: dict[str, torch.Tensor],
