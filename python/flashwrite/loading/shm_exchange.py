@@ -98,16 +98,16 @@ def _name(pid: int, n: int, index: int) -> str:
     return os.path.join(SHM_DIR, f"{PREFIX}{pid}-{n}-{index}")
 
 
-def sweep(shm_dir: str = SHM_DIR) -> int:
+def sweep() -> int:
     """Remove the boards left by processes that died holding them (no lock held, not
     made in the last STALE_AFTER_S seconds); the bytes freed. Never raises."""
     freed = 0
     try:
-        names = [n for n in os.listdir(shm_dir) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
     except OSError:
         return 0
     for name in names:
-        path = os.path.join(shm_dir, name)
+        path = os.path.join(SHM_DIR, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
