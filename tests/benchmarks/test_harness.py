@@ -15,7 +15,8 @@ import flashwrite as fw
 from harness_paths import BENCHMARKS, COMPARE
 from harness import overhead, peers, report, runner  # noqa: E402  (benchmarks/, put on the path above)
 
-COLUMNS = ["stall_s", "durable_s", "gbps", "vs_device", "cpu_s_per_gib", "rss_growth", "load_s", "load_vs_device"]
+COLUMNS = ["stall_s", "durable_s", "gbps", "vs_device", "cpu_s_per_gib", "rss_growth", "load_s", "load_vs_device",
+           "restart_s", "restart_vs_device"]
 
 
 @pytest.mark.slow  # README suite budget (issue 36): the slow job in CI runs it
@@ -74,19 +75,23 @@ def test_report_plain_table_and_markdown():
         [{"tool": "fio", "write_s": 1.0, "read_s": 0.8}],
         {"memcpy": [{"status": "ok", "name": "memcpy", "label": "memcpy", "stall_s": 0.1}],
          "flashwrite": [{"status": "ok", "name": "flashwrite", "label": "fw", "stall_s": 0.12, "durable_s": 1.05,
-                         "cpu_s": 0.2, "rss_growth": 1 << 30, "load_s": 0.85, "load_check": "ok"}],
+                         "cpu_s": 0.2, "rss_growth": 1 << 30, "load_s": 0.85, "load_check": "ok",
+                         "restart_s": 0.75, "restart_check": "ok"}],
          "torch_save": [{"status": "ok", "name": "torch.save + fsync", "label": "ts", "stall_s": 2.0,
                          "durable_s": 2.0, "cpu_s": 1.0, "rss_growth": 0, "load_s": 1.5, "load_check": "ok"}],
          "deepspeed": [{"status": "skipped: deepspeed not installed", "name": "DeepSpeed FastPersist"}]})
     rows = {r["key"]: r for r in res["rows"]}
     assert rows["flashwrite"]["vs_device"] == pytest.approx(1 / 1.05)
     assert rows["flashwrite"]["load_vs_device"] == pytest.approx(0.8 / 0.85)
+    assert rows["flashwrite"]["restart_vs_device"] == pytest.approx(0.8 / 0.75)
+    assert rows["torch_save"]["restart_vs_device"] is None  # not measured: no column made up
     met = {t["target"]: t["met"] for t in res["targets"]}
     assert met["durable >= 0.9 x device limit"] and met["faster to durable than every peer"]
+    assert met["restart load >= 0.9 x device read"] and "faster restart load than every peer" not in met
     buf = io.StringIO()
     report.print_table(res, file=buf, plain=True)
     text = buf.getvalue()
-    assert "skipped: deepspeed not installed" in text and "x device read" in text
+    assert "skipped: deepspeed not installed" in text and "x device read" in text and "restart load s" in text
     assert report.markdown(res).count("\n") == len(report.table_rows(res)) + 1
 
 
