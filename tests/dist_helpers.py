@@ -142,3 +142,10 @@ class Cluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.kill() if exc[0] is not None else self.close()
+
+
+def replica_boards() -> list[str]:
+    """The read-once exchange's boards now in shared memory (flashwrite.loading.shm_exchange),
+    by name: a test that ends with any left has leaked one."""
+    from flashwrite.loading import shm_exchange
+    return sorted(n for n in os.listdir(shm_exchange.SHM_DIR) if n.startswith(shm_exchange.PREFIX))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import flashwrite as fw
 from flashwrite.saving import commit
 
-from dist_helpers import Cluster, WorkerError
+from dist_helpers import Cluster, WorkerError, replica_boards
 
 OPTS = dict(stripes=2, chunk_bytes=1 << 20, timeout=60)
 N_TENSORS = 24
@@ -140,7 +140,7 @@ def test_replicated_bytes_are_written_once_and_read_once(cluster4, tmp_path, kin
         load_file(os.path.join(path, f["name"]))
     res = cluster4.run(_load, str(tmp_path), kind, 1, kind, shm=shm)
     assert all(r["same"] and r["owns"] and r["tied"] for r in res), res
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("flashwrite-replicas-")]
+    assert not replica_boards()
     reads = [r["read"] for r in res]
     assert sum(reads) <= 1.05 * on_disk + 4 * (64 << 10), (reads, on_disk)
     r = 4 // shards
@@ -213,7 +213,7 @@ def test_large_tensors_are_read_into_shared_memory_and_handed_over(cluster4, tmp
     out = cluster4.run(_big_round_trip, str(tmp_path), kind)
     assert all(o["same"] and o["owns"] for o in out), out
     assert sum(len(o["made"]) for o in out) >= 6 and all(all(o["made"]) for o in out), out
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("flashwrite-replicas-")]
+    assert not replica_boards()
 
 
 def _spoil_in_transit(root: str, shm: bool) -> str:
@@ -379,12 +379,12 @@ def test_a_rank_killed_mid_exchange_fails_every_load(tmp_path, monkeypatch):
         tag, text = res[r]
         assert tag == "ok" and "DistributedLoadError" in text and "lost a peer" in text, res
     # The killed rank could not remove its board from /dev/shm; the next board made removes it.
-    left = [n for n in os.listdir("/dev/shm") if n.startswith(shm_exchange.PREFIX)]
+    left = replica_boards()
     assert [n.rsplit("-", 1)[1] for n in left] == ["2"], left
     monkeypatch.setattr(shm_exchange, "STALE_AFTER_S", 0.0)
     board = shm_exchange.Board(0, [[("a", 1, 0)]])
     board.remove()
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(shm_exchange.PREFIX)]
+    assert not replica_boards()
 
 
 def test_options_are_checked(tmp_path):
