@@ -39,6 +39,13 @@ from .measure import Meter, resident_bytes, run_in_subprocess
 GiB = 1 << 30
 
 
+def _contender(spec: dict) -> peers.Contender:
+    key = spec["contender"]
+    if key == "flashwrite" and spec.get("flashwrite_options"):
+        return peers.Flashwrite(**spec["flashwrite_options"])
+    return peers.contenders(spec.get("dcp_threads", peers.DCP_THREADS))[key]
+
+
 def run_worker(spec: dict, state: Any = None) -> dict:
     """Run one contender (or the memcpy reference) on a state: warm-up save if it
     needs one, one measured save, one cold load. Returns the measured figures."""
@@ -52,9 +59,7 @@ def run_worker(spec: dict, state: Any = None) -> dict:
         out.update(status="ok", name=f"memcpy, {m['threads']} threads", stall_s=m["seconds"],
                    label=f"memcpy of every tensor into one warm buffer, {m['threads']} threads (best of 3)")
         return out
-    c = peers.contenders(spec.get("dcp_threads", peers.DCP_THREADS))[key]
-    if key == "flashwrite" and spec.get("flashwrite_options"):
-        c = peers.Flashwrite(**spec["flashwrite_options"])
+    c = _contender(spec)
     out.update(name=c.name, label=c.label, note=c.note())
     why = c.available()
     if why:
@@ -112,9 +117,7 @@ def restart_worker(spec: dict) -> dict:
     has done nothing else (as a restarted job does), holding only what the contender's load
     needs (a template for peers that load in place). The state is made again from its seed
     to check the bytes, after the clock."""
-    c = peers.contenders(spec.get("dcp_threads", peers.DCP_THREADS))[spec["contender"]]
-    if spec["contender"] == "flashwrite" and spec.get("flashwrite_options"):
-        c = peers.Flashwrite(**spec["flashwrite_options"])
+    c = _contender(spec)
     path = os.path.join(spec["dir"], peers.file_name(spec["contender"]))
     size, seed = spec["size"], spec.get("seed", 0)
     try:
