@@ -162,8 +162,9 @@ def main() -> None:
             if not loads:
                 continue
             for name, py in builds.items():
-                # which goes first alternates round by round: the first load after the other
-                # rows meets the memory they freed, and on some VMs that costs (fresh_memory.py)
+                # which goes first alternates round by round: the first of the pair, right
+                # after the memory-hungry rows, ran 0.15-0.4 s slower whichever it was
+                # (docs/loading.md, "Which load goes first")
                 for zc, what in sorted(((False, "owned"), (True, "zero_copy")), reverse=bool(r % 2)):
                     _drop_caches()
                     rows.setdefault(f"fw.load {what}, local disk ({name})", []).append(

@@ -46,6 +46,24 @@ def _contender(spec: dict) -> peers.Contender:
     return peers.contenders(spec.get("dcp_threads", peers.DCP_THREADS))[key]
 
 
+def _checkpoint_path(spec: dict) -> str:
+    return os.path.join(spec["dir"], peers.file_name(spec["contender"]))
+
+
+def _timed_load(c: peers.Contender, path: str, template: Any) -> tuple[Any, float, float]:
+    """c's load of path into template: (what it returned, wall seconds, CPU seconds)."""
+    with Meter() as m:
+        t0 = time.perf_counter()
+        loaded = c.load(path, template)
+        seconds = time.perf_counter() - t0
+    return loaded, seconds, m.cpu_s
+
+
+def _failure(e: Exception) -> str:
+    text = str(e).strip()
+    return f"failed: {type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
 def run_worker(spec: dict, state: Any = None) -> dict:
     """Run one contender (or the memcpy reference) on a state: warm-up save if it
     needs one, one measured save, one cold load. Returns the measured figures."""
@@ -65,8 +83,7 @@ def run_worker(spec: dict, state: Any = None) -> dict:
     if why:
         out["status"] = f"skipped: {why}"
         return out
-    workdir = spec["dir"]
-    path = os.path.join(workdir, peers.file_name(key))
+    path = _checkpoint_path(spec)
     drop = spec.get("drop_caches", True)
     base = resident_bytes()
     try:
@@ -92,17 +109,13 @@ def run_worker(spec: dict, state: Any = None) -> dict:
         if spec.get("load", True):
             why_not = (devicelimit.drop_caches() if drop else why_not) or why_not
             template = c.load_template(state, lambda: make_state(spec["size"], seed=spec.get("seed", 0) + 1))
-            with Meter() as m:
-                t0 = time.perf_counter()
-                loaded = c.load(path, template)
-                out["load_s"] = time.perf_counter() - t0
-            out["load_cpu_s"] = m.cpu_s
+            loaded, out["load_s"], out["load_cpu_s"] = _timed_load(c, path, template)
             out["load_check"] = check_loaded(state, loaded)
             del loaded, template
         out["cache"] = "dropped" if why_not is None else why_not
         out["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash of the run
-        out["status"] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        out["status"] = _failure(e)
         out["traceback"] = traceback.format_exc()[-4000:]
     finally:
         c.close()
@@ -118,23 +131,19 @@ def restart_worker(spec: dict) -> dict:
     needs (a template for peers that load in place). The state is made again from its seed
     to check the bytes, after the clock."""
     c = _contender(spec)
-    path = os.path.join(spec["dir"], peers.file_name(spec["contender"]))
     size, seed = spec["size"], spec.get("seed", 0)
     try:
         why_not = devicelimit.drop_caches() if spec.get("drop_caches", True) else "page cache not dropped"
         # A small state of the same structure stands for the saved one (a peer may want its
         # names); the full one is made after the clock, so the load holds no extra memory.
         template = c.load_template(make_state(1 << 20, seed=seed), lambda: make_state(size, seed=seed + 1))
-        with Meter() as m:
-            t0 = time.perf_counter()
-            loaded = c.load(path, template)
-            seconds = time.perf_counter() - t0
+        loaded, seconds, cpu_s = _timed_load(c, _checkpoint_path(spec), template)
         del template
-        return {"status": "ok", "restart_s": seconds, "restart_cpu_s": m.cpu_s,
+        return {"status": "ok", "restart_s": seconds, "restart_cpu_s": cpu_s,
                 "restart_check": check_loaded(make_state(size, seed=seed), loaded),
                 "restart_cache": "dropped" if why_not is None else why_not}
     except Exception as e:  # noqa: BLE001 - a peer's failure is a result
-        return {"status": f"failed: {type(e).__name__}: {str(e).strip()[:200]}"}
+        return {"status": _failure(e)}
     finally:
         c.close()
 
@@ -149,7 +158,7 @@ def _restart(spec: dict, r: dict, isolation_timeout_s: float) -> None:
         else:  # shown where the load checks are
             r["restart_check"] = "restart load " + rr.get("status", "failed")
     finally:
-        peers.remove(os.path.join(spec["dir"], peers.file_name(spec["contender"])))
+        peers.remove(_checkpoint_path(spec))
 
 
 def _median(xs: list[float]) -> float | None:
@@ -266,8 +275,8 @@ def summarize(meta: dict, nbytes: int, devices: list[dict], per: dict[str, list[
                                          if i < len(devices) and r.get("load_s")])
         row["restart_vs_device"] = _median([devices[i]["read_s"] / r["restart_s"] for i, r in ok
                                             if i < len(devices) and r.get("restart_s")])
-        row["load_check"] = ", ".join(sorted({r.get(f, "-") for r in rs for f in ("load_check", "restart_check")
-                                              if f in r} or {"-"}))
+        row["load_check"] = ", ".join(sorted({r[f] for r in rs for f in ("load_check", "restart_check") if f in r}
+                                             or {"-"}))
         row["cache"] = ", ".join(sorted({r.get("cache", "?") for r in rs}))
         for f in ("backend", "direct", "stripes", "written_s"):
             if f in rs[0]:
